@@ -1,0 +1,69 @@
+"""Results rows with provenance: every number in the README comes from a CSV written through here.
+
+Long format, one row per (run, metric): bench, script, config, seed, metric, value, plus the command,
+git commit, hardware, library versions and a UTC timestamp. `benchmarks/report.py` turns these files
+into the README's tables.
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FIELDS = ["bench", "script", "config", "seed", "metric", "value", "command", "commit", "hardware",
+          "versions", "timestamp"]
+
+
+def provenance() -> dict:
+    """Commit, hardware and versions of the machine that makes the numbers."""
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=RESULTS.parent.parent).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    if torch.cuda.is_available():
+        hw = torch.cuda.get_device_name(0)
+    else:
+        hw = f"{platform.machine()} cpu x{os.cpu_count()}"
+    versions = f"python {platform.python_version()}; torch {torch.__version__}"
+    try:
+        import transformers
+
+        versions += f"; transformers {transformers.__version__}"
+    except ImportError:
+        pass
+    return {"commit": commit, "hardware": hw, "versions": versions,
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+def append_rows(csv_name: str, bench: str, script: str, config: str, seed: int, metrics: dict,
+                command: str | None = None) -> None:
+    """Append one run's figures (a dict metric -> number) to benchmarks/results/<csv_name>."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / csv_name
+    prov = provenance()
+    command = command or " ".join([Path(sys.executable).name] + sys.argv)
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        if new:
+            w.writeheader()
+        for metric, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                w.writerow({"bench": bench, "script": script, "config": config, "seed": seed, "metric": metric,
+                            "value": value, "command": command, **prov})
+
+
+def read_rows(csv_name: str) -> list[dict]:
+    path = RESULTS / csv_name
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return list(csv.DictReader(f))
