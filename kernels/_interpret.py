@@ -1,0 +1,47 @@
+"""Make Triton's CPU interpreter usable however the process was started.
+
+`TRITON_INTERPRET=1` runs kernels on CPU through numpy, which is how the test suite checks kernels on a machine
+without a GPU. Triton 3.9 reads the variable when `@triton.jit` *decorates* a function, not when a kernel is
+launched: every function decorated while the variable was unset (Triton's own `tl.sum`, `tl.max`,
+`tl.cumsum`, ... at `import triton`, and our kernels at import of their module) is compiled-only and raises
+"Cannot call @triton.jit'd outside of the scope of a kernel" inside the interpreter. Other libraries import
+Triton early (`import transformers` does), so in one pytest process the variable is often set too late.
+
+`use_interpreter(module_globals)` fixes that at launch time: when the variable asks for the interpreter, it
+swaps every compiled-only `JITFunction` in `triton.language.standard` and in the caller's module for an
+interpreted copy (once; cheap afterwards). It never runs unless the interpreter was asked for, so GPU runs
+are untouched.
+"""
+from __future__ import annotations
+
+import os
+
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+__all__ = ["interpreter_requested", "use_interpreter"]
+
+
+def interpreter_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _swap(namespace: dict) -> None:
+    for name, obj in list(namespace.items()):
+        if isinstance(obj, JITFunction):
+            namespace[name] = InterpretedFunction(obj.fn)
+
+
+def use_interpreter(module_globals: dict) -> None:
+    """Swap compiled-only Triton functions for interpreted ones (stdlib and the given module)."""
+    if not interpreter_requested():
+        return
+    std = tl.standard
+    if any(isinstance(v, JITFunction) for v in vars(std).values()):
+        _swap(vars(std))
+        # `tl.sum` etc. are re-exported names: point them at the interpreted copies too.
+        for name, obj in vars(std).items():
+            if isinstance(obj, InterpretedFunction) and isinstance(getattr(tl, name, None), JITFunction):
+                setattr(tl, name, obj)
+    _swap(module_globals)
