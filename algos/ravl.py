@@ -1,0 +1,437 @@
+"""RAVL: model-based offline RL and the edge-of-reach problem (MBPO / MOPO / RAVL in one file).
+
+Paper: Sims, Lu, Foerster & Teh, "The Edge-of-Reach Problem in Offline Model-Based Reinforcement
+Learning" (RAVL, Reach-Aware Value Learning); abstract A-62 in ../shared/papers/000_*.txt (line 125).
+PAPERS.md section 1.12 and section 3, row 25. Code of the paper: github.com/anyasims/edge-of-reach.
+
+The idea. Offline model-based RL trains an agent on short k-step rollouts of a dynamics model started
+from dataset states. The last state of each truncated rollout, s_k, appears only as a *target* (in
+r + gamma Q(s_k, pi(s_k))) and never as a state whose Q is trained: an "edge-of-reach" state. Q there is
+whatever the network extrapolates to, the actor climbs that error, and values blow up; with the *true*
+dynamics an uncertainty penalty is exactly zero, so MOPO-style methods fail too. RAVL removes the
+failure with value pessimism that detects edge-of-reach states directly: the minimum over a large
+ensemble of Q functions (SAC-N / EDAC style), which is low wherever the ensemble was never trained.
+
+Equations (function that implements each):
+- model rollouts: s_0 ~ D, a_t = pi(s_t) + eps, (s_{t+1}, r_t) ~ T(s_t, a_t), t < k          -> model_rollout
+- edge-of-reach states: next-states that never appear as a start state (and are not terminal) -> edge_of_reach_mask
+- uncertainty penalty (MOPO): r~ = r - lambda u(s, a), u = ||std_e mu_e(s, a)|| over the
+  dynamics ensemble (0 for the true model)                                                  -> uncertainty
+- critic: y = r~ + gamma (1 - d) min_{j<N} Q'_j(s', pi'(s') + eps'); L = sum_j (Q_j(s, a) - y)^2 -> critic_loss
+- actor: L_pi = -mean_B min_{j<N} Q_j(s, pi(s))                                              -> actor_loss
+  pessimism none: N = 2 (MBPO's clipped double Q), penalty: N = 2 plus u, ravl: N = 10 (default).
+- diagnostic: Q(s_edge, pi(s_edge)) - G^pi(s_edge), with G the Monte-Carlo discounted return of pi in
+  the true dynamics                                                                          -> mc_returns
+
+Deviations:
+- TD3-style deterministic actor with Gaussian exploration noise in the rollouts, not SAC: one policy
+  class across the project's offline scripts, and no entropy term to blur the Q diagnostic.
+- RAVL's ensemble-diversity term (EDAC's eta) is off: the minimum over N = 10 critics is the pessimism.
+- Learned model: an ensemble of deterministic MLPs predicting (delta obs, reward); uncertainty is the
+  disagreement of their means (MOPO uses the max norm of learned Gaussian stds). Next states are drawn
+  from a random member, as in MBPO.
+- Pendulum (true dynamics in numpy, algos/_offline_data.py) instead of D4RL MuJoCo; small networks,
+  a few thousand updates.
+
+Commands:
+    python algos/ravl.py                                        # true dynamics, RAVL pessimism
+    python algos/ravl.py --pessimism none                       # true dynamics, MBPO-like: collapses
+    python algos/ravl.py --model learned --pessimism penalty    # MOPO-like with a learned ensemble
+    python benchmarks/offline_rl_table.py --only ravl           # the README's RAVL table
+
+Expected (benchmarks/results/offline_ravl.md): with the true dynamics, pessimism none/penalty shows
+Q(edge) far above the Monte-Carlo return and a low score; RAVL keeps Q(edge) - MC small and scores well.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from tqdm.auto import tqdm
+
+import common
+from algos import _offline_data as D
+
+
+# ---- args ----
+@dataclass
+class Args:
+    exp_name: str = "ravl"
+    """name of the run (used in out_dir)"""
+    seed: int = 0
+    """seed for torch, numpy and the evaluation episodes"""
+    track: bool = False
+    """mirror metrics to wandb"""
+    out_dir: str = ""
+    """output folder (default runs/<exp_name>-<model>-<pessimism>-s<seed>)"""
+    dataset: str = "pendulum-expert"
+    """dataset name (pendulum only: the true model is the pendulum's)"""
+    data_seed: int = 0
+    """seed of the dataset generator"""
+    model: str = "true"
+    """dynamics model: 'true' (exact pendulum dynamics) or 'learned' (MLP ensemble)"""
+    pessimism: str = "ravl"
+    """'none' (MBPO-like), 'penalty' (MOPO-like uncertainty penalty), 'ravl' (min over a Q ensemble)"""
+    n_critics: int = 0
+    """Q ensemble size; 0 = 2 for none/penalty, 10 for ravl"""
+    penalty_coef: float = 1.0
+    """lambda of the uncertainty penalty (pessimism 'penalty')"""
+    rollout_len: int = 5
+    """k: steps of each model rollout"""
+    rollout_batch: int = 500
+    """rollouts started from dataset states at each collection"""
+    rollout_every: int = 250
+    """collect new model rollouts every this many updates"""
+    rollout_noise: float = 0.2
+    """std of the exploration noise on actions in model rollouts"""
+    buffer_rollouts: int = 8
+    """model buffer keeps the transitions of the last this many collections"""
+    real_ratio: float = 0.05
+    """fraction of each minibatch drawn from the dataset (the rest from the model buffer)"""
+    ensemble: int = 5
+    """learned dynamics ensemble size"""
+    model_steps: int = 3000
+    """gradient steps to fit the learned dynamics ensemble"""
+    gamma: float = 0.99
+    """discount"""
+    tau: float = 0.005
+    """target network soft-update rate"""
+    policy_noise: float = 0.2
+    """target policy smoothing noise std"""
+    noise_clip: float = 0.5
+    """target policy smoothing noise clip"""
+    policy_freq: int = 2
+    """actor update every policy_freq critic updates"""
+    hidden: int = 128
+    """hidden width of the MLPs"""
+    lr: float = 3e-4
+    """Adam learning rate"""
+    batch_size: int = 256
+    """minibatch size"""
+    total_steps: int = 6000
+    """agent gradient steps"""
+    eval_every: int = 500
+    """evaluate every this many steps"""
+    eval_episodes: int = 10
+    """evaluation episodes (run in parallel)"""
+    mc_states: int = 128
+    """edge-of-reach states used for the Q - Monte-Carlo diagnostic"""
+    mc_horizon: int = 300
+    """Monte-Carlo rollout length (gamma^H truncation)"""
+    threads: int = 1
+    """torch threads"""
+
+
+def check_args(args: Args) -> Args:
+    if args.dataset not in D.DATASETS or not args.dataset.startswith("pendulum"):
+        raise ValueError(f"--dataset {args.dataset!r}: RAVL needs a pendulum dataset "
+                         f"({', '.join(d for d in D.DATASETS if d.startswith('pendulum'))})")
+    if args.model not in ("true", "learned"):
+        raise ValueError(f"--model must be 'true' or 'learned', got {args.model!r}")
+    if args.pessimism not in ("none", "penalty", "ravl"):
+        raise ValueError(f"--pessimism must be 'none', 'penalty' or 'ravl', got {args.pessimism!r}")
+    for k in ("rollout_len", "rollout_batch", "rollout_every", "buffer_rollouts", "ensemble", "batch_size",
+              "total_steps", "eval_every", "eval_episodes", "mc_states", "mc_horizon", "hidden", "threads"):
+        if getattr(args, k) <= 0:
+            raise ValueError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+    if not 0 <= args.real_ratio <= 1:
+        raise ValueError(f"--real-ratio must be in [0, 1], got {args.real_ratio}")
+    if args.n_critics < 0 or args.n_critics == 1:
+        raise ValueError(f"--n-critics must be 0 (auto) or >= 2, got {args.n_critics}")
+    if args.n_critics == 0:
+        args.n_critics = 10 if args.pessimism == "ravl" else 2
+    return args
+
+
+# ---- networks ----
+class EnsembleLinear(nn.Module):
+    """N independent linear layers applied in one batched matmul: x (N, B, i) -> (N, B, o)."""
+
+    def __init__(self, n, i, o):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(n, i, o))
+        self.b = nn.Parameter(torch.zeros(n, 1, o))
+        for k in range(n):
+            nn.init.kaiming_uniform_(self.w.data[k].T, a=math.sqrt(5))
+        bound = 1 / math.sqrt(i)
+        nn.init.uniform_(self.b, -bound, bound)
+
+    def forward(self, x):
+        return torch.baddbmm(self.b, x, self.w)
+
+
+class EnsembleMLP(nn.Module):
+    def __init__(self, n, i, o, h):
+        super().__init__()
+        self.n = n
+        self.net = nn.Sequential(EnsembleLinear(n, i, h), nn.ReLU(), EnsembleLinear(n, h, h), nn.ReLU(),
+                                 EnsembleLinear(n, h, o))
+
+    def forward(self, x):  # x (B, i) shared by all members, or (N, B, i)
+        if x.dim() == 2:
+            x = x.unsqueeze(0).expand(self.n, -1, -1)
+        return self.net(x)
+
+
+class QEnsemble(nn.Module):
+    def __init__(self, n, obs_dim, act_dim, h):
+        super().__init__()
+        self.net = EnsembleMLP(n, obs_dim + act_dim, 1, h)
+
+    def forward(self, s, a):  # -> (N, B)
+        return self.net(torch.cat([s, a], -1)).squeeze(-1)
+
+
+class Actor(nn.Module):
+    def __init__(self, obs_dim, act_dim, h):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(obs_dim, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(),
+                                 nn.Linear(h, act_dim))
+
+    def forward(self, s):
+        return torch.tanh(self.net(s))
+
+
+# ---- dynamics models ----
+class TrueModel:
+    """The exact pendulum dynamics; its uncertainty is zero by construction."""
+
+    def step(self, obs, act, rng):
+        nxt, r = D.pendulum_model(obs, act)
+        return nxt, r, np.zeros(len(obs), np.float32), np.zeros(len(obs), np.float32)
+
+
+class LearnedModel:
+    """Ensemble of MLPs predicting (next_obs - obs, reward) from (obs, act), inputs normalised."""
+
+    def __init__(self, n, obs_dim, act_dim, h, lr):
+        self.net = EnsembleMLP(n, obs_dim + act_dim, obs_dim + 1, h)
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=lr)
+        self.obs_dim = obs_dim
+
+    def fit(self, data, steps, batch, desc="model"):
+        x = np.concatenate([data["observations"], data["actions"]], 1)
+        y = np.concatenate([data["next_observations"] - data["observations"], data["rewards"][:, None]], 1)
+        x, y = torch.as_tensor(x), torch.as_tensor(y)
+        self.mx, self.sx, self.my, self.sy = x.mean(0), x.std(0) + 1e-3, y.mean(0), y.std(0) + 1e-3
+        xn, yn = (x - self.mx) / self.sx, (y - self.my) / self.sy
+        n, loss = len(x), torch.tensor(0.0)
+        for _ in tqdm(range(steps), desc=desc, leave=False, mininterval=1.0):
+            idx = torch.randint(0, n, (self.net.n, batch))  # each member its own bootstrap minibatch
+            loss = F.mse_loss(self.net(xn[idx]), yn[idx])
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+        return loss.item()
+
+    @torch.no_grad()
+    def step(self, obs, act, rng):
+        x = (torch.as_tensor(np.concatenate([obs, act], 1)) - self.mx) / self.sx
+        pred = (self.net(x) * self.sy + self.my).numpy()  # (E, B, obs_dim + 1)
+        u = uncertainty(pred[..., :self.obs_dim])
+        member = rng.integers(0, self.net.n, len(obs))
+        p = pred[member, np.arange(len(obs))]
+        nxt = obs + p[:, :self.obs_dim]
+        nxt[:, 2] = np.clip(nxt[:, 2], -D.P_MAX_SPEED, D.P_MAX_SPEED)
+        return nxt.astype(np.float32), p[:, -1].astype(np.float32), np.zeros(len(obs), np.float32), u
+
+
+def uncertainty(means):
+    """MOPO-style penalty u(s, a) = || std over the ensemble of the predicted means ||; means (E, B, d) -> (B,)."""
+    return np.linalg.norm(means.std(0), axis=-1).astype(np.float32)
+
+
+# ---- the idea: rollouts, edge-of-reach, losses ----
+def model_rollout(model, policy, start_obs, k, noise, rng):
+    """k-step rollouts from start_obs (B, d). Returns transitions (k*B rows, time-major) and the step index."""
+    obs, out = start_obs, {key: [] for key in ("obs", "act", "rew", "next_obs", "term", "pen", "t")}
+    alive = np.ones(len(obs), bool)
+    for t in range(k):
+        act = np.clip(policy(obs) + noise * rng.standard_normal((len(obs), policy.act_dim)), -1, 1)
+        nxt, r, term, pen = model.step(obs, act.astype(np.float32), rng)
+        for key, v in zip(out, (obs, act, r, nxt, term, pen, np.full(len(obs), t))):
+            out[key].append(v[alive])
+        alive = alive.copy()
+        alive[alive] = ~term[alive].astype(bool)
+        obs = nxt
+    return {key: np.concatenate(v).astype(np.float32 if key != "t" else np.int64) for key, v in out.items()}
+
+
+def edge_of_reach_mask(obs, next_obs, terminals):
+    """Transitions whose next state never appears as a start state and is not terminal.
+
+    obs, next_obs (n, d), terminals (n,) -> bool (n,). These next states are only ever bootstrapped from
+    ("bootstrapping from the void"): nothing trains Q there.
+    """
+    starts = {row.tobytes() for row in np.ascontiguousarray(obs, np.float32)}
+    nxt = np.ascontiguousarray(next_obs, np.float32)
+    return np.array([row.tobytes() not in starts for row in nxt]) & ~np.asarray(terminals, bool)
+
+
+def critic_loss(qf, qf_t, actor_t, s, a, r, s2, d, gamma, policy_noise, noise_clip):
+    """TD loss of every ensemble member onto y = r + gamma (1 - d) min_j Q'_j(s', pi'(s') + eps)."""
+    with torch.no_grad():
+        eps = (torch.randn_like(a) * policy_noise).clamp(-noise_clip, noise_clip)
+        y = r + gamma * (1 - d) * qf_t(s2, (actor_t(s2) + eps).clamp(-1, 1)).min(0).values
+    q = qf(s, a)  # (N, B)
+    return ((q - y) ** 2).mean(1).sum(), q
+
+
+def actor_loss(actor, qf, s):
+    """-mean over the batch of min_j Q_j(s, pi(s)) (the pessimistic value)."""
+    return -qf(s, actor(s)).min(0).values.mean()
+
+
+def mc_returns(policy, obs, gamma, horizon):
+    """Discounted return of the deterministic policy from each obs in the true dynamics, truncated at horizon."""
+    g, disc = np.zeros(len(obs)), 1.0
+    for _ in range(horizon):
+        obs, r = D.pendulum_model(obs, policy(obs))
+        g += disc * r
+        disc *= gamma
+    return g
+
+
+# ---- main ----
+def main(args: Args) -> dict:
+    args = check_args(args)
+    torch.set_num_threads(args.threads)
+    common.set_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    out_dir = args.out_dir or f"runs/{args.exp_name}-{args.model}-{args.pessimism}-s{args.seed}"
+    tracker = common.Tracker(out_dir, args, track=args.track, run_name=Path(out_dir).name)
+    data = D.get_dataset(args.dataset, seed=args.data_seed)
+    D.check_dataset(data)
+    meta, n = data["meta"], len(data["rewards"])
+    obs_dim, act_dim = data["observations"].shape[1], data["actions"].shape[1]
+    real = {k: torch.as_tensor(data[k]) for k in D.KEYS}
+    t0 = time.perf_counter()
+    if args.model == "true":
+        model = TrueModel()
+    else:
+        model = LearnedModel(args.ensemble, obs_dim, act_dim, 200, 1e-3)
+        mloss = model.fit(data, args.model_steps, args.batch_size)
+        tracker.log({"model/loss": mloss}, 0)
+
+    actor, qf = Actor(obs_dim, act_dim, args.hidden), QEnsemble(args.n_critics, obs_dim, act_dim, args.hidden)
+    actor_t, qf_t = copy.deepcopy(actor), copy.deepcopy(qf)
+    opt_a = torch.optim.Adam(actor.parameters(), lr=args.lr)
+    opt_c = torch.optim.Adam(qf.parameters(), lr=args.lr)
+
+    @torch.no_grad()
+    def policy(obs):
+        return actor(torch.as_tensor(obs, dtype=torch.float32)).numpy()
+    policy.act_dim = act_dim
+
+    buf, edge_states = [], None
+    n_real = int(round(args.real_ratio * args.batch_size))
+
+    def collect():
+        nonlocal edge_states
+        start = data["observations"][rng.integers(0, n, args.rollout_batch)]
+        ro = model_rollout(model, policy, start, args.rollout_len, args.rollout_noise, rng)
+        ro["rew"] = ro["rew"] - (args.penalty_coef * ro["pen"] if args.pessimism == "penalty" else 0.0)
+        edge = edge_of_reach_mask(ro["obs"], ro["next_obs"], ro["term"])
+        edge_states = ro["next_obs"][edge]
+        buf.append({k: torch.as_tensor(ro[k]) for k in ("obs", "act", "rew", "next_obs", "term")})
+        del buf[:-args.buffer_rollouts]
+        return float(ro["pen"].mean()), float(edge.mean())
+
+    @torch.no_grad()
+    def diagnostics():
+        ret = float(D.evaluate("pendulum", policy, args.eval_episodes, seed=10_000 + args.seed)[0].mean())
+        se = edge_states[rng.choice(len(edge_states), min(args.mc_states, len(edge_states)), replace=False)]
+        sd = data["observations"][rng.integers(0, n, args.mc_states)]
+        out = {"eval/return": ret, "eval/score": D.normalized_score("pendulum", ret)}
+        for name, st in (("edge", se), ("data", sd)):
+            q = qf(torch.as_tensor(st), actor(torch.as_tensor(st))).min(0).values.numpy()
+            mc = mc_returns(policy, st, args.gamma, args.mc_horizon)
+            out[f"q/{name}"], out[f"q/{name}_minus_mc"] = float(q.mean()), float((q - mc).mean())
+        return out
+
+    pen, edge_frac = collect()
+    hist = [{"step": 0, **diagnostics()}]
+    tracker.log(hist[-1], 0)
+    lc = la = torch.tensor(0.0)
+    bar = tqdm(range(1, args.total_steps + 1), desc=f"ravl {args.model}/{args.pessimism}", mininterval=1.0)
+    for step in bar:
+        if step % args.rollout_every == 0:
+            pen, edge_frac = collect()
+        mb = {k: torch.cat([b[k] for b in buf]) for k in buf[0]}
+        ridx = torch.randint(0, n, (n_real,))
+        midx = torch.randint(0, len(mb["obs"]), (args.batch_size - n_real,))
+        s = torch.cat([real["observations"][ridx], mb["obs"][midx]])
+        a = torch.cat([real["actions"][ridx], mb["act"][midx]])
+        r = torch.cat([real["rewards"][ridx], mb["rew"][midx]])
+        s2 = torch.cat([real["next_observations"][ridx], mb["next_obs"][midx]])
+        d = torch.cat([real["terminals"][ridx], mb["term"][midx]])
+        lc, q = critic_loss(qf, qf_t, actor_t, s, a, r, s2, d, args.gamma, args.policy_noise, args.noise_clip)
+        if not torch.isfinite(lc):
+            raise FloatingPointError(f"critic loss is {lc.item()} at step {step}")
+        opt_c.zero_grad()
+        lc.backward()
+        opt_c.step()
+        if step % args.policy_freq == 0:
+            la = actor_loss(actor, qf, s)
+            opt_a.zero_grad()
+            la.backward()
+            opt_a.step()
+            with torch.no_grad():
+                for net, tgt in ((actor, actor_t), (qf, qf_t)):
+                    for p, pt in zip(net.parameters(), tgt.parameters()):
+                        pt.lerp_(p, args.tau)
+        if step % args.eval_every == 0 or step == args.total_steps:
+            hist.append({"step": step, **diagnostics()})
+            tracker.log({**hist[-1], "loss/critic": lc.item(), "loss/actor": la.item(),
+                         "rollout/penalty": pen, "rollout/edge_frac": edge_frac,
+                         "q/batch_mean": q.mean().item()}, step)
+            bar.set_postfix(score=f"{hist[-1]['eval/score']:.1f}", q_edge=f"{hist[-1]['q/edge']:.0f}")
+
+    save_plot(Path(out_dir) / "curve.png", hist, f"{args.model} dynamics, pessimism {args.pessimism}")
+    scores = [h["eval/score"] for h in hist]
+    summary = {"score_first": scores[0], "score_last": scores[-1], "score_best": max(scores),
+               "return_last": hist[-1]["eval/return"], "q_edge_last": hist[-1]["q/edge"],
+               "q_edge_minus_mc_last": hist[-1]["q/edge_minus_mc"],
+               "q_edge_minus_mc_max": max(h["q/edge_minus_mc"] for h in hist),
+               "q_data_minus_mc_last": hist[-1]["q/data_minus_mc"], "penalty_mean_last": pen,
+               "n_critics": args.n_critics, "behaviour_score": meta["behaviour_score"],
+               "wall_s": time.perf_counter() - t0}
+    return tracker.finish(summary)
+
+
+def save_plot(path, hist, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    st = [h["step"] for h in hist]
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3))
+    ax[0].plot(st, [h["eval/score"] for h in hist], marker="o")
+    ax[0].set_ylabel("normalised score")
+    ax[1].plot(st, [h["q/edge_minus_mc"] for h in hist], marker="o", label="edge-of-reach states")
+    ax[1].plot(st, [h["q/data_minus_mc"] for h in hist], marker="o", label="dataset states")
+    ax[1].set_ylabel("Q - Monte-Carlo return")
+    ax[1].set_yscale("symlog")
+    ax[1].legend()
+    for a in ax:
+        a.set_xlabel("gradient step")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
