@@ -1,0 +1,188 @@
+"""Offline RL benchmark: the CORL-style table, the RAVL edge-of-reach table and the DriftQL table.
+
+Runs every configuration for --seeds seeds at one torch thread, appends one row per (run, metric) to
+benchmarks/results/offline_rl.csv (with provenance, through benchmarks/_results.append_rows) and writes
+the markdown tables that benchmarks/report.py pastes into the README:
+    benchmarks/results/offline_rl.md       TD3+BC and IQL on pendulum-medium and pendulum-medium-replay
+    benchmarks/results/offline_ravl.md     true vs learned dynamics x pessimism none / penalty / ravl
+    benchmarks/results/offline_driftql.md  drift vs MSE-BC regulariser on the toy, rho = 0 and 0.5
+Budget: about 25 minutes at one thread on a 2-core machine, so the dataset list is reduced (random, expert
+and mixed are not in the default table; pass --datasets to add them) and runs are shorter than the
+scripts' defaults (steps listed in each table).
+
+    python benchmarks/offline_rl_table.py                 # everything (~25 min)
+    python benchmarks/offline_rl_table.py --only ravl     # one table
+    python benchmarks/offline_rl_table.py --report-only   # rebuild the .md files from the CSV
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+
+from benchmarks._results import RESULTS, append_rows, read_rows
+
+CSV = "offline_rl.csv"
+CORL_STEPS, RAVL_STEPS, DRIFT_STEPS = 3000, 4000, 3000
+
+
+def run_corl(seeds, datasets):
+    from algos import iql, td3_bc
+
+    for ds in datasets:
+        for name, mod in (("td3_bc", td3_bc), ("iql", iql)):
+            for seed in seeds:
+                args = mod.Args(dataset=ds, seed=seed, total_steps=CORL_STEPS, eval_every=500,
+                                out_dir=f"runs/bench/{name}-{ds}-s{seed}")
+                s = mod.main(args)
+                append_rows(CSV, "corl", name, ds, seed, s,
+                            command=f"python algos/{name}.py --dataset {ds} --seed {seed} --total-steps {CORL_STEPS}")
+
+
+def run_ravl(seeds):
+    from algos import ravl
+
+    for model in ("true", "learned"):
+        for pess in ("none", "penalty", "ravl"):
+            for seed in seeds:
+                args = ravl.Args(model=model, pessimism=pess, seed=seed, total_steps=RAVL_STEPS, eval_every=500,
+                                 out_dir=f"runs/bench/ravl-{model}-{pess}-s{seed}")
+                s = ravl.main(args)
+                append_rows(CSV, "ravl", "ravl", f"{model}/{pess}", seed, s,
+                            command=f"python algos/ravl.py --model {model} --pessimism {pess} --seed {seed} "
+                                    f"--total-steps {RAVL_STEPS}")
+
+
+def run_driftql(seeds):
+    from algos import driftql
+
+    for reg in ("drift", "mse"):
+        for rho in (0.0, 0.5):
+            for seed in seeds:
+                args = driftql.Args(reg=reg, rho=rho, seed=seed, total_steps=DRIFT_STEPS,
+                                    out_dir=f"runs/bench/driftql-{reg}-rho{rho}-s{seed}")
+                s = driftql.main(args)
+                append_rows(CSV, "driftql", "driftql", f"{reg}/rho{rho}", seed, s,
+                            command=f"python algos/driftql.py --reg {reg} --rho {rho} --seed {seed} "
+                                    f"--total-steps {DRIFT_STEPS}")
+
+
+# ---- report ----
+def latest(rows):
+    """Keep the newest value of each (bench, script, config, seed, metric)."""
+    best = {}
+    for r in rows:
+        k = (r["bench"], r["script"], r["config"], r["seed"], r["metric"])
+        if k not in best or r["timestamp"] >= best[k]["timestamp"]:
+            best[k] = r
+    table = defaultdict(lambda: defaultdict(list))  # (bench, script, config) -> metric -> [values]
+    meta = {}
+    for (b, s, c, seed, m), r in sorted(best.items()):
+        table[(b, s, c)][m].append(float(r["value"]))
+        meta[(b, s, c)] = r
+    return table, meta
+
+
+def ms(vals, fmt="{:.1f}"):
+    if not vals:
+        return "-"
+    v = np.array(vals)
+    return (fmt + " ± " + fmt).format(v.mean(), v.std()) if len(v) > 1 else fmt.format(v.mean())
+
+
+def footer(meta_rows):
+    r = next(iter(meta_rows.values()))
+    return (f"\n*{r['hardware']}, {r['versions']}, commit {r['commit']}, rows in "
+            f"`benchmarks/results/{CSV}`. Scores are normalised to this project's own random (0) and expert (100) "
+            f"reference policies on locally generated data, not D4RL; mean ± std over seeds.*\n")
+
+
+def report():
+    table, meta = latest(read_rows(CSV))
+    out = {}
+    corl = {k: v for k, v in table.items() if k[0] == "corl"}
+    if corl:
+        lines = [f"Offline RL baselines ({CORL_STEPS} gradient steps, 20k-transition datasets):", "",
+                 "| dataset | script | behaviour score | score last | score best | return last | D4RL score | seeds |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for (_, s, c), m in sorted(corl.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+            lines.append(f"| {c} | {s} | {ms(m['behaviour_score'])} | {ms(m['score_last'])} | "
+                         f"{ms(m['score_best'])} | {ms(m['return_last'], '{:.0f}')} | n/a (no D4RL pendulum) | "
+                         f"{len(m['score_last'])} |")
+        out["offline_rl"] = "\n".join(lines) + "\n" + footer({k: meta[k] for k in corl})
+    rv = {k: v for k, v in table.items() if k[0] == "ravl"}
+    if rv:
+        lines = [f"Edge-of-reach on pendulum-expert: k = 5 model rollouts, {RAVL_STEPS} steps, TD3-style agent. "
+                 "Q - MC = critic value minus the Monte-Carlo return of the same policy in the true dynamics, "
+                 "on edge-of-reach states (last states of rollouts) and on dataset states.", "",
+                 "| model | pessimism | critics | penalty | score last | score best | Q - MC edge (last) | "
+                 "Q - MC edge (max) | Q - MC data (last) | seeds |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
+        order = {"none": 0, "penalty": 1, "ravl": 2}
+        for (_, s, c), m in sorted(rv.items(), key=lambda kv: (kv[0][2].split("/")[0] != "true",
+                                                                order[kv[0][2].split("/")[1]])):
+            model, pess = c.split("/")
+            lines.append(f"| {model} | {pess} | {ms(m['n_critics'], '{:.0f}')} | {ms(m['penalty_mean_last'], '{:.3f}')} | "
+                         f"{ms(m['score_last'])} | {ms(m['score_best'])} | {ms(m['q_edge_minus_mc_last'])} | "
+                         f"{ms(m['q_edge_minus_mc_max'])} | {ms(m['q_data_minus_mc_last'])} | {len(m['score_last'])} |")
+        out["offline_ravl"] = "\n".join(lines) + "\n" + footer({k: meta[k] for k in rv})
+    dq = {k: v for k, v in table.items() if k[0] == "driftql"}
+    if dq:
+        lines = [f"DriftQL on toy-multimodal ({DRIFT_STEPS} steps). Goals: fraction of 100 evaluation episodes "
+                 "ending at the left / right goal. Start-state actions: fraction of 512 sampled actions within "
+                 "0.3 of the left / right data mode (the rest are between modes or elsewhere).", "",
+                 "| regulariser | rho | score last | score best | goal left | goal right | "
+                 "actions at left mode | actions at right mode | seeds |",
+                 "|---|---|---|---|---|---|---|---|---|"]
+        for (_, s, c), m in sorted(dq.items(), key=lambda kv: kv[0][2]):
+            reg, rho = c.split("/")
+            lines.append(f"| {reg} | {rho[3:]} | {ms(m['score_last'])} | {ms(m['score_best'])} | "
+                         f"{ms(m['goal_left'], '{:.2f}')} | {ms(m['goal_right'], '{:.2f}')} | "
+                         f"{ms(m['left'], '{:.2f}')} | {ms(m['right'], '{:.2f}')} | {len(m['score_last'])} |")
+        drops = []
+        for reg in ("drift", "mse"):
+            a, b = table.get(("driftql", "driftql", f"{reg}/rho0.0")), table.get(("driftql", "driftql", f"{reg}/rho0.5"))
+            if a and b:
+                drops.append(f"{reg}: {np.mean(a['score_last']) - np.mean(b['score_last']):.1f}")
+        if drops:
+            lines += ["", "Score drop from rho 0 to rho 0.5 (score last, mean): " + "; ".join(drops) + "."]
+        out["offline_driftql"] = "\n".join(lines) + "\n" + footer({k: meta[k] for k in dq})
+    for name, text in out.items():
+        (RESULTS / f"{name}.md").write_text(text)
+        print(f"wrote benchmarks/results/{name}.md")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=["corl", "ravl", "driftql"], help="run one table only")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per configuration (>= 1)")
+    ap.add_argument("--datasets", nargs="+", default=["pendulum-medium", "pendulum-medium-replay"],
+                    help="datasets of the CORL-style table")
+    ap.add_argument("--report-only", action="store_true", help="rebuild the .md files from the CSV")
+    args = ap.parse_args()
+    if args.seeds < 1:
+        ap.error(f"--seeds must be >= 1, got {args.seeds}")
+    if not args.report_only:
+        import torch
+
+        torch.set_num_threads(1)
+        os.environ.setdefault("WANDB_MODE", "offline")
+        seeds = list(range(args.seeds))
+        if args.only in (None, "corl"):
+            run_corl(seeds, args.datasets)
+        if args.only in (None, "ravl"):
+            run_ravl(seeds)
+        if args.only in (None, "driftql"):
+            run_driftql(seeds)
+    report()
+
+
+if __name__ == "__main__":
+    main()
