@@ -11,6 +11,7 @@ table to benchmarks/results/kernels.md, which `python benchmarks/report.py` past
 
     python benchmarks/bench_kernels.py            # one CUDA GPU (Hopper or newer for the fp8 rows)
     python benchmarks/bench_kernels.py --smoke    # CPU: runs every code path once on tiny shapes, writes nothing
+    TRITON_INTERPRET=1 python benchmarks/bench_kernels.py --smoke   # same, with our kernels in the interpreter
 
 Without a GPU (and without --smoke) it exits with a message and status 2. Timings are never asserted in tests.
 """
