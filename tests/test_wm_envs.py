@@ -1,0 +1,108 @@
+"""worldmodels/_envs.py: determinism, inverse actions, frame layout, policies of graded quality, bad input."""
+import numpy as np
+import pytest
+
+from worldmodels._envs import (INVERSE, MOVES, N_ACTIONS, NOOP, EnvConfig, GridWorld, agent_cells, collect,
+                               greedy_actions, inverse)
+
+
+def test_deterministic_per_seed():
+    a = collect(EnvConfig(), 64, 12, seed=3)
+    b = collect(EnvConfig(), 64, 12, seed=3)
+    c = collect(EnvConfig(), 64, 12, seed=4)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    assert not np.array_equal(a[0], c[0])
+
+
+def test_inverse_table():
+    for act in range(N_ACTIONS):
+        assert (MOVES[act] + MOVES[INVERSE[act]] == 0).all()
+        assert INVERSE[INVERSE[act]] == act
+    np.testing.assert_array_equal(inverse(np.array([0, 1, 2, 3, 4])), [1, 0, 3, 2, 4])
+
+
+@pytest.mark.parametrize("view", [None, 7])
+def test_action_then_inverse_restores_state(view):
+    cfg = EnvConfig(map_size=12, view=view)
+    env = GridWorld(cfg, 256, seed=0)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        before_pos, before_frames = env.pos.copy(), env.render()
+        acts = rng.integers(0, N_ACTIONS, size=256)
+        eff = env.step(acts)
+        moved = eff != NOOP
+        assert moved.any() and (~moved & (acts != NOOP)).any()  # some moves are blocked by walls
+        env.step(inverse(eff))  # the effective action's inverse always undoes it
+        np.testing.assert_array_equal(env.pos, before_pos)
+        np.testing.assert_array_equal(env.render(), before_frames)
+        env.step(rng.integers(0, N_ACTIONS, size=256))
+
+
+def test_blocked_move_is_a_noop():
+    env = GridWorld(EnvConfig(), 1, seed=0)
+    env.pos[:] = [[1, 1]]  # top-left interior cell: up is the border wall
+    assert env.step(np.array([0]))[0] == NOOP
+    np.testing.assert_array_equal(env.pos, [[1, 1]])
+
+
+@pytest.mark.parametrize("cfg,size", [(EnvConfig(), 10), (EnvConfig(map_size=8, cell_px=2), 16),
+                                      (EnvConfig(map_size=16, view=9, cell_px=3), 27)])
+def test_frame_shape_and_range(cfg, size):
+    frames, acts, eff = collect(cfg, 8, 5, seed=1)
+    assert frames.shape == (8, 6, 3, size, size) and frames.dtype == np.float32
+    assert acts.shape == eff.shape == (8, 5)
+    assert frames.min() >= 0.0 and frames.max() <= 1.0
+    assert set(np.unique(frames[:, :, 1])) <= {0.0, 0.5, 1.0}  # objects: goal 1, others 0.5
+    assert (frames[:, :, 2].reshape(8, 6, -1).sum(-1) == cfg.cell_px ** 2).all()  # exactly one agent
+    if cfg.view is None:
+        assert (frames[:, :, 0, 0, :] == 1).all()  # border walls
+    else:
+        c = size // 2
+        assert (frames[:, :, 2, c, c] == 1).all()  # egocentric: the agent sits in the centre
+
+
+def test_agent_cells_decodes_positions():
+    cfg = EnvConfig(map_size=9, cell_px=2)
+    env = GridWorld(cfg, 32, seed=2)
+    np.testing.assert_array_equal(agent_cells(env.render(), cfg), env.pos)
+
+
+def test_egocentric_window_hides_part_of_a_large_map():
+    cfg = EnvConfig(map_size=20, view=5)
+    env = GridWorld(cfg, 4, seed=0)
+    assert env.render().shape[-1] == 5 < cfg.map_size
+
+
+def test_policies_are_graded():
+    rates = []
+    for eps in (0.0, 0.5, 1.0):
+        env = GridWorld(EnvConfig(), 400, seed=5)
+        rng = np.random.default_rng(0)
+        done = np.zeros(400, bool)
+        for _ in range(15):
+            env.step(greedy_actions(env.distance(), env.pos, eps, rng))
+            done |= env.at_goal()
+        rates.append(done.mean())
+    assert rates[0] > 0.97 and rates[0] > rates[1] + 0.1 > rates[2] + 0.2
+
+
+def test_fast_enough_to_draw_many_frames():
+    frames, _, _ = collect(EnvConfig(), 500, 40, seed=0)  # 20,500 frames; timing is not asserted
+    assert frames.shape[:2] == (500, 41)
+
+
+@pytest.mark.parametrize("kwargs,msg", [({"map_size": 3}, "map_size"), ({"view": 4}, "view"),
+                                        ({"wall_density": 0.9}, "wall_density"), ({"n_objects": 0}, "n_objects"),
+                                        ({"cell_px": 0}, "cell_px")])
+def test_bad_config(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        EnvConfig(**kwargs)
+
+
+def test_bad_actions():
+    env = GridWorld(EnvConfig(), 4, seed=0)
+    with pytest.raises(ValueError, match="actions"):
+        env.step(np.array([0, 1, 7, 2]))
+    with pytest.raises(ValueError, match="actions"):
+        env.step(np.array([0, 1]))

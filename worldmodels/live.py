@@ -1,0 +1,406 @@
+"""LIVE: a diffusion world model trained with a forward-reverse cycle-consistency loss (A-1).
+
+Paper. LIVE, Long-horizon Interactive Video world modEl (papers/000_*.txt line 3, A-1; PAPERS.md 1.11 and
+section 3 row 28). Parent: worldmodels/diffusion_world_model.py (`diff` the two files to see the idea).
+
+Method. An action-conditioned next-frame denoiser (the parent's). Besides the usual one-step denoising loss,
+each training step (i) rolls the model forward L steps from ground-truth frames with the real actions,
+(ii) generates in reverse, from the last generated frame back towards the start, with the *inverse*
+actions, and (iii) puts the diffusion loss on the reconstructed initial frame: the denoiser must produce the
+true x_0 from a context made entirely of its own generations. Because the target is known after 2L - 1
+generated frames, the loss constrains error accumulated over long rollouts with no teacher model.
+The rollout length L follows a progressive curriculum (1 -> cycle_horizon). The unified view is the
+`--mode` flag: `tf` (teacher forcing: clean ground-truth context), `df` (diffusion forcing: per-frame
+noisy ground-truth context), `live` (teacher forcing + the cycle loss).
+
+Equations (function that implements each):
+  (1) denoiser          D(x; s) = tanh F(c_in(s) x, c_noise(s), ctx, a), c_in = 1/sqrt(s^2+sd^2)    `Denoiser.forward`
+  (2) denoising loss    L_diff(x | ctx, a) = E_{s, eps} || D(x + s eps; s, ctx, a) - x ||^2      `diffusion_loss`
+  (3) diffusion forcing per-frame context noise levels s_j                                      `noise_context`
+  (4) sampling          few-step Euler on the probability-flow ODE                               `sample_next`
+  (5) forward pass      xhat_{t+1} = sample(D | xhat_{t-K+1..t}, a_t), t = 0..L-1, from ground truth
+      reverse pass      yhat_0 = xhat_L, yhat_{j+1} = sample(D | yhat_{..j}, inv(a_{L-1-j})),
+                        j = 0..L-2, so yhat_{L-1} ~ x_1                                        `forward_reverse`
+                        inverse actions reversed in time                                       `reverse_actions`
+  (6) cycle loss        L_cyc = L_diff(x_0 | sg[yhat_{L-K..L-1}], inv(a_0))                     `cycle_loss`
+  (7) objective         L = L_diff(x_{t+1} | x_{t-K+1..t}, a_t) + lambda L_cyc                  `main`
+  (8) curriculum        L(step) grows linearly from 1 to cycle_horizon over `curriculum` of the
+                        steps after `cycle_start`                                               `curriculum_length`
+
+Deviations:
+- The abstract does not say how the reverse process is parameterised. Here it is the same denoiser run with
+  the inverse actions: in this gridworld a trajectory played backwards with inverse (effective) actions is
+  itself a valid trajectory, so one model serves both directions. A move blocked by a wall is recorded as
+  a noop (its effective action), whose inverse is a noop, so the cycle is exact on ground truth.
+- No gradient through the generated frames (they are sampled under no_grad); the loss trains the last
+  reverse step to recover x_0 from drifted context. Training rollouts use `rollout_denoise_steps` Euler
+  steps (2) to save time; evaluation uses `denoise_steps` (3).
+- x0-prediction with tanh instead of EDM's preconditioning, a 4-layer conv net, 10 x 10 x 3 frames (see the
+  parent's Deviations).
+
+Commands:
+  python worldmodels/live.py                    # LIVE, ~3 min on 1 CPU thread
+  python worldmodels/live.py --mode tf          # same file, teacher forcing only
+  python worldmodels/live.py --mode df          # same file, diffusion forcing
+  python worldmodels/live.py --device cuda --steps 20000 --channels 128
+Expected result (claim): error stays bounded far beyond the training horizon (cycle_horizon = 8, rollouts
+to 32). Whether it does at this scale is measured in benchmarks/results/world_models.md, row `live`.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Literal
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from tqdm import tqdm
+
+import common
+from worldmodels._envs import INVERSE, N_ACTIONS, N_CHANNELS, EnvConfig, agent_cells, collect
+
+SIGMA_DATA, P_MEAN, P_STD = 0.5, -0.4, 1.2  # EDM / DIAMOND defaults
+SIGMA_MIN, SIGMA_MAX, RHO = 2e-3, 5.0, 7.0
+INVERSE_T = torch.from_numpy(INVERSE)
+
+
+# ---- args ----
+@dataclass
+class Args:
+    exp_name: str = "live"
+    """name of the run (used in out_dir)"""
+    seed: int = 0
+    """seed for data, init and sampling"""
+    track: bool = False
+    """mirror metrics to wandb"""
+    out_dir: str = "runs/live"
+    """where metrics.jsonl, summary.json and the PNG go"""
+    device: str = "auto"
+    """'auto', 'cpu' or 'cuda'"""
+    threads: int = 1
+    """torch CPU threads"""
+    map_size: int = 10
+    """gridworld cells per side (frames are map_size x map_size x 3)"""
+    wall_density: float = 0.12
+    """interior wall probability"""
+    train_traj: int = 2000
+    """training trajectories (sticky random policy)"""
+    traj_len: int = 32
+    """steps per training trajectory"""
+    context: int = 2
+    """K: past frames the denoiser sees"""
+    mode: Literal["tf", "df", "live"] = "live"
+    """tf: teacher forcing; df: diffusion forcing (eq. 3); live: teacher forcing + cycle loss (eq. 6)"""
+    cycle_horizon: int = 8
+    """L at the end of the curriculum: the training horizon"""
+    cycle_start: float = 0.2
+    """fraction of steps before the cycle loss switches on"""
+    curriculum: float = 0.5
+    """fraction of steps over which L grows from 1 to cycle_horizon"""
+    cycle_weight: float = 1.0
+    """lambda in eq. (7)"""
+    cycle_batch: int = 32
+    """windows per step for the cycle loss"""
+    rollout_denoise_steps: int = 2
+    """Euler steps per frame inside training rollouts"""
+    ctx_sigma_eval: float = 0.0
+    """noise level put on context frames at sampling time (needs --mode df to mean anything)"""
+    denoise_steps: int = 3
+    """Euler steps per sampled frame"""
+    channels: int = 32
+    """conv width"""
+    steps: int = 1000
+    """optimiser steps"""
+    batch_size: int = 256
+    """training transitions per step"""
+    lr: float = 2e-3
+    """Adam learning rate (cosine decay to 10%)"""
+    eval_traj: int = 256
+    """held-out test trajectories"""
+    eval_horizons: tuple[int, ...] = (1, 8, 16, 32)
+    """horizons reported as err_h{H}; the largest sets the rollout length"""
+    log_every: int = 100
+    """steps between metric lines"""
+    save_png: bool = True
+    """save the strip of predicted vs true frames and the error curve"""
+
+
+def check_args(args: Args) -> EnvConfig:
+    if args.context < 1:
+        raise ValueError(f"--context must be >= 1, got {args.context}")
+    if args.denoise_steps < 1:
+        raise ValueError(f"--denoise-steps must be >= 1, got {args.denoise_steps}")
+    if not args.eval_horizons or min(args.eval_horizons) < 1:
+        raise ValueError(f"--eval-horizons must be positive integers, got {args.eval_horizons}")
+    if args.steps < 1 or args.batch_size < 1 or args.train_traj < 1 or args.eval_traj < 1:
+        raise ValueError("--steps, --batch-size, --train-traj and --eval-traj must be >= 1")
+    if args.ctx_sigma_eval < 0:
+        raise ValueError(f"--ctx-sigma-eval must be >= 0, got {args.ctx_sigma_eval}")
+    if args.cycle_horizon < 1 or args.cycle_horizon > args.traj_len:
+        raise ValueError(f"--cycle-horizon must be in [1, traj_len={args.traj_len}], got {args.cycle_horizon}")
+    if not (0 <= args.cycle_start < 1 and 0 < args.curriculum <= 1 and args.cycle_start + args.curriculum <= 1):
+        raise ValueError("need 0 <= --cycle-start < 1, 0 < --curriculum <= 1 and their sum <= 1, got "
+                         f"{args.cycle_start} and {args.curriculum}")
+    if args.cycle_batch < 1 or args.rollout_denoise_steps < 1 or args.cycle_weight < 0:
+        raise ValueError("--cycle-batch and --rollout-denoise-steps must be >= 1 and --cycle-weight >= 0")
+    return EnvConfig(map_size=args.map_size, wall_density=args.wall_density)
+
+
+# ---- model ----
+def c_noise(sigma: torch.Tensor) -> torch.Tensor:
+    return torch.log(sigma.clamp(min=1e-4)) / 4
+
+
+class Denoiser(nn.Module):
+    """Eq. (1). x_noisy (B, C, F, F), sigma (B,), ctx (B, K, C, F, F) in [-1, 1], ctx_sigma (B, K), action (B,)."""
+
+    def __init__(self, context: int, channels: int):
+        super().__init__()
+        cin = N_CHANNELS + context * N_CHANNELS + N_ACTIONS + 1 + context
+        self.net = nn.Sequential(
+            nn.Conv2d(cin, channels, 3, padding=1), nn.SiLU(),
+            nn.Conv2d(channels, channels, 3, padding=1), nn.SiLU(),
+            nn.Conv2d(channels, channels, 3, padding=1), nn.SiLU(),
+            nn.Conv2d(channels, N_CHANNELS, 3, padding=1))
+
+    def raw(self, x_in, sigma, ctx, ctx_sigma, action):
+        b, k, c, h, w = ctx.shape
+        planes = torch.cat([F.one_hot(action, N_ACTIONS).float(), c_noise(sigma)[:, None],
+                            c_noise(ctx_sigma)], 1)[:, :, None, None].expand(b, -1, h, w)
+        return self.net(torch.cat([x_in, ctx.reshape(b, k * c, h, w), planes], 1))
+
+    def forward(self, x_noisy, sigma, ctx, ctx_sigma, action):
+        c_in = 1 / (sigma[:, None, None, None] ** 2 + SIGMA_DATA ** 2).sqrt()
+        return torch.tanh(self.raw(c_in * x_noisy, sigma, ctx, ctx_sigma, action))
+
+
+def windows(frames: torch.Tensor, acts: torch.Tensor, starts: torch.Tensor, k: int, h: int):
+    """Frames x_{s-K+1..s+H} (B, K+H, C, F, F) (indices below 0 repeat x_0) and actions a_{s..s+H-1} (B, H)."""
+    idx = (starts[:, None] + torch.arange(-k + 1, h + 1)[None]).clamp(min=0)
+    b = torch.arange(len(starts))[:, None]
+    return frames[b, idx], acts[b, starts[:, None] + torch.arange(h)[None]]
+
+
+# ---- losses ----
+def noise_context(ctx: torch.Tensor, gen: torch.Generator | None = None):
+    """Eq. (3): per-frame noise levels for the context, half of the frames left clean. -> (noisy ctx, sigmas)."""
+    b, k = ctx.shape[:2]
+    sig = torch.exp(P_MEAN + P_STD * torch.randn(b, k, generator=gen, device=ctx.device))
+    sig = sig * (torch.rand(b, k, generator=gen, device=ctx.device) < 0.5)
+    return ctx + sig[:, :, None, None, None] * torch.randn_like(ctx), sig
+
+
+def diffusion_loss(model: Denoiser, x0, ctx, ctx_sigma, action, gen: torch.Generator | None = None):
+    """Eq. (2): denoising loss on target x0 (B, C, F, F) given the context; returns a scalar."""
+    b = x0.shape[0]
+    sigma = torch.exp(P_MEAN + P_STD * torch.randn(b, generator=gen, device=x0.device))
+    x_noisy = x0 + sigma[:, None, None, None] * torch.randn(x0.shape, generator=gen, device=x0.device)
+    return F.mse_loss(model(x_noisy, sigma, ctx, ctx_sigma, action), x0)
+
+
+# ---- sampling and eval ----
+def karras_sigmas(n: int) -> list[float]:
+    ramp = np.linspace(0, 1, n)
+    s = (SIGMA_MAX ** (1 / RHO) + ramp * (SIGMA_MIN ** (1 / RHO) - SIGMA_MAX ** (1 / RHO))) ** RHO
+    return [float(x) for x in s] + [0.0]
+
+
+@torch.no_grad()
+def sample_next(model: Denoiser, ctx, action, n_steps: int, ctx_sigma_eval: float = 0.0, gen=None):
+    """Eq. (4): a next frame (B, C, F, F) in [-1, 1] from context (B, K, C, F, F) and action (B,)."""
+    b = ctx.shape[0]
+    csig = torch.full(ctx.shape[:2], ctx_sigma_eval, device=ctx.device)
+    if ctx_sigma_eval > 0:
+        ctx = ctx + ctx_sigma_eval * torch.randn(ctx.shape, generator=gen, device=ctx.device)
+    sig = karras_sigmas(n_steps)
+    x = sig[0] * torch.randn(ctx.shape[:1] + ctx.shape[2:], generator=gen, device=ctx.device)
+    for s_cur, s_next in zip(sig[:-1], sig[1:]):
+        den = model(x, torch.full((b,), s_cur, device=ctx.device), ctx, csig, action)
+        x = x + (s_next - s_cur) * (x - den) / s_cur
+    return x.clamp(-1, 1)
+
+
+@torch.no_grad()
+def rollout(model: Denoiser, frames01, acts, k: int, horizon: int, n_steps: int, ctx_sigma_eval=0.0, gen=None):
+    """Sampled rollout from x_0 (padded context) with the true actions -> (B, H+1, C, F, F) in [0, 1]."""
+    ctx = [frames01[:, 0] * 2 - 1] * k
+    for j in range(horizon):
+        ctx.append(sample_next(model, torch.stack(ctx[-k:], 1), acts[:, j], n_steps, ctx_sigma_eval, gen))
+    return (torch.stack(ctx[k - 1:], 1) + 1) / 2
+
+
+# ---- the LIVE cycle ----
+def reverse_actions(acts: torch.Tensor) -> torch.Tensor:
+    """Eq. (5): (B, L) effective actions a_0..a_{L-1} -> inv(a_{L-1}), ..., inv(a_0), the reverse pass's actions."""
+    return INVERSE_T.to(acts.device)[acts].flip(1)
+
+
+def forward_reverse(step_fn, ctx0: torch.Tensor, acts: torch.Tensor, k: int):
+    """Eq. (5): forward L steps from ground-truth context ctx0 (B, K, C, F, F), then back to x_1.
+
+    step_fn(ctx (B, K, C, F, F), action (B,)) -> next frame. Returns the reverse context from which x_0 should
+    be generated (B, K, C, F, F), the action for that last step (inv(a_0)), and the forward frames (B, L, ...).
+    """
+    frames = list(ctx0.unbind(1))
+    n = acts.shape[1]
+    for j in range(n):
+        frames.append(step_fn(torch.stack(frames[-k:], 1), acts[:, j]))
+    back = reverse_actions(acts)
+    rev = [frames[-1]] * k  # the reverse sequence starts at xhat_L, padded like any trajectory start
+    for j in range(n - 1):
+        rev.append(step_fn(torch.stack(rev[-k:], 1), back[:, j]))
+    return torch.stack(rev[-k:], 1), back[:, n - 1], torch.stack(frames[k:], 1)
+
+
+def reconstruct_initial(step_fn, ctx0: torch.Tensor, acts: torch.Tensor, k: int) -> torch.Tensor:
+    """The full cycle x_0 -> xhat_L -> yhat_L ~ x_0 (used by the tests with a known-dynamics step_fn)."""
+    rev_ctx, last, _ = forward_reverse(step_fn, ctx0, acts, k)
+    return step_fn(rev_ctx, last)
+
+
+def cycle_loss(model: Denoiser, x0: torch.Tensor, rev_ctx: torch.Tensor, last_action: torch.Tensor, gen=None):
+    """Eq. (6): the diffusion loss on the true initial frame given the (detached) generated reverse context."""
+    zeros = torch.zeros(rev_ctx.shape[:2], device=rev_ctx.device)
+    return diffusion_loss(model, x0, rev_ctx.detach(), zeros, last_action, gen)
+
+
+def curriculum_length(step: int, total: int, horizon: int, start: float, ramp: float) -> int:
+    """Eq. (8): 0 before `start`, then 1 -> horizon linearly over `ramp` of the steps, then horizon."""
+    frac = (step / total - start) / ramp
+    if frac < 0:
+        return 0
+    return int(min(horizon, 1 + math.floor(frac * horizon)))
+
+
+def horizon_errors(pred: np.ndarray, true: np.ndarray, cfg: EnvConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Eq. (5): per-horizon pixel MSE and agent-cell error rate, index h = 0..H."""
+    mse = ((pred - true) ** 2).mean(axis=(0, 2, 3, 4))
+    wrong = (agent_cells(pred, cfg) != agent_cells(true, cfg)).any(-1).mean(0)
+    return mse, wrong
+
+
+def to_rgb(frame: np.ndarray) -> np.ndarray:
+    """(3, F, F) in [0, 1] -> (F, F, 3) image: walls grey-blue, goal/objects yellow, agent red."""
+    w, o, a = np.clip(frame, 0, 1)
+    return np.clip(np.stack([0.35 * w + 0.9 * o + a, 0.35 * w + 0.8 * o, 0.5 * w], -1), 0, 1)
+
+
+def save_figure(path: Path, title: str, pred: np.ndarray, true: np.ndarray, mse: np.ndarray,
+                copy_mse: np.ndarray, shown: tuple[int, ...], train_horizon: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(1.6 * len(shown) + 4.5, 3.6))
+    gs = fig.add_gridspec(2, len(shown) + 3)
+    for i, h in enumerate(shown):
+        for r, (src, name) in enumerate(((true, "true"), (pred, "pred"))):
+            ax = fig.add_subplot(gs[r, i])
+            ax.imshow(to_rgb(src[0, h]), interpolation="nearest")
+            ax.set_xticks([]), ax.set_yticks([])
+            if r == 0:
+                ax.set_title(f"h={h}", fontsize=9)
+            if i == 0:
+                ax.set_ylabel(name)
+    ax = fig.add_subplot(gs[:, len(shown):])
+    hs = np.arange(1, len(mse))
+    ax.plot(hs, mse[1:], label="model")
+    ax.plot(hs, copy_mse[1:], "--", color="grey", label="copy x_0")
+    ax.axvline(train_horizon, color="k", lw=0.6, ls=":", label="train horizon")
+    ax.set_xlabel("horizon"), ax.set_ylabel("pixel MSE"), ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# ---- main ----
+def main(args: Args) -> dict:
+    cfg = check_args(args)
+    common.set_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    device = common.get_device(args.device)
+    t0 = time.perf_counter()
+    tracker = common.Tracker(args.out_dir, args, track=args.track, run_name=args.exp_name)
+    timer = common.Timer()
+
+    fr, _, eff = collect(cfg, args.train_traj, args.traj_len, seed=args.seed)
+    frames, acts = torch.from_numpy(fr).to(device) * 2 - 1, torch.from_numpy(eff).to(device)
+    hmax = max(args.eval_horizons)
+    tfr, _, teff = collect(cfg, args.eval_traj, hmax, seed=args.seed + 10_000)
+    test_frames, test_acts = torch.from_numpy(tfr).to(device), torch.from_numpy(teff).to(device)
+
+    k = args.context
+    model = Denoiser(k, args.channels).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
+    gen = torch.Generator().manual_seed(args.seed)
+    bar = tqdm(range(args.steps), desc=args.exp_name, disable=None)
+    for step in bar:
+        with timer("train"):
+            rows = torch.randint(0, args.train_traj, (args.batch_size,), generator=gen)
+            starts = torch.randint(0, args.traj_len, (args.batch_size,), generator=gen)
+            win, wacts = windows(frames[rows], acts[rows], starts, k, 1)
+            ctx, csig = win[:, :k], torch.zeros(args.batch_size, k)
+            if args.mode == "df":
+                ctx, csig = noise_context(ctx, gen)
+            base = diffusion_loss(model, win[:, k], ctx, csig, wacts[:, 0], gen)
+            n = curriculum_length(step, args.steps, args.cycle_horizon, args.cycle_start, args.curriculum)
+            cyc = torch.zeros(())
+            if args.mode == "live" and n > 0:
+                with timer("cycle"):
+                    rows = torch.randint(0, args.train_traj, (args.cycle_batch,), generator=gen)
+                    starts = torch.randint(0, args.traj_len - n + 1, (args.cycle_batch,), generator=gen)
+                    cwin, cacts = windows(frames[rows], acts[rows], starts, k, n)
+                    model.eval()
+                    step_fn = lambda c, a: sample_next(model, c, a, args.rollout_denoise_steps, gen=gen)
+                    rev_ctx, last, _ = forward_reverse(step_fn, cwin[:, :k], cacts, k)
+                    model.train()
+                    cyc = cycle_loss(model, cwin[:, k - 1], rev_ctx, last, gen)
+            loss = base + args.cycle_weight * cyc
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+        if step % args.log_every == 0 or step == args.steps - 1:
+            tracker.log({"loss/diffusion": base.item(), "loss/cycle": cyc.item(), "train/cycle_len": n,
+                         **{f"perf/{name}_s": v for name, v in timer.pop().items()}}, step)
+            bar.set_postfix(loss=f"{base.item():.4f}", cyc=f"{cyc.item():.4f}", L=n)
+
+    model.eval()
+    egen = torch.Generator().manual_seed(args.seed + 1)
+    pred = rollout(model, test_frames, test_acts, k, hmax, args.denoise_steps, args.ctx_sigma_eval, egen)
+    pred = pred.cpu().numpy()
+    mse, wrong = horizon_errors(pred, tfr, cfg)
+    copy_mse, _ = horizon_errors(np.repeat(tfr[:, :1], hmax + 1, 1), tfr, cfg)
+    for j in range(1, hmax + 1):
+        tracker.log({"eval/err": mse[j], "eval/agent_err": wrong[j], "eval/copy_err": copy_mse[j]}, j)
+    summary = {f"err_h{H}": float(mse[H]) for H in args.eval_horizons}
+    summary.update({f"agent_err_h{H}": float(wrong[H]) for H in args.eval_horizons})
+    summary.update({"copy_err_h1": float(copy_mse[1]), f"copy_err_h{hmax}": float(copy_mse[hmax]),
+                    "train_loss_last": base.item(), "cycle_loss_last": cyc.item(),
+                    "train_horizon": args.cycle_horizon,
+                    "err_curve": [float(x) for x in mse[1:]]})
+    if args.save_png:
+        h = args.cycle_horizon
+        shown = tuple(sorted({1, h // 2 or 1, h, 2 * h, hmax} & set(range(1, hmax + 1))))
+        name = {"tf": "teacher forcing", "df": "diffusion forcing", "live": "LIVE cycle loss"}[args.mode]
+        save_figure(Path(args.out_dir) / "strip.png", f"LIVE script, --mode {args.mode} ({name})", pred, tfr, mse,
+                    copy_mse, shown, h)
+    summary["wall_s"] = time.perf_counter() - t0
+    return tracker.finish(summary)
+
+
+if __name__ == "__main__":
+    out = main(tyro.cli(Args))
+    print({k: round(v, 5) if isinstance(v, float) else v for k, v in out.items() if k != "err_curve"})
