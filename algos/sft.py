@@ -1,0 +1,202 @@
+"""Supervised fine-tuning (SFT): the baseline every RL script starts from, and the maker of the tiny models.
+
+Method: maximum likelihood on (prompt, response) pairs with the prompt masked out of the loss,
+
+    L(theta) = - (1 / sum_i |y_i|) * sum_i sum_t log pi_theta(y_{i,t} | x_i, y_{i,<t})      (sft_loss)
+
+where y_i is the target response followed by EOS. The normaliser is the number of response tokens in the
+batch (token mean), as in most SFT trainers.
+
+The shipped checkpoints in algos/models/ were made with this script (the exact commands are in each
+model's README.md and below). `--model new-small` / `new-large` start from random weights with the
+project's character-level tokenizer; any other name (tiny-*, smollm2-135m, a HF id or path) fine-tunes it.
+
+Deviations: none in the objective. Training data is generated on the fly (a fresh batch every step from a
+seeded generator), so there are no epochs; a short run is deliberately stopped early to leave the policy
+only partly competent, which gives RL room to improve.
+
+Commands:
+    python algos/sft.py                     # the SFT baseline: tiny-0.6m, 200 more steps on add (about 1 min)
+    python algos/sft.py --model new-small --tasks add addsteps --steps 1500 --save-to algos/models/tiny-0.6m
+    python algos/sft.py --model smollm2-135m --tasks jsonl:data.jsonl --device cuda    # a real model
+Expected: the shipped models' accuracies are in their model cards (algos/models/*/README.md);
+benchmarks/results/grpo.md holds 3-seed runs of the default command next to GRPO.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+
+# Architectures for the shipped tiny models (LlamaForCausalLM, character vocabulary of 99 tokens).
+NEW_MODELS = {
+    "new-small": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, intermediate_size=384),
+    "new-large": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, intermediate_size=768),
+}
+
+
+@dataclass
+class Args:
+    exp_name: str = "sft"
+    """name of the run (the output folder is out_dir/exp_name)"""
+    seed: int = 0
+    """random seed (data order, initialisation)"""
+    track: bool = False
+    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
+    out_dir: str = "runs"
+    """where metrics.jsonl, summary.json and the curve go"""
+    model: str = "tiny-0.6m"
+    """tiny-*, new-small, new-large, smollm2-135m, a Hugging Face id or a local path"""
+    tasks: list[str] = field(default_factory=lambda: ["add"])
+    """tasks to train on, mixed uniformly: add, addsteps, jsonl:PATH, gsm8k"""
+    digits: int = 2
+    """operand digits of the arithmetic tasks"""
+    device: str = "auto"
+    """auto (CUDA if present), cpu or cuda"""
+    threads: int = 2
+    """torch CPU threads"""
+    steps: int = 200
+    """optimiser steps"""
+    batch_size: int = 64
+    """sequences per step"""
+    lr: float = 3e-4
+    """peak learning rate (AdamW), linear warm-up then cosine decay to 10%"""
+    warmup_steps: int = 20
+    """linear warm-up steps"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_new_tokens: int = 40
+    """generation budget at eval time"""
+    eval_every: int = 50
+    """steps between held-out evaluations"""
+    eval_examples: int = 300
+    """held-out prompts per task per evaluation"""
+    save_to: str = ""
+    """if set, save the final model there in HF format (how the shipped tiny models were made)"""
+    stop_at_acc: float = 0.0
+    """stop at the first evaluation where the first task's held-out accuracy reaches this (0 = never);
+    this is how the shipped models were left only partly competent"""
+
+
+def check_args(args: Args) -> None:
+    if args.steps < 1 or args.batch_size < 1:
+        raise SystemExit("--steps and --batch-size must be positive")
+    if not args.tasks:
+        raise SystemExit("--tasks needs at least one task")
+
+
+# ---- the idea: masked next-token likelihood ----
+def build_batch(tok, examples: list[common.Example]):
+    """Right-padded [B, T] ids with a loss mask that is 1 only on response tokens (and the final EOS)."""
+    prompts = common.encode_prompts(tok, [e.prompt for e in examples])
+    responses = [tok(e.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for e in examples]
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    ids = torch.full((len(examples), width), tok.pad_token_id, dtype=torch.long)
+    attn, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+        attn[i, :len(p) + len(r)] = 1
+        loss_mask[i, len(p):len(p) + len(r)] = 1
+    return ids, attn, loss_mask
+
+
+def sft_loss(logits: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Token-mean negative log-likelihood of the response tokens; logits [B, T, V] predict ids shifted by one."""
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return -common.masked_mean(logp, loss_mask[:, 1:])
+
+
+def new_model(kind: str, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = common.build_char_tokenizer()
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=128, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      **NEW_MODELS[kind])
+    return LlamaForCausalLM(cfg), tok
+
+
+def lr_at(step: int, args: Args) -> float:
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ---- eval ----
+def eval_all(model, tok, tasks, eval_sets, args) -> dict:
+    return {f"eval/{t.name}_acc": common.evaluate(model, tok, t, eval_sets[t.name], args.max_new_tokens)["acc"]
+            for t in tasks}
+
+
+# ---- main ----
+def main(args: Args) -> dict:
+    check_args(args)
+    torch.set_num_threads(args.threads)
+    common.set_seed(args.seed)
+    device = common.get_device(args.device)
+    tasks = [common.make_task(name, args.digits) for name in args.tasks]
+    if args.model in NEW_MODELS:
+        model, tok = new_model(args.model, args.seed)
+        model.to(device)
+    else:
+        model, tok = common.load_model(args.model, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    eval_rng = np.random.default_rng(12345)  # the same held-out prompts for every run and every script
+    eval_sets = {t.name: t.sample("test", args.eval_examples, eval_rng) for t in tasks}
+    tracker = common.Tracker(Path(args.out_dir) / args.exp_name, args, args.track, run_name=args.exp_name)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, args))
+    rng = np.random.default_rng(args.seed)
+    t0 = time.time()
+    start = eval_all(model, tok, tasks, eval_sets, args)
+    tracker.log(start, 0)
+    history = [(0, start)]
+    bar = tqdm(range(1, args.steps + 1), desc="sft", dynamic_ncols=True)
+    for step in bar:
+        examples = [ex for t in tasks for ex in t.sample("train", args.batch_size // len(tasks), rng)]
+        ids, attn, loss_mask = (x.to(device) for x in build_batch(tok, examples))
+        loss = sft_loss(model(input_ids=ids, attention_mask=attn).logits, ids, loss_mask)
+        if not torch.isfinite(loss):
+            raise SystemExit(f"non-finite loss at step {step}: lower --lr")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        metrics = {"loss/nll": loss.item(), "perf/lr": sched.get_last_lr()[0]}
+        if step % args.eval_every == 0 or step == args.steps:
+            metrics.update(eval_all(model, tok, tasks, eval_sets, args))
+            history.append((step, metrics))
+            bar.set_postfix({k.split("/")[1]: f"{v:.2f}" for k, v in metrics.items() if k.startswith("eval/")})
+        tracker.log(metrics, step)
+        if args.stop_at_acc and metrics.get(f"eval/{tasks[0].name}_acc", 0.0) >= args.stop_at_acc:
+            print(f"stopping at step {step}: {tasks[0].name} held-out accuracy reached {args.stop_at_acc}")
+            break
+    end = history[-1][1]
+    main_key = f"eval/{tasks[0].name}_acc"
+    summary = {"eval_acc_start": start[main_key], "eval_acc_end": end[main_key],
+               "eval_acc_best": max(h[main_key] for _, h in history), "n_params": n_params,
+               "wall_s": time.time() - t0, **{k.replace("eval/", "final_"): v for k, v in end.items()}}
+    if args.save_to:
+        model.save_pretrained(args.save_to)
+        tok.save_pretrained(args.save_to)
+    print(f"held-out accuracy ({tasks[0].name}): {summary['eval_acc_start']:.3f} -> {summary['eval_acc_end']:.3f} "
+          f"in {summary['wall_s']:.0f}s ({n_params / 1e6:.2f}M params)")
+    return tracker.finish(summary)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

