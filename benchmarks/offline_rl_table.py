@@ -6,7 +6,7 @@ the markdown tables that benchmarks/report.py pastes into the README:
     benchmarks/results/offline_rl.md       TD3+BC and IQL on pendulum-medium and pendulum-medium-replay
     benchmarks/results/offline_ravl.md     true vs learned dynamics x pessimism none / penalty / ravl
     benchmarks/results/offline_driftql.md  drift vs MSE-BC regulariser on the toy, rho = 0 and 0.5
-Budget: about 25 minutes at one thread on a 2-core machine, so the dataset list is reduced (random, expert
+Budget: about 15-25 minutes at one thread on a 2-core machine, so the dataset list is reduced (random, expert
 and mixed are not in the default table; pass --datasets to add them) and runs are shorter than the
 scripts' defaults (steps listed in each table).
 
@@ -29,7 +29,7 @@ import numpy as np
 from benchmarks._results import RESULTS, append_rows, read_rows
 
 CSV = "offline_rl.csv"
-CORL_STEPS, RAVL_STEPS, DRIFT_STEPS = 3000, 4000, 3000
+CORL_STEPS, RAVL_STEPS, DRIFT_STEPS = 2000, 3000, 2000
 
 
 def run_corl(seeds, datasets):
