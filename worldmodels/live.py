@@ -14,7 +14,7 @@ The rollout length L follows a progressive curriculum (1 -> cycle_horizon). The 
 noisy ground-truth context), `live` (teacher forcing + the cycle loss).
 
 Equations (function that implements each):
-  (1) denoiser          D(x; s) = tanh F(c_in(s) x, c_noise(s), ctx, a), c_in = 1/sqrt(s^2+sd^2)    `Denoiser.forward`
+  (1) denoiser          D(x; s) = F(c_in(s) x, c_noise(s), ctx, a), c_in = 1/sqrt(s^2+sd^2)    `Denoiser.forward`
   (2) denoising loss    L_diff(x | ctx, a) = E_{s, eps} || D(x + s eps; s, ctx, a) - x ||^2      `diffusion_loss`
   (3) diffusion forcing per-frame context noise levels s_j                                      `noise_context`
   (4) sampling          few-step Euler on the probability-flow ODE                               `sample_next`
@@ -35,7 +35,7 @@ Deviations:
 - No gradient through the generated frames (they are sampled under no_grad); the loss trains the last
   reverse step to recover x_0 from drifted context. Training rollouts use `rollout_denoise_steps` Euler
   steps (2) to save time; evaluation uses `denoise_steps` (3).
-- x0-prediction with tanh instead of EDM's preconditioning, a 4-layer conv net, 10 x 10 x 3 frames (see the
+- x0-prediction instead of EDM's preconditioning, a 4-layer conv net, 10 x 10 x 3 frames (see the
   parent's Deviations).
 
 Commands:
@@ -107,7 +107,7 @@ class Args:
     """fraction of steps over which L grows from 1 to cycle_horizon"""
     cycle_weight: float = 1.0
     """lambda in eq. (7)"""
-    cycle_batch: int = 32
+    cycle_batch: int = 16
     """windows per step for the cycle loss"""
     rollout_denoise_steps: int = 2
     """Euler steps per frame inside training rollouts"""
@@ -179,7 +179,7 @@ class Denoiser(nn.Module):
 
     def forward(self, x_noisy, sigma, ctx, ctx_sigma, action):
         c_in = 1 / (sigma[:, None, None, None] ** 2 + SIGMA_DATA ** 2).sqrt()
-        return torch.tanh(self.raw(c_in * x_noisy, sigma, ctx, ctx_sigma, action))
+        return self.raw(c_in * x_noisy, sigma, ctx, ctx_sigma, action)
 
 
 def windows(frames: torch.Tensor, acts: torch.Tensor, starts: torch.Tensor, k: int, h: int):

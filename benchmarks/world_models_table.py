@@ -1,0 +1,182 @@
+"""World models: prediction error vs horizon across scripts, and policy evaluation in a learned model.
+
+Runs each configuration's `main(Args(...))` over seeds (default 0 1 2), appends every summary figure to
+benchmarks/results/world_models.csv (with provenance, through benchmarks/_results.py), and writes
+benchmarks/results/world_models.md (the README block `results:world_models`) and
+benchmarks/results/world_models.png (mean error curves). The seed-0 frame strips are copied next to them.
+
+    python benchmarks/world_models_table.py                 # everything, about 20-25 min at 1 thread
+    python benchmarks/world_models_table.py --only live ar  # some configurations
+    python benchmarks/world_models_table.py --report-only   # rebuild the .md and .png from the CSV
+
+All configurations train with horizon 8 (the chain / cycle length) and are evaluated on 256 held-out
+trajectories rolled out 32 steps (4x) from ground-truth frames with the true actions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np
+
+from benchmarks._results import RESULTS, append_rows, read_rows
+
+CSV, MD, PNG = "world_models.csv", RESULTS / "world_models.md", RESULTS / "world_models.png"
+HORIZONS = (1, 8, 16, 32)
+
+
+def configs() -> dict:
+    from worldmodels import ar_world_model, diffusion_world_model, live, policy_eval
+
+    return {
+        "ar": (ar_world_model, dict(), "python worldmodels/ar_world_model.py"),
+        "ar-chained": (ar_world_model, dict(chained=True), "python worldmodels/ar_world_model.py --chained"),
+        "diffusion": (diffusion_world_model, dict(), "python worldmodels/diffusion_world_model.py"),
+        "live": (live, dict(mode="live"), "python worldmodels/live.py"),
+        "policy-eval": (policy_eval, dict(), "python worldmodels/policy_eval.py"),
+    }
+
+
+def run(names: list[str], seeds: list[int], out_root: Path) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    table = configs()
+    for seed in seeds:
+        for name in names:
+            mod, kw, cmd = table[name]
+            out = out_root / f"{name}_s{seed}"
+            summary = mod.main(mod.Args(seed=seed, out_dir=str(out), exp_name=f"{name}_s{seed}", **kw))
+            flat = dict(summary)
+            for key in ("err_curve", "real_success", "imagined_success", "imagined_success_term"):
+                for i, v in enumerate(flat.pop(key, []) or []):
+                    flat[f"{key}_{i + 1}" if key == "err_curve" else f"{key}_{i}"] = v
+            append_rows(CSV, "world_models", name, json.dumps(kw, sort_keys=True), seed, flat,
+                        command=f"{cmd} --seed {seed}")
+            for png in ("strip.png", "policy_eval.png"):
+                if seed == seeds[0] and (out / png).exists():
+                    shutil.copy(out / png, RESULTS / f"world_models_{name}_{png}")
+            print(f"{name} seed {seed}: " + ", ".join(f"{k}={v:.4g}" for k, v in summary.items()
+                                                        if isinstance(v, float) and ("err_h" in k or k in (
+                                                            "pearson", "mmrv", "wall_s"))), flush=True)
+
+
+def collect_rows() -> dict:
+    """{script: {metric: [values over seeds]}} from the CSV (the latest row per script/seed/metric)."""
+    latest = {}
+    for r in read_rows(CSV):
+        latest[(r["script"], r["seed"], r["metric"])] = (float(r["value"]), r)
+    out = defaultdict(lambda: defaultdict(list))
+    meta = {}
+    for (script, seed, metric), (v, r) in sorted(latest.items()):
+        out[script][metric].append(v)
+        meta[script] = r
+    return out, meta
+
+
+def fmt(vals: list[float], digits: int = 4) -> str:
+    if not vals:
+        return "-"
+    a = np.asarray(vals)
+    return f"{a.mean():.{digits}f} ± {a.std():.{digits}f}" if len(a) > 1 else f"{a[0]:.{digits}f}"
+
+
+def report() -> None:
+    data, meta = collect_rows()
+    if not data:
+        raise SystemExit(f"no rows in {RESULTS / CSV}: run the benchmark first")
+    order = [n for n in ("ar", "ar-chained", "diffusion", "live") if n in data]
+    lines = ["Pixel MSE (frames in [0, 1]) and agent-cell error rate (fraction of rollouts whose agent is in the "
+             "wrong cell) at horizon h, rolled out from ground truth with the true actions; training horizon 8, "
+             "so h = 16 and 32 are 2x and 4x beyond it. Mean ± std over seeds "
+             f"({', '.join(sorted({s for s in (r['seed'] for r in read_rows(CSV))}))}); "
+             "copy = predicting the initial frame forever.", "",
+             "| script | " + " | ".join(f"MSE h={h}" for h in HORIZONS) + " | "
+             + " | ".join(f"agent err h={h}" for h in HORIZONS) + " | wall s |",
+             "|---" * (2 * len(HORIZONS) + 2) + "|"]
+    for n in order:
+        d = data[n]
+        lines.append(f"| `{n}` | " + " | ".join(fmt(d.get(f"err_h{h}", [])) for h in HORIZONS) + " | "
+                     + " | ".join(fmt(d.get(f"agent_err_h{h}", []), 2) for h in HORIZONS)
+                     + f" | {fmt(d.get('wall_s', []), 0)} |")
+    if order:
+        d = data[order[0]]
+        lines.append("| copy x_0 | " + fmt(d.get("copy_err_h1", [])) + " | | | " + fmt(d.get("copy_err_h32", []))
+                     + " |" + " |" * (len(HORIZONS) + 1))
+    if "policy-eval" in data:
+        d = data["policy-eval"]
+        n_pol = len([k for k in d if k.startswith("real_success_")])
+        lines += ["", f"Policy evaluation in a learned world model ({n_pol} scripted policies, eps-greedy shortest "
+                  "path, 200 episodes of 12 steps each; `worldmodels/policy_eval.py`):", "",
+                  "| figure | value (mean ± std over seeds) |", "|---|---|"]
+        for key, label in (("pearson", "Pearson r, imagined vs real success"), ("mmrv", "MMRV"),
+                           ("pearson_term", "Pearson r with inverse-dynamics termination"),
+                           ("mmrv_term", "MMRV with termination"), ("terminated_frac", "episodes terminated"),
+                           ("one_step_agent_acc", "one-step agent-cell accuracy on executed rollouts"),
+                           ("agent_err_h12", "open-loop agent-cell error after 12 steps")):
+            if key in d:
+                lines.append(f"| {label} | {fmt(d[key], 3)} |")
+        real = [np.mean(d[f"real_success_{i}"]) for i in range(n_pol)]
+        imag = [np.mean(d[f"imagined_success_{i}"]) for i in range(n_pol)]
+        lines.append("| real success per policy (eps 0 ... 1) | " + ", ".join(f"{v:.2f}" for v in real) + " |")
+        lines.append("| imagined success per policy | " + ", ".join(f"{v:.2f}" for v in imag) + " |")
+    any_row = next(iter(meta.values()))
+    lines += ["", f"Commit `{any_row['commit']}`, {any_row['hardware']}, {any_row['versions']}; "
+              "rows in `benchmarks/results/world_models.csv`; curves in `benchmarks/results/world_models.png`."]
+    MD.write_text("\n".join(lines) + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for n in order:
+        d = data[n]
+        hs = sorted(int(k.split("_")[-1]) for k in d if k.startswith("err_curve_"))
+        if hs:
+            curves = np.array([d[f"err_curve_{h}"] for h in hs])  # (H, seeds)
+            axes[0].plot(hs, curves.mean(1), label=n)
+            axes[0].fill_between(hs, curves.min(1), curves.max(1), alpha=0.2)
+        agent = [np.mean(d.get(f"agent_err_h{h}", [np.nan])) for h in HORIZONS]
+        axes[1].plot(HORIZONS, agent, "o-", label=n)
+    if order and "copy_err_h1" in data[order[0]]:
+        d = data[order[0]]
+        axes[0].plot([1, 32], [np.mean(d["copy_err_h1"]), np.mean(d["copy_err_h32"])], ":", color="grey",
+                     label="copy x_0")
+    for ax, yl in zip(axes, ("pixel MSE", "agent-cell error rate")):
+        ax.axvline(8, color="k", lw=0.6, ls=":")
+        ax.set_xlabel("horizon (training horizon 8)"), ax.set_ylabel(yl), ax.legend(fontsize=7)
+    axes[0].set_yscale("log")
+    fig.suptitle("World models: error vs horizon (mean over seeds, band = min..max)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(PNG, dpi=90)
+    plt.close(fig)
+    print(f"wrote {MD.relative_to(ROOT)} and {PNG.relative_to(ROOT)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--only", nargs="+", default=None, help="configurations to run (default: all)")
+    ap.add_argument("--out-root", default="runs/world_models_table", help="run directories")
+    ap.add_argument("--report-only", action="store_true", help="rebuild the .md and .png from the CSV")
+    args = ap.parse_args()
+    names = list(configs()) if args.only is None else args.only
+    bad = [n for n in names if n not in configs()]
+    if bad:
+        raise SystemExit(f"unknown configuration(s) {bad}; choose from {list(configs())}")
+    if not args.report_only:
+        run(names, args.seeds, Path(args.out_root))
+    report()
+
+
+if __name__ == "__main__":
+    main()

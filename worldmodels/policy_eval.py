@@ -1,0 +1,341 @@
+"""Policy evaluation inside a learned world model (SC3-Eval, A-11), with forward-inverse consistency.
+
+Paper. SC3-Eval (papers/000_*.txt line 23, A-11; PAPERS.md 1.11 and section 3 row 29): evaluate policies by
+rolling them out in an action-conditioned world model instead of the real world, and judge the evaluator by
+the Pearson correlation and the MMRV between world-model and real success rates (paper: 0.929 and 0.119
+over seven real-world policies).
+
+Method. A next-frame model f (teacher forcing, per-pixel Bernoulli, as in ar_world_model.py with K = 1) and an
+inverse-dynamics head g(x_t, x_{t+1}) -> action are trained together; the consistency term asks g to recover
+the action from the *predicted* next frame, which pushes f towards frames that show the requested move.
+Seven scripted policies of graded quality (shortest path to the goal with a random action with probability
+eps) are then run in the real gridworld and, from the same initial frames, inside the model: the policy reads
+the agent cell from the imagined frame, and an episode succeeds when the (imagined) agent reaches the goal.
+Test-time consistency: an imagined episode is terminated when g, applied to the imagined transition, gives
+the expected action a probability below `term_threshold`; terminated episodes are left out of the estimate.
+
+Equations (function that implements each):
+  (1) forward loss      L_f = BCE(f(x_t, a_t), x_{t+1})                                           `forward_loss`
+  (2) inverse loss      L_g = CE(g(x_t, x_{t+1}), a_t)                                            `inverse_loss`
+  (3) consistency       L_c = CE(g(x_t, sigmoid f(x_t, a_t)), a_t), gradient into f                `inverse_loss`
+                        total L = L_f + L_g + lambda_c L_c                                         `main`
+  (4) Pearson           r = cov(S, R) / (std S std R) over policies                              `pearson`
+  (5) MMRV              MMRV = 1/N sum_i max_j |R_i - R_j| 1[(S_i < S_j) != (R_i < R_j)]          `mmrv`
+                        R: real success rates, S: imagined ones (Li et al. 2024, SIMPLER, the definition
+                        SC3-Eval reports)
+  (6) next-state check  along real executed rollouts: one-step pixel MSE and agent-cell accuracy, and the
+                        open-loop replay of the executed actions in the model                     `next_state_check`
+
+Deviations:
+- A pretrained video model, multi-view inpainting (cross-view consistency) and real robot policies are
+  replaced by a small conv model, a single view and scripted gridworld policies; there is one camera, so
+  cross-view consistency has nothing to act on and is left out.
+- The termination rule (probability of the expected action under g below a threshold, terminated episodes
+  dropped from the estimate) is our reading of "terminates rollouts whose generated frames drift away from
+  the requested actions"; the expected action is the effective one (noop when the frame shows a wall).
+- The policies' goal and walls are read from the initial frame (they are static in this world).
+
+Commands:
+  python worldmodels/policy_eval.py                    # ~1-2 min on 1 CPU thread
+  python worldmodels/policy_eval.py --train-eps 0.3    # train on greedy-policy data too
+  python worldmodels/policy_eval.py --device cuda --steps 10000 --channels 128
+Expected result: imagined success tracks real success across the seven policies (Pearson near 1, MMRV near
+0 at this scale); the figures are in benchmarks/results/world_models.md.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from tqdm import tqdm
+
+import common
+from worldmodels._envs import (MOVES, N_ACTIONS, N_CHANNELS, NOOP, EnvConfig, GridWorld, agent_cells, collect,
+                               distance_map, greedy_actions)
+
+
+# ---- args ----
+@dataclass
+class Args:
+    exp_name: str = "policy_eval"
+    """name of the run (used in out_dir)"""
+    seed: int = 0
+    """seed for data, init, policies"""
+    track: bool = False
+    """mirror metrics to wandb"""
+    out_dir: str = "runs/policy_eval"
+    """where metrics.jsonl, summary.json and the PNG go"""
+    device: str = "auto"
+    """'auto', 'cpu' or 'cuda'"""
+    threads: int = 1
+    """torch CPU threads"""
+    map_size: int = 10
+    """gridworld cells per side"""
+    wall_density: float = 0.12
+    """interior wall probability"""
+    train_traj: int = 2000
+    """training trajectories"""
+    traj_len: int = 16
+    """steps per training trajectory"""
+    train_eps: float | None = None
+    """None: sticky random training data; a number: half the data from the greedy policy with this eps"""
+    channels: int = 32
+    """conv width"""
+    steps: int = 800
+    """optimiser steps"""
+    batch_size: int = 256
+    """transitions per step"""
+    lr: float = 2e-3
+    """Adam learning rate (cosine decay to 10%)"""
+    consistency: float = 0.5
+    """lambda_c in eq. (3); 0 turns forward-inverse consistency off"""
+    policies: tuple[float, ...] = (0.0, 0.1, 0.2, 0.35, 0.5, 0.7, 1.0)
+    """epsilon of each scripted policy (0 = shortest path, 1 = random)"""
+    episodes: int = 200
+    """episodes per policy, real and imagined"""
+    horizon: int = 12
+    """steps per episode"""
+    term_threshold: float = 0.5
+    """terminate an imagined episode when g gives the expected action less than this probability"""
+    log_every: int = 100
+    """steps between metric lines"""
+    save_png: bool = True
+    """save the scatter of imagined vs real success and a strip of frames"""
+
+
+def check_args(args: Args) -> EnvConfig:
+    if len(args.policies) < 2 or not all(0.0 <= e <= 1.0 for e in args.policies):
+        raise ValueError(f"--policies needs at least two epsilons in [0, 1], got {args.policies}")
+    if args.train_eps is not None and not 0.0 <= args.train_eps <= 1.0:
+        raise ValueError(f"--train-eps must be in [0, 1], got {args.train_eps}")
+    if args.episodes < 2 or args.horizon < 1:
+        raise ValueError(f"need --episodes >= 2 and --horizon >= 1, got {args.episodes}, {args.horizon}")
+    if not 0.0 <= args.term_threshold < 1.0:
+        raise ValueError(f"--term-threshold must be in [0, 1), got {args.term_threshold}")
+    if args.steps < 1 or args.batch_size < 1 or args.train_traj < 1 or args.consistency < 0:
+        raise ValueError("--steps, --batch-size, --train-traj must be >= 1 and --consistency >= 0")
+    return EnvConfig(map_size=args.map_size, wall_density=args.wall_density)
+
+
+# ---- model ----
+def conv_stack(cin: int, ch: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, ch, 3, padding=1), nn.SiLU(), nn.Conv2d(ch, ch, 3, padding=1), nn.SiLU(),
+                         nn.Conv2d(ch, ch, 3, padding=1), nn.SiLU(), nn.Conv2d(ch, cout, 3, padding=1))
+
+
+class WorldModel(nn.Module):
+    """forward(x (B,C,F,F), a (B,)) -> next-frame logits; inverse(x, x_next) -> action logits (B, A)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.f = conv_stack(N_CHANNELS + N_ACTIONS, channels, N_CHANNELS)
+        self.g = conv_stack(2 * N_CHANNELS, channels, N_ACTIONS)
+
+    def forward(self, x, a):
+        b, _, h, w = x.shape
+        planes = F.one_hot(a, N_ACTIONS).float()[:, :, None, None].expand(b, N_ACTIONS, h, w)
+        return self.f(torch.cat([x, planes], 1))
+
+    def inverse(self, x, x_next):
+        return self.g(torch.cat([x, x_next], 1)).amax(dim=(2, 3))  # max-pool: the move happens in one place
+
+
+# ---- losses ----
+def forward_loss(model: WorldModel, x, a, x_next):
+    """Eq. (1). Returns (loss, logits)."""
+    logits = model(x, a)
+    return F.binary_cross_entropy_with_logits(logits, x_next), logits
+
+
+def inverse_loss(model: WorldModel, x, a, x_next_or_pred):
+    """Eq. (2) on a true next frame, eq. (3) on a predicted one."""
+    return F.cross_entropy(model.inverse(x, x_next_or_pred), a)
+
+
+# ---- evaluation metrics ----
+def pearson(s, r) -> float:
+    """Eq. (4). Zero-variance inputs give nan."""
+    s, r = np.asarray(s, float), np.asarray(r, float)
+    s, r = s - s.mean(), r - r.mean()
+    den = np.sqrt((s ** 2).sum() * (r ** 2).sum())
+    return float((s * r).sum() / den) if den > 0 else float("nan")
+
+
+def mmrv(real, imagined) -> float:
+    """Eq. (5): mean over policies of the largest real-success gap among pairs whose order the model flips."""
+    r, s = np.asarray(real, float), np.asarray(imagined, float)
+    if r.shape != s.shape or r.ndim != 1 or len(r) < 2:
+        raise ValueError(f"mmrv needs two 1-D arrays of equal length >= 2, got {r.shape} and {s.shape}")
+    flipped = (s[:, None] < s[None, :]) != (r[:, None] < r[None, :])
+    return float((np.abs(r[:, None] - r[None, :]) * flipped).max(1).mean())
+
+
+# ---- rollouts ----
+def expected_action(walls: np.ndarray, cells: np.ndarray, acts: np.ndarray) -> np.ndarray:
+    """The effective action the frame implies: noop where the target cell is a wall."""
+    n, m, _ = walls.shape
+    tgt = np.clip(cells + MOVES[acts], 0, m - 1)
+    return np.where(walls[np.arange(n), tgt[:, 0], tgt[:, 1]], NOOP, acts)
+
+
+def run_real(cfg: EnvConfig, eps: float, n: int, horizon: int, seed: int):
+    """Real episodes. Returns success (n,), frames (n, T+1, C, F, F), effective actions (n, T)."""
+    env = GridWorld(cfg, n, seed)
+    rng = np.random.default_rng(seed + 7)
+    done = np.zeros(n, bool)
+    frames, effs = [env.render()], []
+    for _ in range(horizon):
+        effs.append(env.step(greedy_actions(env.distance(), env.pos, eps, rng)))
+        frames.append(env.render())
+        done |= env.at_goal()
+    return done, np.stack(frames, 1), np.stack(effs, 1)
+
+
+@torch.no_grad()
+def run_imagined(model: WorldModel, cfg: EnvConfig, eps: float, n: int, horizon: int, seed: int, thr: float):
+    """Imagined episodes from the same initial frames. Returns success (n,), terminated (n,), frames."""
+    env = GridWorld(cfg, n, seed)  # only its initial frame and static layout are used
+    rng = np.random.default_rng(seed + 7)
+    walls, goal = env.walls, env.goal
+    dist = distance_map(walls, goal)
+    x = torch.from_numpy(env.render())
+    done, term = np.zeros(n, bool), np.zeros(n, bool)
+    frames = [x.numpy()]
+    for _ in range(horizon):
+        cells = agent_cells(x.numpy(), cfg)
+        a = greedy_actions(dist, cells, eps, rng)
+        nxt = torch.sigmoid(model(x, torch.from_numpy(a)))
+        probs = torch.softmax(model.inverse(x, nxt), -1).numpy()
+        exp_a = expected_action(walls, cells, a)
+        term |= ~done & (probs[np.arange(n), exp_a] < thr)
+        x = nxt
+        frames.append(x.numpy())
+        done |= (agent_cells(x.numpy(), cfg) == goal).all(1)
+    return done, term, np.stack(frames, 1)
+
+
+@torch.no_grad()
+def next_state_check(model: WorldModel, cfg: EnvConfig, frames: np.ndarray, effs: np.ndarray) -> dict:
+    """Eq. (6): one-step and open-loop agreement with real executed rollouts (frames (n, T+1, ...))."""
+    n, t = effs.shape
+    x = torch.from_numpy(frames[:, :-1].reshape(n * t, *frames.shape[2:]))
+    a = torch.from_numpy(effs.reshape(-1))
+    one = torch.sigmoid(model(x, a)).numpy().reshape(frames[:, 1:].shape)
+    cur, open_loop = torch.from_numpy(frames[:, 0]), []
+    for j in range(t):
+        cur = torch.sigmoid(model(cur, torch.from_numpy(effs[:, j])))
+        open_loop.append(cur.numpy())
+    open_loop = np.stack(open_loop, 1)
+    hit = lambda p: (agent_cells(p, cfg) == agent_cells(frames[:, 1:], cfg)).all(-1)  # (n, T)
+    return {"one_step_mse": float(((one - frames[:, 1:]) ** 2).mean()), "one_step_agent_acc": float(hit(one).mean()),
+            "open_loop_mse": ((open_loop - frames[:, 1:]) ** 2).mean(axis=(0, 2, 3, 4)),
+            "open_loop_agent_acc": hit(open_loop).mean(0)}
+
+
+def save_figure(path: Path, real, imag, imag_term, eps, r, m) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.2, 4))
+    ax.plot([0, 1], [0, 1], ":", color="grey")
+    ax.scatter(real, imag, label=f"imagined (r={r:.3f}, MMRV={m:.3f})")
+    ax.scatter(real, imag_term, marker="x", label="with inverse-dynamics termination")
+    for e, x, y in zip(eps, real, imag):
+        ax.annotate(f"eps={e}", (x, y), fontsize=6, xytext=(3, -8), textcoords="offset points")
+    ax.set_xlabel("real success"), ax.set_ylabel("world-model success"), ax.legend(fontsize=7)
+    ax.set_title("Scripted policies evaluated in the world model", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# ---- main ----
+def main(args: Args) -> dict:
+    cfg = check_args(args)
+    common.set_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    device = common.get_device(args.device)
+    t0 = time.perf_counter()
+    tracker = common.Tracker(args.out_dir, args, track=args.track, run_name=args.exp_name)
+    timer = common.Timer()
+
+    if args.train_eps is None:
+        fr, _, eff = collect(cfg, args.train_traj, args.traj_len, seed=args.seed)
+    else:
+        half = args.train_traj // 2
+        f1, _, e1 = collect(cfg, half, args.traj_len, seed=args.seed)
+        f2, _, e2 = collect(cfg, args.train_traj - half, args.traj_len, seed=args.seed + 1, eps=args.train_eps)
+        fr, eff = np.concatenate([f1, f2]), np.concatenate([e1, e2])
+    x_all = torch.from_numpy(fr[:, :-1].reshape(-1, *fr.shape[2:])).to(device)
+    y_all = torch.from_numpy(fr[:, 1:].reshape(-1, *fr.shape[2:])).to(device)
+    a_all = torch.from_numpy(eff.reshape(-1)).to(device)
+
+    model = WorldModel(args.channels).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * s / args.steps)))
+    gen = torch.Generator().manual_seed(args.seed)
+    bar = tqdm(range(args.steps), desc=args.exp_name, disable=None)
+    for step in bar:
+        with timer("train"):
+            idx = torch.randint(0, len(a_all), (args.batch_size,), generator=gen)
+            x, a, y = x_all[idx], a_all[idx], y_all[idx]
+            lf, logits = forward_loss(model, x, a, y)
+            lg = inverse_loss(model, x, a, y)
+            lc = inverse_loss(model, x, a, torch.sigmoid(logits)) if args.consistency > 0 else torch.zeros(())
+            loss = lf + lg + args.consistency * lc
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+        if step % args.log_every == 0 or step == args.steps - 1:
+            tracker.log({"loss/forward": lf.item(), "loss/inverse": lg.item(), "loss/consistency": lc.item(),
+                         **{f"perf/{n}_s": v for n, v in timer.pop().items()}}, step)
+            bar.set_postfix(fwd=f"{lf.item():.4f}", inv=f"{lg.item():.3f}")
+
+    model.eval().cpu()
+    real, imag, imag_t, term_frac, checks = [], [], [], [], []
+    for i, eps in enumerate(args.policies):
+        seed = args.seed + 20_000 + i
+        r_succ, r_frames, r_effs = run_real(cfg, eps, args.episodes, args.horizon, seed)
+        i_succ, i_term, _ = run_imagined(model, cfg, eps, args.episodes, args.horizon, seed, args.term_threshold)
+        keep = ~i_term
+        real.append(r_succ.mean())
+        imag.append(i_succ.mean())
+        imag_t.append(i_succ[keep].mean() if keep.any() else i_succ.mean())
+        term_frac.append(i_term.mean())
+        checks.append(next_state_check(model, cfg, r_frames, r_effs))
+        tracker.log({"eval/real_success": real[-1], "eval/imagined_success": imag[-1],
+                     "eval/imagined_success_term": imag_t[-1], "eval/terminated": term_frac[-1], "eval/eps": eps}, i)
+    r, m = pearson(imag, real), mmrv(real, imag)
+    rt, mt = pearson(imag_t, real), mmrv(real, imag_t)
+    ol_mse = np.mean([c["open_loop_mse"] for c in checks], 0)
+    ol_acc = np.mean([c["open_loop_agent_acc"] for c in checks], 0)
+    summary = {"err_h1": float(ol_mse[0]), f"err_h{args.horizon}": float(ol_mse[-1]),
+               "agent_err_h1": float(1 - ol_acc[0]), f"agent_err_h{args.horizon}": float(1 - ol_acc[-1]),
+               "pearson": r, "mmrv": m, "pearson_term": rt, "mmrv_term": mt,
+               "terminated_frac": float(np.mean(term_frac)),
+               "one_step_agent_acc": float(np.mean([c["one_step_agent_acc"] for c in checks])),
+               "one_step_mse": float(np.mean([c["one_step_mse"] for c in checks])),
+               "real_success": [float(v) for v in real], "imagined_success": [float(v) for v in imag],
+               "imagined_success_term": [float(v) for v in imag_t]}
+    if args.save_png:
+        save_figure(Path(args.out_dir) / "policy_eval.png", real, imag, imag_t, args.policies, r, m)
+    summary["wall_s"] = time.perf_counter() - t0
+    return tracker.finish(summary)
+
+
+if __name__ == "__main__":
+    out = main(tyro.cli(Args))
+    print({k: (round(v, 4) if isinstance(v, float) else [round(x, 3) for x in v]) for k, v in out.items()})
