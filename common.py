@@ -500,7 +500,14 @@ def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
     path = Path(path)
     if not (path / "trainer_state.json").exists():
         raise SystemExit(f"{path} is not a checkpoint (no trainer_state.json)")
-    model.load_state_dict(load_file(path / "model.safetensors"), strict=False)
+    weights = {}
+    for shard in sorted(path.glob("model*.safetensors")):  # one file, or shards of a large model
+        weights.update(load_file(shard))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = {k for k in missing if "lm_head" in k and getattr(model.config, "tie_word_embeddings", False)}
+    if set(missing) - tied or unexpected:
+        raise SystemExit(f"{path}: checkpoint does not fit the model (missing {sorted(set(missing) - tied)[:3]}, "
+                         f"unexpected {unexpected[:3]})")
     if optimizer is not None and (path / "optimizer.safetensors").exists():
         flat, state = load_file(path / "optimizer.safetensors"), {}
         for key, v in flat.items():

@@ -71,7 +71,7 @@ def report() -> None:
     any_row = next(iter(meta.values()), None)
     if any_row:
         lines.append("")
-        lines.append(f"Task: 2-digit addition (`add`), 500 held-out prompts, greedy decoding; start = the shipped "
+        lines.append(f"Task: 2-digit addition (`add`), greedy decoding on held-out prompts (500 for GRPO, the first 300 of them for SFT); start = the shipped "
                      f"`tiny-0.6m`. Mean ± std over seeds; hardware: {any_row['hardware']}; "
                      f"{any_row['versions']}; commit {any_row['commit']}. Rows: `benchmarks/results/{CSV}`; "
                      f"command: `python benchmarks/run_foundation.py`.")
