@@ -275,7 +275,11 @@ def resolve_model_path(name: str) -> str:
             print(f"converting {gguf.name} to {cache} (once)")
             kw = dict(gguf_file=gguf.name)
             AutoTokenizer.from_pretrained(gguf.parent, **kw).save_pretrained(cache)
-            AutoModelForCausalLM.from_pretrained(gguf.parent, **kw).save_pretrained(cache)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, **kw)  # de-quantised to fp32 on load
+            model.hf_quantizer = None  # the weights are plain tensors now; drop the GGUF marker to save them
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.save_pretrained(cache)
         return str(cache)
     return name
 
@@ -373,7 +377,10 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, gpu_memory_utilization: float = 0.3, max_model_len: int = 2048,
                  seed: int = 0):
-        from vllm import LLM  # lazy: GPU-only dependency
+        try:
+            from vllm import LLM  # lazy: GPU-only dependency
+        except ImportError:
+            raise SystemExit("--engine vllm needs vLLM on a CUDA machine: pip install -r requirements-gpu.txt")
 
         self.llm = LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
                        max_model_len=max_model_len, seed=seed, enable_prefix_caching=True)

@@ -270,3 +270,34 @@ def test_checkpoint_roundtrip(tmp_path, tiny):
     with pytest.raises(SystemExit, match="not a checkpoint"):
         common.load_checkpoint(tmp_path, m2)
     model.zero_grad()
+
+
+def test_to_py_example_and_rollout_types():
+    assert common._to_py(torch.tensor([1.0, 2.0])) == [1.0, 2.0] and common._to_py(np.int64(3)) == 3
+    ex = common.Example("1+1=", "2")
+    assert ex.solution == ""
+    ro = common.Rollout(*(torch.zeros(1, 1),) * 5, ["stop"], ["2"])
+    assert ro.finish_reasons == ["stop"]
+
+
+def test_load_jsonl_task_direct(tmp_path):
+    p = tmp_path / "one.jsonl"
+    p.write_text(json.dumps({"prompt": "q", "answer": "1"}) + "\n")
+    with pytest.raises(SystemExit, match="at least 2"):
+        common.load_jsonl_task(str(p))
+
+
+def test_resolve_model_path():
+    assert common.resolve_model_path("tiny-0.6m").endswith("algos/models/tiny-0.6m")
+    assert common.resolve_model_path("org/some-model") == "org/some-model"
+
+
+def test_vllm_engine_without_vllm_is_a_clear_message():
+    pytest.importorskip("torch")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(SystemExit, match="requirements-gpu"):
+            common.VLLMEngine("tiny-0.6m")
+    else:
+        pytest.skip("vLLM is installed: the GPU path is exercised on a GPU machine")

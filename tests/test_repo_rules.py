@@ -18,7 +18,10 @@ def imported_modules(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             mods |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
-            mods.add(node.module)
+            if node.module in ("algos", "worldmodels"):  # `from algos import x` imports algos.x
+                mods |= {f"{node.module}.{a.name}" for a in node.names}
+            else:
+                mods.add(node.module)
     return mods
 
 
