@@ -1,0 +1,525 @@
+"""PPO: Proximal Policy Optimization with a learned value function and token-level GAE (the RLHF recipe).
+
+Papers: Schulman et al., "Proximal Policy Optimization Algorithms", arXiv:1707.06347 (clipped surrogate,
+value clipping as in the OpenAI baselines); Schulman et al., "High-Dimensional Continuous Control Using
+Generalized Advantage Estimation", arXiv:1506.02438 (GAE); Ouyang et al., "Training language models to
+follow instructions with human feedback", arXiv:2203.02155 (per-token KL penalty to the reference in the
+reward). Parent: none (the loop is copied from algos/grpo.py).
+
+The critic is a separate tiny value model: a copy of the initial policy's decoder with a fresh scalar head
+(zero-initialised), trained by its own AdamW parameter group. A separate critic keeps the value loss from
+pulling on the policy's features, at the cost of one more forward/backward (cheap next to generation here).
+
+Equations (each implemented by the function named on the right):
+  values            V_t = w . h_t + b, h_t = critic decoder state before response token t   critic_values
+  per-token reward  r_t = -beta (log pi_theta(o_t) - log pi_ref(o_t))  +  R(o) at the last token
+                    (beta = --kl-coef, 0 = no reference model)                               token_rewards
+  GAE               delta_t = r_t + gamma V_{t+1} - V_t  (V after the last token = 0)
+                    A_t = sum_l (gamma lambda)^l delta_{t+l},  R_t = A_t + V_t (value target)   gae
+  whitening         A_t <- (A_t - mean) / (std + eps) over the batch's response tokens    whiten
+  clipped surrogate l_t = -min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t)                clipped_pg_loss
+  clipped value     v_t = 1/2 max((V_t - R_t)^2, (V_old,t + clip(V_t - V_old,t, -c, c) - R_t)^2)
+                                                                                         clipped_value_loss
+  objective         J = token-mean over the optimiser step of l_t + vf_coef * v_t
+  With gamma = lambda = 1, A_t = (sum_{k >= t} r_k) - V_t: the Monte-Carlo return minus the value.
+
+Deviations:
+- Rollouts are 256 distinct prompts x 1 sample per batch (no groups: the critic is the baseline), the
+  same number of sequences per batch as algos/grpo.py's 32 x 8.
+- The critic starts from the SFT policy's decoder, not from a reward model (there is none: the reward is
+  the exact verifier, 0/1).
+- No entropy bonus, no adaptive KL controller (fixed beta, off by default as in the GRPO-family scripts).
+- pi_old and V_old are recomputed by the trainer after sampling (the sampler's log-probs only feed the
+  rollout/logprob_mismatch metric), as in algos/grpo.py.
+
+Commands:
+  python algos/ppo.py                                           # tiny default, 2-core CPU, ~3 minutes
+  python algos/ppo.py --kl-coef 0.05                            # with the per-token KL penalty in the reward
+  python algos/ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm --device cuda \
+      --max-new-tokens 512 --prompts-per-step 64 --lr 1e-6 --vf-lr 1e-5                 # one GPU
+  accelerate launch --num_processes 4 algos/ppo.py --model ... --device cuda          # several GPUs
+Expected: held-out greedy accuracy on 2-digit addition rises by 15+ points in under 5 minutes on 2 cores;
+see benchmarks/results/grpo_family.md (rows in benchmarks/results/grpo_family.csv).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    # bookkeeping
+    exp_name: str = "ppo"
+    """name of the run (the output folder is out_dir/exp_name)"""
+    seed: int = 0
+    """random seed: prompts and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
+    track: bool = False
+    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
+    out_dir: str = "runs"
+    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
+    # model and task
+    model: str = "tiny-0.6m"
+    """tiny-0.6m, tiny-5m, smollm2-135m, a Hugging Face id or a local path"""
+    task: str = "add"
+    """add, addsteps, jsonl:PATH (prompt/answer records) or gsm8k"""
+    digits: int = 2
+    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
+    device: str = "auto"
+    """auto (CUDA if present), cpu or cuda"""
+    threads: int = 2
+    """torch CPU threads per process"""
+    # rollout
+    engine: Literal["hf", "vllm"] = "hf"
+    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
+    vllm_gpu_memory: float = 0.3
+    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
+    prompts_per_step: int = 256
+    """distinct prompts per rollout batch (per process)"""
+    group_size: int = 1
+    """completions per prompt (PPO needs no groups; >1 only to match another method's sampling)"""
+    max_new_tokens: int = 8
+    """generation budget per completion"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer scores with the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    # objective
+    gamma: float = 1.0
+    """discount per token"""
+    gae_lambda: float = 0.95
+    """GAE lambda (1 = Monte-Carlo return minus value; 0 = one-step TD)"""
+    whiten_adv: bool = True
+    """normalise advantages over the batch's response tokens"""
+    clip_eps: float = 0.2
+    """policy ratio clip range"""
+    vf_clip: float = 0.2
+    """value clip range around the old value (0 = no value clipping)"""
+    vf_coef: float = 0.5
+    """weight of the value loss (it only reaches the critic's parameters)"""
+    kl_coef: float = 0.0
+    """beta of the per-token KL penalty to the frozen initial policy in the reward (0 = no reference)"""
+    # optimisation
+    steps: int = 400
+    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
+    ppo_epochs: int = 2
+    """passes over each rollout batch"""
+    minibatches: int = 1
+    """optimiser steps per pass; the rollout batch is split into this many"""
+    micro_batch_size: int = 256
+    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
+    lr: float = 1e-4
+    """policy learning rate (AdamW); 1e-3 collapses the tiny policy"""
+    vf_lr: float = 3e-4
+    """critic learning rate"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
+    warmup_steps: int = 0
+    """linear warm-up (optimiser steps)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm (policy and critic clipped separately)"""
+    # eval and checkpoints
+    eval_every: int = 25
+    """rollout batches between held-out evaluations"""
+    eval_examples: int = 500
+    """held-out prompts for greedy accuracy"""
+    pass_k: int = 8
+    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
+    eval_hard: bool = True
+    """also evaluate one digit harder than training (out of distribution)"""
+    save_every: int = 0
+    """rollout batches between checkpoints (0 = only at the end)"""
+    resume: str = ""
+    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
+
+
+def check_args(args: Args) -> None:
+    """Fail early, naming the flag, instead of deep inside torch."""
+    if args.prompts_per_step < 1 or args.steps < 1 or args.max_new_tokens < 1 or args.group_size < 1:
+        raise SystemExit("--prompts-per-step, --group-size, --steps and --max-new-tokens must be positive")
+    batch = args.prompts_per_step * args.group_size
+    if batch % args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} must divide the rollout batch "
+                         f"(prompts_per_step * group_size = {batch})")
+    if args.micro_batch_size < 1:
+        raise SystemExit("--micro-batch-size must be positive")
+    if not 0 <= args.gamma <= 1 or not 0 <= args.gae_lambda <= 1:
+        raise SystemExit(f"--gamma and --gae-lambda must be in [0, 1], got {args.gamma} and {args.gae_lambda}")
+    if not 0 < args.clip_eps < 1:
+        raise SystemExit(f"--clip-eps must be in (0, 1), got {args.clip_eps}")
+    if args.vf_clip < 0 or args.vf_coef < 0:
+        raise SystemExit("--vf-clip and --vf-coef must be >= 0")
+    if args.temperature <= 0:
+        raise SystemExit("--temperature must be > 0 (greedy decoding is used for eval only)")
+    if args.engine == "vllm" and not torch.cuda.is_available():
+        raise SystemExit("--engine vllm needs a CUDA GPU; use --engine hf on CPU")
+
+
+# ---- the idea: critic, per-token rewards, GAE, clipped policy and value losses ----
+class Critic(torch.nn.Module):
+    """A copy of the policy's decoder with a scalar head: V(x, o_<t) for every response position."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.decoder = copy.deepcopy(policy.get_decoder())
+        self.head = torch.nn.Linear(policy.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+
+def critic_values(critic: Critic, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """V_t for each response token t: the value of the state that emits token t; [B, C] (0 on padding)."""
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    mask = torch.cat([prompt_mask, completion_mask], 1)
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    hidden = critic.decoder(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+    P = prompt_ids.shape[1]
+    return critic.head(hidden[:, P - 1:-1]).squeeze(-1) * completion_mask
+
+
+def token_rewards(scores, mask, logp=None, ref_logp=None, kl_coef: float = 0.0):
+    """r_t: the sequence score on the last response token, minus kl_coef * (logp - ref_logp) per token.
+
+    scores [B]; mask, logp, ref_logp [B, C] -> [B, C].
+    """
+    last = (mask.sum(1) - 1).clamp(min=0).long()
+    r = torch.zeros_like(mask, dtype=torch.float)
+    r[torch.arange(len(scores)), last] = scores.float()
+    if kl_coef and ref_logp is not None:
+        r = r - kl_coef * (logp - ref_logp) * mask
+    return r * mask
+
+
+def gae(rewards, values, mask, gamma: float, lam: float):
+    """Generalised advantage estimation over response tokens; all [B, C] -> (advantages, returns).
+
+    The value after the last response token is 0 (the episode ends there).
+    """
+    B, C = rewards.shape
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)
+    for t in reversed(range(C)):
+        nxt_mask = mask[:, t + 1] if t + 1 < C else torch.zeros_like(mask[:, 0])
+        next_v = values[:, t + 1] * nxt_mask if t + 1 < C else torch.zeros_like(last)
+        delta = rewards[:, t] + gamma * next_v - values[:, t]
+        last = delta + gamma * lam * last * nxt_mask
+        adv[:, t] = last * mask[:, t]
+    return adv, (adv + values) * mask
+
+
+def whiten(x, mask, eps: float = 1e-8):
+    """(x - mean) / (std + eps) over the positions where mask is 1 (0 elsewhere)."""
+    mean = common.masked_mean(x, mask)
+    var = common.masked_mean((x - mean) ** 2, mask)
+    return (x - mean) / (var.sqrt() + eps) * mask
+
+
+def clipped_pg_loss(logp, old_logp, adv, eps: float):
+    """Per-token PPO-clip loss -min(rho A, clip(rho, 1-eps, 1+eps) A); logp, old_logp, adv all [B, C].
+
+    Returns (loss [B, C], clipped [B, C] as float: where the clipped branch was the active one).
+    """
+    ratio = torch.exp(logp - old_logp)
+    unclipped, clipped = ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def clipped_value_loss(values, old_values, returns, clip: float):
+    """1/2 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2) per token (c = 0: plain squared error)."""
+    loss = (values - returns) ** 2
+    if clip > 0:
+        v_clip = old_values + (values - old_values).clamp(-clip, clip)
+        loss = torch.maximum(loss, (v_clip - returns) ** 2)
+    return 0.5 * loss
+
+
+def k3_kl(logp, ref_logp):
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref) per token (logged; the penalty uses logp - ref)."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def explained_variance(values, returns, mask) -> float:
+    """1 - Var(R - V) / Var(R) over response tokens: 1 = perfect critic, 0 = no better than a constant."""
+    v, r = values[mask.bool()], returns[mask.bool()]
+    var_r = r.var()
+    return float(1 - (r - v).var() / var_r) if var_r > 0 else float("nan")
+
+
+# ---- helpers of the loop ----
+def lr_factor(step: int, total: int, args: Args) -> float:
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return 1.0
+    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def run_eval(model, tok, task, hard_task, eval_sets, args, engine=None) -> dict:
+    out = {}
+    res = common.evaluate(model, tok, task, eval_sets["main"], args.max_new_tokens, engine=engine)
+    out["eval/acc"] = res["acc"]
+    if args.pass_k:
+        res = common.evaluate(model, tok, task, eval_sets["main"][:100], args.max_new_tokens, pass_k=args.pass_k,
+                              temperature=args.temperature, engine=engine)
+        out[f"eval/pass@{args.pass_k}"] = res[f"pass@{args.pass_k}"]
+    if hard_task is not None:
+        res = common.evaluate(model, tok, hard_task, eval_sets["hard"], args.max_new_tokens + 2, engine=engine)
+        out["eval/acc_hard"] = res["acc"]
+    return out
+
+
+def save_curve(history: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [h["step"] for h in history if "rollout/reward" in h]
+    ax.plot(steps, [h["rollout/reward"] for h in history if "rollout/reward" in h], alpha=0.5, label="train reward")
+    ev = [h for h in history if "eval/acc" in h]
+    ax.plot([h["step"] for h in ev], [h["eval/acc"] for h in ev], "o-", label="held-out greedy acc")
+    if ev and "eval/acc_hard" in ev[0]:
+        ax.plot([h["step"] for h in ev], [h["eval/acc_hard"] for h in ev], "s--", label="harder (OOD) acc")
+    ax.set(xlabel="rollout batch", ylabel="accuracy / reward", ylim=(0, 1), title=title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def save_curve(history: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    tr = [h for h in history if "rollout/reward" in h]
+    ax.plot([h["step"] for h in tr], [h["rollout/reward"] for h in tr], alpha=0.5, label="train reward")
+    ax.plot([h["step"] for h in tr], [max(0.0, h["value/explained_var"]) for h in tr], alpha=0.5,
+            label="critic explained var")
+    ev = [h for h in history if "eval/acc" in h]
+    ax.plot([h["step"] for h in ev], [h["eval/acc"] for h in ev], "o-", label="held-out greedy acc")
+    if ev and "eval/acc_hard" in ev[0]:
+        ax.plot([h["step"] for h in ev], [h["eval/acc_hard"] for h in ev], "s--", label="harder (OOD) acc")
+    ax.set(xlabel="rollout batch", ylabel="accuracy / reward", ylim=(0, 1), title=title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def save_critic(path: Path, critic: Critic) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().cpu().contiguous() for k, v in critic.state_dict().items()}, path / "critic.safetensors")
+
+
+# ---- main ----
+def main(args: Args) -> dict:
+    check_args(args)
+    from accelerate import Accelerator
+
+    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
+    rank, world = accel.process_index, accel.num_processes
+    torch.set_num_threads(args.threads)
+    common.set_seed(args.seed)
+    device = accel.device
+    task = common.make_task(args.task, args.digits)
+    hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    model, tok = common.load_model(args.model, device)
+    model.train()
+    critic = Critic(model).to(device).train()
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    engine = None
+    if args.engine == "vllm":
+        engine = common.VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank)
+
+    opt = torch.optim.AdamW([{"params": list(model.parameters()), "lr": args.lr},
+                             {"params": list(critic.parameters()), "lr": args.vf_lr}], weight_decay=args.weight_decay)
+    base_lrs = [args.lr, args.vf_lr]
+    total_opt_steps = args.steps * args.ppo_epochs * args.minibatches
+    run_dir = Path(args.out_dir) / args.exp_name
+    eval_rng = np.random.default_rng(12345)  # the same held-out prompts in every script
+    eval_sets = {"main": task.sample("test", args.eval_examples, eval_rng)}
+    if hard_task is not None:
+        eval_sets["hard"] = hard_task.sample("test", min(args.eval_examples, 300), eval_rng)
+
+    start_step, history, state = 0, [], {}
+    if args.resume:
+        from safetensors.torch import load_file
+
+        state = common.load_checkpoint(args.resume, model, opt)
+        critic.load_state_dict(load_file(Path(args.resume) / "critic.safetensors"))
+        start_step, history = state["step"], state["history"]
+        if engine is not None:
+            engine.sync_weights(model)
+    tracker = common.Tracker(run_dir, args, args.track and accel.is_main_process, run_name=args.exp_name) \
+        if accel.is_main_process else None
+    timer = common.Timer()
+    t_start = time.time() - state.get("wall_s", 0.0)
+    gen_tokens = state.get("gen_tokens", 0)
+    gen_time = state.get("gen_time", 0.0)
+
+    def log(metrics: dict, step: int):
+        history.append({"step": step, **metrics})
+        if tracker is not None:
+            tracker.log(metrics, step)
+
+    if start_step == 0 and accel.is_main_process:
+        log(run_eval(model, tok, task, hard_task, eval_sets, args, engine), 0)
+
+    bar = tqdm(range(start_step + 1, args.steps + 1), desc="ppo", dynamic_ncols=True, disable=not accel.is_main_process,
+               initial=start_step, total=args.steps)
+    for step in bar:
+        # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
+        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
+        rng = np.random.default_rng([args.seed, step, rank])
+
+        # ---- rollout ----
+        examples = task.sample("train", args.prompts_per_step, rng)
+        with timer("gen"):
+            ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
+                                 args.max_new_tokens, args.temperature, args.top_p, engine=engine)
+        answers = [e.answer for e in examples for _ in range(args.group_size)]
+        scores = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
+        lengths = ro.completion_mask.sum(1).float()
+        gen_tokens += int(lengths.sum())
+        gen_time += timer.totals["gen"]
+        batch = {k: getattr(ro, k).to(device) for k in
+                 ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
+
+        def logprobs_of(m, idx):
+            return common.token_logprobs(m, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
+                                         batch["completion_ids"][idx], batch["completion_mask"][idx], args.temperature)
+
+        def values_of(idx):
+            return critic_values(critic, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
+                                 batch["completion_ids"][idx], batch["completion_mask"][idx])
+
+        # ---- pi_old, V_old, pi_ref; per-token rewards; GAE (no grad) ----
+        B = len(ro.texts)
+        mask = batch["completion_mask"].float()
+        with timer("train"), torch.no_grad():
+            micro = [torch.arange(s, min(s + args.micro_batch_size, B)) for s in range(0, B, args.micro_batch_size)]
+            batch["old"] = torch.cat([logprobs_of(model, i) for i in micro])
+            batch["old_v"] = torch.cat([values_of(i) for i in micro])
+            ref = torch.cat([logprobs_of(ref_model, i) for i in micro]) if ref_model is not None else None
+            rewards = token_rewards(scores, mask, batch["old"], ref, args.kl_coef)
+            adv, batch["returns"] = gae(rewards, batch["old_v"], mask, args.gamma, args.gae_lambda)
+            batch["adv"] = whiten(adv, mask) if args.whiten_adv else adv
+            ev = explained_variance(batch["old_v"], batch["returns"], mask)
+            kl_ref = common.masked_mean(k3_kl(batch["old"], ref), mask).item() if ref is not None else 0.0
+
+        # ---- update ----
+        stats = {"pg": 0.0, "vf": 0.0, "clipfrac": 0.0, "vf_clipfrac": 0.0, "mismatch": 0.0, "grad_norm": 0.0}
+        n_upd = 0
+        with timer("train"):
+            for _epoch in range(args.ppo_epochs):
+                perm = torch.randperm(B) if args.minibatches > 1 else torch.arange(B)
+                for mb in perm.chunk(args.minibatches):
+                    n_tok = torch.tensor(float(batch["completion_mask"][mb].sum()), device=device)
+                    if world > 1:
+                        n_tok = accel.reduce(n_tok, "sum")
+                    n_tokens = max(int(n_tok), 1)
+                    opt.zero_grad(set_to_none=True)
+                    for idx in mb.split(args.micro_batch_size):
+                        logp, values = logprobs_of(model, idx), values_of(idx)
+                        m = mask[idx]
+                        pg, clipped = clipped_pg_loss(logp, batch["old"][idx], batch["adv"][idx], args.clip_eps)
+                        vf = clipped_value_loss(values, batch["old_v"][idx], batch["returns"][idx], args.vf_clip)
+                        loss = common.masked_sum(pg + args.vf_coef * vf, m) / n_tokens
+                        if not torch.isfinite(loss):
+                            raise SystemExit(f"non-finite loss at step {step}; the last checkpoint in {run_dir} "
+                                             "is intact. Lower --lr / --vf-lr or check the rewards.")
+                        loss.backward()
+                        stats["pg"] += common.masked_sum(pg.detach(), m).item() / n_tokens
+                        stats["vf"] += common.masked_sum(vf.detach(), m).item() / n_tokens
+                        stats["clipfrac"] += common.masked_sum(clipped, m).item() / n_tokens
+                        moved = ((values.detach() - batch["old_v"][idx]).abs() > args.vf_clip).float()
+                        stats["vf_clipfrac"] += common.masked_sum(moved, m).item() / n_tokens
+                        stats["mismatch"] += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
+                                                               m).item() / n_tokens
+                    if world > 1:  # the loss was normalised by global counts, so summed gradients are exact
+                        for p in list(model.parameters()) + list(critic.parameters()):
+                            if p.grad is not None:
+                                p.grad = accel.reduce(p.grad, "sum")
+                    stats["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+                    torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                    opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_upd  # derived: resume-safe
+                    for group, base in zip(opt.param_groups, base_lrs):
+                        group["lr"] = base * lr_factor(opt_step, total_opt_steps, args)
+                    opt.step()
+                    n_upd += 1
+        if engine is not None:
+            with timer("sync"):
+                engine.sync_weights(model)
+
+        t = timer.pop()
+        metrics = {
+            "rollout/reward": scores.mean().item(),
+            "rollout/length": lengths.mean().item(),
+            "rollout/truncated_frac": float(np.mean([f == "length" for f in ro.finish_reasons])),
+            "rollout/tokens_per_s": lengths.sum().item() / max(t.get("gen", 1e-9), 1e-9),
+            "rollout/logprob_mismatch": stats["mismatch"] / n_upd,
+            "value/explained_var": ev, "value/mean": common.masked_mean(batch["old_v"], mask).item(),
+            "loss/pg": stats["pg"] / n_upd, "loss/vf": stats["vf"] / n_upd, "loss/kl": kl_ref,
+            "loss/clipfrac": stats["clipfrac"] / n_upd, "loss/vf_clipfrac": stats["vf_clipfrac"] / n_upd,
+            "loss/grad_norm": stats["grad_norm"] / n_upd, "perf/lr": opt.param_groups[0]["lr"],
+            "perf/gen_s": t.get("gen", 0.0), "perf/train_s": t.get("train", 0.0), "perf/sync_s": t.get("sync", 0.0),
+        }
+        if accel.is_main_process and (step % args.eval_every == 0 or step == args.steps):
+            metrics.update(run_eval(model, tok, task, hard_task, eval_sets, args, engine))
+        log(metrics, step)
+        bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", ev=f"{ev:.2f}",
+                        acc=f"{[h for h in history if 'eval/acc' in h][-1]['eval/acc']:.2f}" if accel.is_main_process else "")
+        if accel.is_main_process and (args.save_every and step % args.save_every == 0 or step == args.steps):
+            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
+                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
+                                    "gen_tokens": gen_tokens, "gen_time": gen_time})
+            save_critic(run_dir / "checkpoint", critic)
+
+    if not accel.is_main_process:
+        return {}
+    evals = [h for h in history if "eval/acc" in h]
+    train = [h for h in history if "rollout/reward" in h]
+    summary = {
+        "eval_acc_start": evals[0]["eval/acc"], "eval_acc_end": evals[-1]["eval/acc"],
+        "eval_acc_best": max(h["eval/acc"] for h in evals),
+        "train_reward_first": train[0]["rollout/reward"], "train_reward_last": train[-1]["rollout/reward"],
+        "gen_tokens": gen_tokens, "tokens_per_s": gen_tokens / max(gen_time, 1e-9), "wall_s": time.time() - t_start,
+        "logprob_mismatch": float(np.mean([h["rollout/logprob_mismatch"] for h in train])),
+        "explained_var_last": float(np.nanmean([h["value/explained_var"] for h in train[-10:]])),
+    }
+    for key in ("acc_hard", f"pass@{args.pass_k}"):
+        if f"eval/{key}" in evals[-1]:
+            summary[f"eval_{key}_start"], summary[f"eval_{key}_end"] = evals[0][f"eval/{key}"], evals[-1][f"eval/{key}"]
+    save_curve(history, run_dir / "curve.png", f"PPO on {task.name} ({args.model})")
+    print(f"held-out greedy accuracy {summary['eval_acc_start']:.3f} -> {summary['eval_acc_end']:.3f} "
+          f"(+{100 * (summary['eval_acc_end'] - summary['eval_acc_start']):.1f} points) in {summary['wall_s']:.0f}s; "
+          f"{summary['tokens_per_s']:.0f} generated tokens/s; critic explained variance "
+          f"{summary['explained_var_last']:.2f}")
+    return tracker.finish(summary)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,139 @@
+"""algos/ppo.py: GAE, per-token rewards, clipped policy and value losses against loops; learning; exact resume."""
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+import common
+from algos import ppo
+
+
+def random_episode(B=6, C=7, seed=0):
+    torch.manual_seed(seed)
+    mask = (torch.arange(C)[None] < torch.randint(1, C + 1, (B,))[:, None]).float()
+    return torch.randn(B, C) * mask, torch.randn(B, C) * mask, mask
+
+
+def naive_gae(r, v, n, gamma, lam):
+    """Per-sample loop over one response of n tokens: delta_t and the discounted sum of deltas."""
+    deltas = [r[t] + gamma * (v[t + 1] if t + 1 < n else 0.0) - v[t] for t in range(n)]
+    adv = [sum((gamma * lam) ** k * deltas[t + k] for k in range(n - t)) for t in range(n)]
+    return adv, [a + v[t] for t, a in enumerate(adv)]
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.95), (0.9, 0.5), (0.99, 0.0)])
+def test_gae_against_loop(gamma, lam):
+    r, v, mask = random_episode()
+    adv, ret = ppo.gae(r, v, mask, gamma, lam)
+    for i in range(r.shape[0]):
+        n = int(mask[i].sum())
+        want_adv, want_ret = naive_gae(r[i].tolist(), v[i].tolist(), n, gamma, lam)
+        assert adv[i, :n].tolist() == pytest.approx(want_adv, abs=1e-5)
+        assert ret[i, :n].tolist() == pytest.approx(want_ret, abs=1e-5)
+        assert torch.all(adv[i, n:] == 0) and torch.all(ret[i, n:] == 0)
+
+
+def test_gae_with_gamma_lambda_one_is_monte_carlo_return_minus_value():
+    r, v, mask = random_episode(seed=1)
+    adv, _ = ppo.gae(r, v, mask, 1.0, 1.0)
+    mc = torch.flip(torch.cumsum(torch.flip(r, [1]), 1), [1])  # sum_{k >= t} r_k
+    assert torch.allclose(adv, (mc - v) * mask, atol=1e-5)
+
+
+def test_gae_with_lambda_zero_is_one_step_td():
+    r, v, mask = random_episode(seed=2)
+    adv, _ = ppo.gae(r, v, mask, 0.9, 0.0)
+    nxt = torch.cat([v[:, 1:] * mask[:, 1:], torch.zeros(v.shape[0], 1)], 1)
+    assert torch.allclose(adv, (r + 0.9 * nxt - v) * mask, atol=1e-6)
+
+
+def test_token_rewards():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0.]])
+    r = ppo.token_rewards(torch.tensor([1.0, 0.0]), mask)
+    assert r.tolist() == [[0, 0, 1, 0], [0, 0, 0, 0]]
+    logp, ref = torch.randn(2, 4), torch.randn(2, 4)
+    r = ppo.token_rewards(torch.tensor([1.0, 0.5]), mask, logp, ref, kl_coef=0.1)
+    for i in range(2):
+        n = int(mask[i].sum())
+        for t in range(4):
+            want = (-0.1 * (logp[i, t] - ref[i, t]).item() + ([1.0, 0.5][i] if t == n - 1 else 0)) if t < n else 0
+            assert r[i, t].item() == pytest.approx(want, abs=1e-6)
+
+
+def test_clipped_losses_against_loop():
+    torch.manual_seed(3)
+    logp, old, adv = torch.randn(4, 3) * 0.3, torch.randn(4, 3) * 0.3, torch.randn(4, 3)
+    v, v_old, ret = torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 3)
+    pg, clipped = ppo.clipped_pg_loss(logp, old, adv, 0.2)
+    vf = ppo.clipped_value_loss(v, v_old, ret, 0.2)
+    vf_plain = ppo.clipped_value_loss(v, v_old, ret, 0.0)
+    for i in range(4):
+        for t in range(3):
+            ratio, a = torch.exp(logp[i, t] - old[i, t]).item(), adv[i, t].item()
+            assert pg[i, t].item() == pytest.approx(-min(ratio * a, min(max(ratio, 0.8), 1.2) * a), abs=1e-6)
+            assert clipped[i, t].item() == float(min(max(ratio, 0.8), 1.2) * a < ratio * a)
+            vc = v_old[i, t].item() + min(max(v[i, t].item() - v_old[i, t].item(), -0.2), 0.2)
+            want = 0.5 * max((v[i, t].item() - ret[i, t].item()) ** 2, (vc - ret[i, t].item()) ** 2)
+            assert vf[i, t].item() == pytest.approx(want, abs=1e-6)
+            assert vf_plain[i, t].item() == pytest.approx(0.5 * (v[i, t].item() - ret[i, t].item()) ** 2, abs=1e-6)
+
+
+def test_whiten_and_explained_variance():
+    x, _, mask = random_episode(seed=4)
+    w = ppo.whiten(x * 3 + 2, mask)
+    vals = w[mask.bool()]
+    assert abs(vals.mean().item()) < 1e-5 and abs(vals.pow(2).mean().sqrt().item() - 1) < 1e-4
+    assert torch.all(w[~mask.bool()] == 0)
+    ret = torch.randn(6, 7)
+    assert ppo.explained_variance(ret, ret, mask) == pytest.approx(1.0)
+    assert ppo.explained_variance(torch.zeros(6, 7), ret, mask) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_critic_starts_at_zero_and_is_masked():
+    model, tok = common.load_model("tiny-0.6m")
+    critic = ppo.Critic(model)
+    ro = common.generate(model, tok, common.encode_prompts(tok, ["1+2=", "34+56="]), 2, 5)
+    v = ppo.critic_values(critic, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+    assert v.shape == ro.completion_ids.shape and torch.all(v == 0)
+    torch.nn.init.normal_(critic.head.weight)
+    v = ppo.critic_values(critic, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+    assert torch.all(v[ro.completion_mask == 0] == 0) and v.abs().sum() > 0
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(critic.parameters(), model.parameters()))
+
+
+SMALL = ppo.Args(steps=80, eval_every=40, eval_examples=300, pass_k=0, eval_hard=False, out_dir="", exp_name="t")
+
+
+def test_ppo_learns(tmp_path):
+    s = ppo.main(replace(SMALL, out_dir=str(tmp_path)))
+    # stated margin: MARGIN_PPO
+    assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.06, s
+    assert s["explained_var_last"] > 0.0  # the critic learned something about the reward
+    assert (tmp_path / "t" / "curve.png").exists()
+
+
+def test_resume_is_exact_with_the_critic(tmp_path):
+    cfg = replace(SMALL, steps=4, eval_every=2, eval_examples=40, prompts_per_step=32, minibatches=2,
+                  micro_batch_size=16, kl_coef=0.05)
+    straight = ppo.main(replace(cfg, out_dir=str(tmp_path / "a")))
+    ppo.main(replace(cfg, steps=2, out_dir=str(tmp_path / "b")))
+    resumed = ppo.main(replace(cfg, out_dir=str(tmp_path / "b"), resume=str(tmp_path / "b" / "t" / "checkpoint")))
+    assert straight["eval_acc_end"] == resumed["eval_acc_end"]
+    rows = lambda d: {r["step"]: r for r in map(json.loads, open(tmp_path / d / "t" / "metrics.jsonl"))}  # noqa: E731
+    a, b = rows("a"), rows("b")
+    for step in (3, 4):
+        for key in ("rollout/reward", "loss/pg", "loss/vf", "loss/kl", "value/explained_var"):
+            assert a[step][key] == b[step][key], (step, key)
+
+
+@pytest.mark.parametrize("change,msg", [
+    ({"gae_lambda": 1.5}, "gae-lambda"),
+    ({"clip_eps": 0.0}, "clip-eps"),
+    ({"vf_clip": -1.0}, "vf-clip"),
+    ({"minibatches": 3}, "must divide"),
+    ({"task": "subtract"}, "unknown task"),
+])
+def test_bad_input(tmp_path, change, msg):
+    with pytest.raises(SystemExit, match=msg):
+        ppo.main(replace(SMALL, out_dir=str(tmp_path), **change))
