@@ -144,6 +144,8 @@ def check_args(args: Args) -> EnvConfig:
         raise ValueError("--steps, --batch-size, --train-traj and --eval-traj must be >= 1")
     if args.ctx_sigma_eval < 0:
         raise ValueError(f"--ctx-sigma-eval must be >= 0, got {args.ctx_sigma_eval}")
+    if args.mode not in ("tf", "df", "live"):
+        raise ValueError(f"--mode must be one of tf, df, live; got {args.mode!r}")
     if args.cycle_horizon < 1 or args.cycle_horizon > args.traj_len:
         raise ValueError(f"--cycle-horizon must be in [1, traj_len={args.traj_len}], got {args.cycle_horizon}")
     if not (0 <= args.cycle_start < 1 and 0 < args.curriculum <= 1 and args.cycle_start + args.curriculum <= 1):

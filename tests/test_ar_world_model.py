@@ -1,0 +1,65 @@
+"""worldmodels/ar_world_model.py: shapes, eq. (1) batched = per-step loop, eq. (2), learning, bad input."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worldmodels import ar_world_model as ar
+
+
+def _batch(b=4, k=2, h=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    win = (torch.rand(b, k + h, 3, 10, 10, generator=g) > 0.8).float()
+    acts = torch.randint(0, 5, (b, h), generator=g)
+    return win, acts
+
+
+def test_shapes():
+    model = ar.Predictor(context=2, channels=8)
+    win, acts = _batch()
+    assert model(win[:, :2], acts[:, 0]).shape == (4, 3, 10, 10)
+    frames = torch.rand(5, 13, 3, 10, 10)
+    w, a = ar.windows(frames, torch.randint(0, 5, (5, 12)), torch.tensor([0, 1, 2, 3, 4]), k=2, h=3)
+    assert w.shape == (5, 5, 3, 10, 10) and a.shape == (5, 3)
+    assert torch.equal(w[0, 0], frames[0, 0]) and torch.equal(w[0, 1], frames[0, 0])  # padded start
+
+
+def test_tf_loss_matches_per_step_loop():
+    torch.manual_seed(0)
+    model = ar.Predictor(context=2, channels=8)
+    win, acts = _batch()
+    naive = torch.stack([F.binary_cross_entropy_with_logits(model(win[:, j:j + 2], acts[:, j]), win[:, j + 2])
+                         for j in range(3)]).mean()
+    torch.testing.assert_close(ar.tf_loss(model, win, acts, 2), naive)
+
+
+def test_chained_loss_feeds_back_own_predictions():
+    torch.manual_seed(0)
+    model = ar.Predictor(context=1, channels=8)
+    win, acts = _batch(k=1, h=2)
+    # one step: chained = teacher forcing
+    torch.testing.assert_close(ar.chained_loss(model, win[:, :2], acts[:, :1], 1),
+                               ar.tf_loss(model, win[:, :2], acts[:, :1], 1))
+    # two steps: the second step sees sigmoid(prediction), not the true frame
+    p1 = torch.sigmoid(model(win[:, :1], acts[:, 0]))
+    l2 = F.binary_cross_entropy_with_logits(model(p1[:, None], acts[:, 1]), win[:, 2])
+    l1 = F.binary_cross_entropy_with_logits(model(win[:, :1], acts[:, 0]), win[:, 1])
+    torch.testing.assert_close(ar.chained_loss(model, win, acts, 1), (l1 + l2) / 2)
+
+
+def test_one_step_beats_copy_last_frame(tmp_path):
+    s = ar.main(ar.Args(steps=400, train_traj=200, eval_traj=64, eval_horizons=(1, 4), train_horizon=4,
+                        out_dir=str(tmp_path), save_png=False))
+    assert s["err_h1"] < s["copy_err_h1"], s
+    assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "summary.json").exists()
+
+
+def test_png_is_written(tmp_path):
+    ar.main(ar.Args(steps=2, train_traj=20, eval_traj=4, eval_horizons=(1, 2), out_dir=str(tmp_path)))
+    assert (tmp_path / "strip.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("kw,msg", [({"context": 0}, "context"), ({"train_horizon": 99}, "train-horizon"),
+                                    ({"eval_horizons": (0, 4)}, "eval-horizons"), ({"chain_warmup": 1.0}, "chain-warmup")])
+def test_bad_args(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        ar.check_args(ar.Args(**kw))
