@@ -1,0 +1,787 @@
+"""Speculative rollouts for GRPO: the rollout engine is speculative sampling, the update is plain GRPO.
+
+Parent: algos/grpo.py (the update is unchanged; `diff algos/grpo.py algos/spec_rl.py` shows the rollout).
+Papers (papers/000_*.txt): A-43 (lossless speculative decoding inside RL rollouts, NeMo-RL), A-36 SPEC-RL
+(the previous epoch's rollout of the same prompt is the draft), A-25 EfficientRollout (a quantized self-drafter
+stays coupled to the evolving policy; acceptance-aware draft length), B-20 Seer (drafts from sibling
+responses of the same group). The sampler is the one of algos/spec_decode.py, copied here.
+
+Equations (each implemented by the function named on the right):
+  accept draft x_j          u_j < min(1, p_j(x_j) / q_j(x_j))                                   accept_prob
+  reject at j               emit y ~ norm(max(0, p_j - q_j)); all accepted: bonus y ~ p_gamma     verify
+  SPEC-RL (A-36)            draft = the previous epoch's completion o'_i of the same prompt (row i of its group),
+                            q_j = pi_old(. | x, o'_<j), stored when o'_i was sampled; the longest accepted prefix
+                            is kept and sampling continues from the first rejection                PrevDrafter
+  sibling n-gram (B-20)     draft = majority continuation of the longest matching suffix in the group's
+                            other responses and the previous epoch's responses; q one-hot     NgramDrafter
+  self-draft (A-25)         q from an int8 (per-row absmax) copy of the current policy, re-made every step
+                                                                                           fake_int8_copy
+  frozen draft              q from a frozen model (default: the initial policy)               ModelDrafter
+  group advantage, clipped surrogate, aggregation: as algos/grpo.py                    group_advantages, ...
+  reused fraction           accepted draft tokens / generated tokens
+  tokens per target call    E[n] = (1 - alpha^(gamma+1)) / (1 - alpha)                   tokens_per_call_theory
+
+Because speculative sampling is lossless, the rollouts have the policy's own distribution: the behaviour
+log-probs are the target's processed log-probs, and GRPO's update is unchanged (on-policy, ratio 1).
+
+Deviations:
+- Training prompts come from a fixed pool (--pool-size) revisited every epoch, so that SPEC-RL has a previous
+  rollout of each prompt; plain GRPO draws fresh prompts each step.
+- SPEC-RL's exactness: min(1, p_new / p_old) with residual resampling is exact when the draft is a fresh sample
+  of p_old. Here p_new was trained on (among others) that very draft, so strictly the guarantee holds only up
+  to that dependence (the paper shares it); the output is then "very nearly" the policy's. After the reused
+  prefix we sample plainly (gamma = 0), as the paper continues generation from the first rejection. The paper's
+  lenience factor (accepting more than min(1, p/q)) is not implemented: we keep the rollouts lossless.
+- The A-25 self-drafter is fake-quantized (int8 weights rounded, compute in fp32): it reproduces the
+  distribution mismatch of a quantized drafter, not its speed (there is no int8 speed-up on this CPU path), and
+  there is no system-aware on/off toggle.
+- No vLLM engine, no multi-process launch, no resume, no kernels: the rollout engine is the speculative sampler
+  (HF model, KV cache with rollback). One process; PPO epochs = mini-batches = 1 (on-policy, ratio 1).
+- Batched in lock-step: the batch needs as many target calls as its slowest row; we log both the batched calls
+  and the per-sequence target forwards per token (what a continuous-batching engine would save).
+
+Commands:
+  python algos/spec_rl.py                              # SPEC-RL drafts, tiny-0.6m on add, 2-core CPU
+  python algos/spec_rl.py --drafter none               # plain GRPO through the same sampler (the baseline)
+  python algos/spec_rl.py --drafter ngram              # sibling / previous-epoch n-gram drafter (B-20)
+  python algos/spec_rl.py --drafter model              # frozen draft model (the initial policy): acceptance decays
+  python algos/spec_rl.py --drafter self               # int8 copy of the current policy: acceptance holds (A-25)
+Expected: held-out greedy accuracy on 2-digit addition rises by 10+ points (as plain GRPO) while SPEC-RL reuses
+most rollout tokens and needs fewer target forwards per token; see benchmarks/results/spec_rollout.md.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+
+warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
+
+
+@dataclass
+class Args:
+    # bookkeeping
+    exp_name: str = "spec_rl"
+    """name of the run (the output folder is out_dir/exp_name)"""
+    seed: int = 0
+    """random seed (prompts and sampling of step s depend only on seed and s)"""
+    track: bool = False
+    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
+    out_dir: str = "runs"
+    """where metrics.jsonl, summary.json and the curves go"""
+    # model and task
+    model: str = "tiny-0.6m"
+    """the policy: tiny-0.6m, tiny-5m, a Hugging Face id or a local path"""
+    task: str = "add"
+    """add, addsteps, jsonl:PATH or gsm8k"""
+    digits: int = 2
+    """operand digits of the arithmetic tasks"""
+    device: str = "auto"
+    """auto (CUDA if present), cpu or cuda"""
+    threads: int = 2
+    """torch CPU threads"""
+    # rollout
+    drafter: Literal["prev", "ngram", "model", "self", "none"] = "prev"
+    """prev = SPEC-RL (last epoch's rollout), ngram = siblings (B-20), model = frozen draft, self = int8 policy"""
+    draft_model: str = ""
+    """the frozen draft model of --drafter model ('' = a frozen copy of the initial policy)"""
+    gamma: int = 4
+    """draft tokens per round for ngram / model / self (prev drafts the whole previous completion)"""
+    adaptive_gamma: bool = False
+    """pick gamma each round from the running acceptance estimate (A-25)"""
+    pool_size: int = 512
+    """training prompts in the fixed pool, revisited every epoch"""
+    prompts_per_step: int = 32
+    """distinct prompts per rollout batch"""
+    group_size: int = 8
+    """completions per prompt (G)"""
+    max_new_tokens: int = 8
+    """generation budget per completion"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer scores with the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    # objective
+    adv_std_norm: bool = True
+    """divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
+    clip_eps_low: float = 0.2
+    """lower clip range"""
+    clip_eps_high: float = 0.2
+    """upper clip range"""
+    loss_agg: Literal["seq-mean", "token-mean", "const"] = "seq-mean"
+    """loss aggregation, as algos/grpo.py"""
+    # optimisation
+    steps: int = 320
+    """rollout batches (one optimiser step each)"""
+    lr: float = 1e-4
+    """learning rate (AdamW); >= 3e-4 is unstable on the tiny policy"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    # eval
+    eval_every: int = 40
+    """rollout batches between held-out evaluations"""
+    eval_examples: int = 500
+    """held-out prompts for greedy accuracy"""
+
+
+def check_args(args: Args) -> None:
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size must be at least 2 for a group baseline, got {args.group_size}")
+    if args.prompts_per_step < 1 or args.steps < 1 or args.max_new_tokens < 1 or args.gamma < 0:
+        raise SystemExit("--prompts-per-step, --steps, --max-new-tokens must be positive and --gamma >= 0")
+    if args.pool_size < args.prompts_per_step:
+        raise SystemExit(f"--pool-size ({args.pool_size}) must be at least --prompts-per-step "
+                         f"({args.prompts_per_step})")
+    if args.temperature <= 0:
+        raise SystemExit("--temperature must be > 0 (greedy decoding is used for eval only)")
+    if not 0 < args.top_p <= 1:
+        raise SystemExit(f"--top-p must be in (0, 1], got {args.top_p}")
+
+
+# ---- the idea: advantage, clipped surrogate, KL, aggregation ----
+def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True, eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std_g r + eps); rewards [B] group-major -> advantages [B]."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(1, keepdim=True)
+    if std_norm:
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def clipped_pg_loss(logp, old_logp, adv, eps_low: float, eps_high: float):
+    """Per-token PPO-clip loss -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); logp [B, C], adv [B].
+
+    Returns (loss [B, C], clipped [B, C] as float: where the clipped branch was the active one).
+    """
+    ratio = torch.exp(logp - old_logp)
+    a = adv.unsqueeze(1)
+    unclipped, clipped = ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def k3_kl(logp, ref_logp):
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, const: int):
+    """This micro-batch's share of the step loss; summing the shares over micro-batches gives J.
+
+    token_loss, mask: [b, C]; n_seqs, n_tokens: counted over the whole optimiser step (all ranks).
+    """
+    per_seq_sum = (token_loss * mask).sum(1)
+    if mode == "seq-mean":
+        return (per_seq_sum / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if mode == "token-mean":
+        return per_seq_sum.sum() / max(n_tokens, 1)
+    if mode == "const":
+        return per_seq_sum.sum() / (n_seqs * const)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+# ---- processed distributions ----
+def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
+                   greedy: bool = False) -> torch.Tensor:
+    """The distribution the sampler draws from: softmax(z / T) restricted to the top-p nucleus, renormalised.
+
+    Same rule as transformers' TopPLogitsWarper (sort ascending, drop tokens whose cumulative mass is
+    <= 1 - top_p, keep at least one). Greedy: one-hot on the argmax. logits [..., V] -> probs [..., V] fp32.
+    """
+    logits = logits.float()
+    if greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / temperature
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, dim=-1, descending=False)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cum <= (1 - top_p)
+        drop_sorted[..., -1] = False
+        drop = drop_sorted.scatter(-1, idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+# ---- the accept rule and the verifier ----
+def accept_prob(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    """min(1, p(x) / q(x)): the rule that makes speculative sampling exact (a test swaps in min(1, q/p))."""
+    return torch.clamp(p_x / q_x.clamp(min=1e-30), max=1.0)
+
+
+def verify(drafts, q, p, n_draft, u):
+    """Accept a prefix of each row's draft, then emit one more token (the resample or the bonus).
+
+    drafts [B, K] (entries past n_draft ignored), q [B, K, V] draft distributions, p [B, K + 1, V] target
+    distributions at the K + 1 positions, n_draft [B] draft length of each row (0..K), u [B, K + 1] uniforms
+    (column j < K tests position j, column K drives the final draw, as in kernels/spec_rejection.py).
+    Returns tokens [B, K + 1] (-1 after the last emitted token) and n_acc [B]; row i emits n_acc_i + 1 tokens.
+    """
+    B, K = drafts.shape
+    V = p.shape[-1]
+    ar = torch.arange(B, device=p.device)
+    if K > 0:
+        px = p[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+        qx = q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+        ok = (u[:, :K] < accept_prob(px, qx)) & (torch.arange(K, device=p.device)[None] < n_draft[:, None])
+        n_acc = ok.long().cumprod(1).sum(1)
+    else:
+        n_acc = torch.zeros(B, dtype=torch.long, device=p.device)
+    rejected = n_acc < n_draft
+    p_r = p[ar, n_acc]
+    q_r = q[ar, n_acc.clamp(max=max(K - 1, 0))] if K > 0 else torch.zeros_like(p_r)
+    resid = torch.clamp(p_r - torch.where(rejected[:, None], q_r, torch.zeros_like(q_r)), min=0)
+    use_res = rejected & (resid.sum(-1) > 0)  # rounding can leave no residual mass: fall back to p
+    w = torch.where(use_res[:, None], resid, p_r)
+    y = (w.cumsum(-1) <= (u[:, K] * w.sum(-1))[:, None]).sum(-1).clamp(max=V - 1)  # inverse CDF
+    tokens = torch.full((B, K + 1), -1, dtype=torch.long, device=p.device)
+    if K > 0:
+        keep = torch.arange(K, device=p.device)[None] < n_acc[:, None]
+        tokens[:, :K] = torch.where(keep, drafts, torch.full_like(drafts, -1))
+    tokens[ar, n_acc] = y
+    return tokens, n_acc
+
+
+def expected_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """beta = sum_v min(p(v), q(v)) = P(accept) at one position; alpha is its mean over tested positions."""
+    return torch.minimum(p, q).sum(-1)
+
+
+# ---- theory ----
+def tokens_per_call_theory(alpha: float, gamma: int) -> float:
+    """E[tokens emitted per target call] = (1 - alpha^(gamma+1)) / (1 - alpha) (= gamma + 1 at alpha = 1)."""
+    return float(gamma + 1) if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def speedup_theory(alpha: float, gamma: int, c: float) -> float:
+    """Expected wall-clock speedup over plain decoding when a draft call costs c target calls."""
+    return tokens_per_call_theory(alpha, gamma) / (gamma * c + 1)
+
+
+def best_gamma(alpha: float, c: float, gamma_max: int) -> int:
+    """The draft length that maximises speedup_theory (A-25's acceptance-aware draft length); 0 = do not draft."""
+    return max(range(gamma_max + 1), key=lambda g: (speedup_theory(alpha, g, c), -g))
+
+
+# ---- a model with a KV cache that can take back rejected tokens ----
+class CachedLM:
+    """One model's KV cache over B rows that grow by different amounts each round.
+
+    `step(seqs, keep)` feeds each row the tokens of seqs[j] not yet in the cache (right-aligned in one chunk;
+    the unused slots are holes with attention mask 0) and returns the logits of the last `keep` slots [B, keep, V].
+    `sync(seqs)` keeps, per row, the longest cached prefix that agrees with seqs[j] (minus its last token, which
+    is always fed again) and masks out the rest: rejected drafts become holes, never recomputed.
+    """
+
+    def __init__(self, model, n_rows: int, pad_id: int):
+        self.model, self.pad_id = model, pad_id
+        self.device = next(model.parameters()).device
+        self.cache, self.width = None, 0
+        self.mask = torch.zeros(n_rows, 0, dtype=torch.long)
+        self.cols: list[list[tuple[int, int]]] = [[] for _ in range(n_rows)]  # (column, token) of valid entries
+        self.calls = 0
+
+    def sync(self, seqs: list[list[int]]) -> None:
+        for j, s in enumerate(seqs):
+            if s is None:
+                continue
+            cols, n = self.cols[j], 0
+            while n < len(cols) and n < len(s) - 1 and cols[n][1] == s[n]:
+                n += 1
+            for c, _ in cols[n:]:
+                self.mask[j, c] = 0
+            del cols[n:]
+
+    @torch.no_grad()
+    def step(self, seqs: list[list[int]], keep: int) -> torch.Tensor:
+        self.sync(seqs)
+        feeds = [s[len(self.cols[j]):] if s is not None else [] for j, s in enumerate(seqs)]
+        m = max(max(len(f) for f in feeds), keep)
+        ids = torch.full((len(seqs), m), self.pad_id, dtype=torch.long)
+        pos = torch.zeros(len(seqs), m, dtype=torch.long)
+        chunk_mask = torch.zeros(len(seqs), m, dtype=torch.long)
+        for j, f in enumerate(feeds):
+            if f:
+                n0 = len(self.cols[j])
+                ids[j, m - len(f):] = torch.tensor(f)
+                pos[j, m - len(f):] = torch.arange(n0, n0 + len(f))
+                chunk_mask[j, m - len(f):] = 1
+                self.cols[j] += [(self.width + m - len(f) + t, tok) for t, tok in enumerate(f)]
+        self.mask = torch.cat([self.mask, chunk_mask], 1)
+        self.width += m
+        out = self.model(input_ids=ids.to(self.device), attention_mask=self.mask.to(self.device),
+                         position_ids=pos.to(self.device), past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=keep)
+        self.cache = out.past_key_values
+        self.calls += 1
+        return out.logits.float().cpu()
+
+
+# ---- drafters ----
+class ModelDrafter:
+    """A smaller model samples k tokens autoregressively from its processed distribution q (k cached forwards)."""
+
+    name = "model"
+
+    def __init__(self, model, pad_id: int, temperature: float, top_p: float, greedy: bool):
+        self.model, self.pad_id = model, pad_id
+        self.temperature, self.top_p, self.greedy = temperature, top_p, greedy
+        self.lm, self.calls = None, 0
+
+    def reset(self, n_rows: int) -> None:
+        self.lm = CachedLM(self.model, n_rows, self.pad_id)
+
+    @torch.no_grad()
+    def propose(self, all_seqs: list[list[int]], rows: list[int], k: int):
+        cur: list = [None] * len(all_seqs)
+        for r in rows:
+            cur[r] = list(all_seqs[r])
+        toks, qs = [], []
+        for _ in range(k):
+            logits = self.lm.step(cur, 1)[rows, -1]
+            q = process_logits(logits, self.temperature, self.top_p, self.greedy)
+            x = q.argmax(-1) if self.greedy else torch.multinomial(q, 1).squeeze(-1)
+            self.calls += 1
+            toks.append(x)
+            qs.append(q)
+            for r, t in zip(rows, x.tolist()):
+                cur[r].append(t)
+        n = torch.full((len(rows),), k, dtype=torch.long)
+        if k == 0:
+            return torch.zeros(len(rows), 0, dtype=torch.long), None, n
+        return torch.stack(toks, 1), torch.stack(qs, 1), n
+
+
+def ngram_draft(ctx: list[int], corpus: list[list[int]], k: int, n_max: int) -> list[int]:
+    """Continue ctx by the longest suffix (n_max..1 tokens) found in the corpus; among the continuations of
+    that suffix, extend token by token with the majority next token (a vote over siblings)."""
+    for n in range(min(n_max, len(ctx)), 0, -1):
+        suf = ctx[-n:]
+        conts = [seq[i + n:i + n + k] for seq in corpus for i in range(len(seq) - n)
+                 if seq[i:i + n] == suf]
+        conts = [c for c in conts if c]
+        if not conts:
+            continue
+        out = []
+        while conts and len(out) < k:
+            counts: dict[int, int] = {}
+            for c in conts:
+                counts[c[0]] = counts.get(c[0], 0) + 1
+            best = max(counts, key=lambda t: (counts[t], -t))
+            out.append(best)
+            conts = [c[1:] for c in conts if c[0] == best and len(c) > 1]
+        return out
+    return []
+
+
+class NgramDrafter:
+    """Suffix drafter over the text of the same group: the prompt, the siblings so far and any `extra`
+    texts of the same prompt (e.g. earlier rollouts). Deterministic: q is one-hot on the drafted token."""
+
+    name = "ngram"
+
+    def __init__(self, group_size: int, vocab: int, n_max: int = 4, extra: dict | None = None):
+        self.G, self.V, self.n_max, self.extra = group_size, vocab, n_max, extra or {}
+        self.calls = 0
+
+    def reset(self, n_rows: int) -> None:
+        pass
+
+    def propose(self, all_seqs: list[list[int]], rows: list[int], k: int):
+        toks = torch.zeros(len(rows), k, dtype=torch.long)
+        n = torch.zeros(len(rows), dtype=torch.long)
+        for j, r in enumerate(rows):
+            g, s = r // self.G, all_seqs[r]
+            corpus = [all_seqs[o] for o in range(g * self.G, (g + 1) * self.G) if o != r]
+            corpus += self.extra.get(g, [])
+            d = ngram_draft(s, corpus, k, self.n_max) if k else []
+            toks[j, :len(d)] = torch.tensor(d, dtype=torch.long)
+            n[j] = len(d)
+        q = torch.nn.functional.one_hot(toks, self.V).float() if k else None
+        return toks, q, n
+
+
+# ---- the speculative generation loop ----
+@dataclass
+class SpecStats:
+    target_calls: int = 0  # batched target forwards
+    row_calls: int = 0  # sum over target forwards of the rows in them (per-sequence forwards)
+    draft_calls: int = 0  # batched draft-model forwards
+    rounds_with_draft: int = 0  # row-rounds that had at least one drafted token
+    drafted: int = 0  # drafted tokens offered to the verifier
+    tested: int = 0  # drafted positions whose acceptance was tested (up to and including the first rejection)
+    accepted: int = 0  # drafted tokens accepted
+    alpha_sum: float = 0.0  # sum over tested positions of sum_v min(p, q)
+    emitted: int = 0  # tokens kept (up to EOS and the budget)
+    target_s: float = 0.0
+    draft_s: float = 0.0
+
+    def summary(self) -> dict:
+        return {"target_calls": self.target_calls, "row_calls": self.row_calls, "draft_calls": self.draft_calls,
+                "alpha": self.alpha_sum / max(self.tested, 1),
+                "accept_rate": self.accepted / max(self.drafted, 1),
+                "mean_accepted": self.accepted / max(self.rounds_with_draft, 1),
+                "tokens_per_row_call": self.emitted / max(self.row_calls, 1),
+                "row_calls_per_token": self.row_calls / max(self.emitted, 1),
+                "emitted": self.emitted, "target_s": self.target_s, "draft_s": self.draft_s}
+
+
+@torch.no_grad()
+def spec_generate(target, prompts: list[list[int]], group_size: int, max_new_tokens: int, pad_id: int,
+                  eos_id: int, drafter=None, gamma: int = 4, temperature: float = 1.0, top_p: float = 1.0,
+                  greedy: bool = False, adaptive_gamma: bool = False, draft_cost: float = -1.0, waves: int = 1,
+                  keep_probs: bool = False):
+    """Sample group_size completions per prompt with speculative sampling; rows group-major as common.generate.
+
+    Returns (completions: list of token lists (EOS included when the row stopped), logprobs: list of lists
+    (log p of each emitted token under the target's processed distribution), SpecStats, probs: per row a
+    [len, V] tensor of p at each emitted position when keep_probs, else None).
+    """
+    seqs = [list(p) for p in prompts for _ in range(group_size)]  # prompt + generated, per row
+    B = len(seqs)
+    plen = [len(s) for s in seqs]
+    lps: list[list[float]] = [[] for _ in range(B)]
+    probs: list[list[torch.Tensor]] = [[] for _ in range(B)]
+    done = [False] * B
+    st = SpecStats()
+    alpha_hat, c_hat = 0.8, (draft_cost if draft_cost >= 0 else 0.5)
+    lm = CachedLM(target, B, pad_id)
+    if drafter is not None:
+        drafter.reset(B)
+    wave_of = [min((r % group_size) * waves // group_size, waves - 1) for r in range(B)]
+    for wave in range(waves):
+        while True:
+            rows = [r for r in range(B) if not done[r] and wave_of[r] == wave]
+            if not rows:
+                break
+            room = torch.tensor([max_new_tokens - (len(seqs[r]) - plen[r]) - 1 for r in rows])  # leave 1 slot
+            g = gamma if not adaptive_gamma else best_gamma(alpha_hat, c_hat, gamma)
+            k = min(g, int(room.max())) if drafter is not None else 0
+            t0 = time.perf_counter()
+            q = None
+            if k > 0:
+                calls0 = drafter.calls
+                drafts, q, n_draft = drafter.propose(seqs, rows, k)
+                st.draft_calls += drafter.calls - calls0
+                n_draft = torch.minimum(n_draft, room)
+                k = int(n_draft.max())
+                drafts, q = drafts[:, :k], q[:, :k] if q is not None else None
+            if k == 0:
+                drafts, n_draft = torch.zeros(len(rows), 0, dtype=torch.long), torch.zeros(len(rows), dtype=torch.long)
+            t1 = time.perf_counter()
+            ext: list = [None] * B
+            for j, r in enumerate(rows):
+                ext[r] = seqs[r] + drafts[j, :int(n_draft[j])].tolist()
+            logits = lm.step(ext, k + 1)[rows]  # [n, k+1, V]; each row's chunk ends at the right edge
+            # row j's n_j + 1 predictions sit in the last n_j + 1 slots: move them to the front
+            idx = (torch.arange(k + 1)[None] + (k - n_draft)[:, None]).clamp(max=k)
+            p = process_logits(logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1])), temperature,
+                               top_p, greedy)
+            t2 = time.perf_counter()
+            st.target_calls += 1
+            st.row_calls += len(rows)
+            u = torch.rand(len(rows), k + 1)
+            qq = q if k > 0 else torch.zeros(len(rows), 0, p.shape[-1])
+            tokens, n_acc = verify(drafts, qq, p, n_draft, u)
+            if k > 0:
+                tested = torch.minimum(n_acc + 1, n_draft)
+                tmask = torch.arange(k)[None] < tested[:, None]
+                beta = (expected_acceptance(p[:, :k], qq) * tmask).sum()
+                st.alpha_sum += float(beta)
+                st.tested += int(tested.sum())
+                st.drafted += int(n_draft.sum())
+                st.accepted += int(n_acc.sum())
+                st.rounds_with_draft += int((n_draft > 0).sum())
+                if int(tested.sum()):
+                    alpha_hat = 0.7 * alpha_hat + 0.3 * float(beta / tested.sum())
+            st.target_s += t2 - t1
+            st.draft_s += t1 - t0
+            if k > 0 and draft_cost < 0 and st.draft_calls:
+                c_hat = (st.draft_s / st.draft_calls) / max(st.target_s / st.target_calls, 1e-9)
+            logp_all = torch.log(p.clamp(min=1e-30))
+            for j, r in enumerate(rows):
+                for pos in range(int(n_acc[j]) + 1):
+                    t = int(tokens[j, pos])
+                    seqs[r].append(t)
+                    lps[r].append(float(logp_all[j, pos, t]))
+                    if keep_probs:
+                        probs[r].append(p[j, pos])
+                    st.emitted += 1
+                    if t == eos_id or len(seqs[r]) - plen[r] >= max_new_tokens:
+                        done[r] = True
+                        break
+    comp = [s[n:] for s, n in zip(seqs, plen)]
+    return comp, lps, st, ([torch.stack(x) if x else torch.zeros(0) for x in probs] if keep_probs else None)
+
+
+def to_rollout(tok, prompts, group_size, comp, lps, eos_id) -> common.Rollout:
+    """Pack the lists into the common.Rollout layout (left-padded prompts, right-padded completions)."""
+    ids, mask = common.left_pad([p for p in prompts for _ in range(group_size)], tok.pad_token_id)
+    C = max(1, max(len(c) for c in comp))
+    cids = torch.full((len(comp), C), tok.pad_token_id, dtype=torch.long)
+    cmask, lp = torch.zeros(len(comp), C, dtype=torch.long), torch.zeros(len(comp), C)
+    for i, (c, l) in enumerate(zip(comp, lps)):
+        cids[i, :len(c)], cmask[i, :len(c)], lp[i, :len(c)] = torch.tensor(c), 1, torch.tensor(l)
+    finish = ["stop" if c and c[-1] == eos_id else "length" for c in comp]
+    return common.Rollout(ids, mask, cids, cmask, lp, finish, tok.batch_decode(cids, skip_special_tokens=True))
+
+
+class PrevDrafter:
+    """SPEC-RL (A-36): the first round of each row drafts its previous-epoch completion with the stored q."""
+
+    name = "prev"
+
+    def __init__(self, group_size: int):
+        self.G, self.calls = group_size, 0
+        self.prior: dict = {}  # group index in this batch -> [(tokens, q [len, V])] * G (set before each rollout)
+        self.plen: list[int] = []
+
+    def reset(self, n_rows: int) -> None:
+        pass
+
+    def propose(self, all_seqs, rows, k):
+        toks = torch.zeros(len(rows), k, dtype=torch.long)
+        n = torch.zeros(len(rows), dtype=torch.long)
+        q = None
+        for j, r in enumerate(rows):
+            old = self.prior.get(r // self.G)
+            if old is None or len(all_seqs[r]) != self.plen[r]:  # only before the first generated token
+                continue
+            t, qr = old[r % self.G]
+            m = min(len(t), k)
+            if m == 0:
+                continue
+            if q is None:
+                q = torch.zeros(len(rows), k, qr.shape[-1])
+            toks[j, :m], q[j, :m], n[j] = torch.tensor(t[:m]), qr[:m], m
+        if q is None:
+            return torch.zeros(len(rows), 0, dtype=torch.long), None, torch.zeros(len(rows), dtype=torch.long)
+        return toks, q, n
+
+
+@torch.no_grad()
+def fake_int8_copy(model):
+    """A-25's self-drafter: a copy of the policy with every weight matrix rounded to int8 (per-row absmax)."""
+    m = copy.deepcopy(model).eval().requires_grad_(False)
+    for p in m.parameters():
+        if p.dim() == 2:
+            s = p.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
+            p.copy_(torch.round(p / s).clamp(-127, 127) * s)
+    return m
+
+
+# ---- eval and curves ----
+def save_curve(history: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [h["step"] for h in history if "rollout/reward" in h]
+    ax.plot(steps, [h["rollout/reward"] for h in history if "rollout/reward" in h], alpha=0.5, label="train reward")
+    ev = [h for h in history if "eval/acc" in h]
+    ax.plot([h["step"] for h in ev], [h["eval/acc"] for h in ev], "o-", label="held-out greedy acc")
+    if ev and "eval/acc_hard" in ev[0]:
+        ax.plot([h["step"] for h in ev], [h["eval/acc_hard"] for h in ev], "s--", label="harder (OOD) acc")
+    ax.set(xlabel="rollout batch", ylabel="accuracy / reward", ylim=(0, 1), title=title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_eval(model, tok, task, examples, args) -> dict:
+    return {"eval/acc": common.evaluate(model, tok, task, examples, args.max_new_tokens)["acc"]}
+
+
+def save_drift(history: list[dict], path: Path, title: str) -> None:
+    """Acceptance (alpha) and reused fraction per rollout batch: how drafting keeps up with the moving policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [h for h in history if "rollout/alpha" in h]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([h["step"] for h in rows], [h["rollout/alpha"] for h in rows], label="acceptance alpha")
+    ax.plot([h["step"] for h in rows], [h["rollout/reused_frac"] for h in rows], label="reused fraction")
+    ax.set(xlabel="rollout batch", ylim=(0, 1), title=title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---- main ----
+def main(args: Args) -> dict:
+    check_args(args)
+    torch.set_num_threads(args.threads)
+    common.set_seed(args.seed)
+    device = common.get_device(args.device)
+    task = common.make_task(args.task, args.digits)
+    model, tok = common.load_model(args.model, device)
+    model.train()
+    V = model.config.vocab_size
+    drafter = None
+    if args.drafter == "model":
+        if args.draft_model:
+            dm, dtok = common.load_model(args.draft_model, device)
+            if dtok.get_vocab() != tok.get_vocab():
+                raise SystemExit(f"--draft-model {args.draft_model} has a different tokenizer from --model")
+        else:
+            dm = copy.deepcopy(model)
+        drafter = ModelDrafter(dm.eval().requires_grad_(False), tok.pad_token_id, args.temperature, args.top_p,
+                               False)
+    elif args.drafter == "self":
+        drafter = ModelDrafter(None, tok.pad_token_id, args.temperature, args.top_p, False)
+    elif args.drafter == "ngram":
+        drafter = NgramDrafter(args.group_size, V)
+    elif args.drafter == "prev":
+        drafter = PrevDrafter(args.group_size)
+    gamma = args.max_new_tokens if args.drafter == "prev" else args.gamma
+
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    run_dir = Path(args.out_dir) / args.exp_name
+    eval_set = task.sample("test", args.eval_examples, np.random.default_rng(12345))  # as every script
+    pool = task.sample("train", args.pool_size, np.random.default_rng([args.seed, 777]))
+    pool_prompts = common.encode_prompts(tok, [e.prompt for e in pool])
+    memory: dict[int, list] = {}  # pool index -> [(completion tokens, q [len, V])] * G from its last visit
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name)
+    timer = common.Timer()
+    t_start = time.time()
+    totals = {"gen_tokens": 0, "gen_time": 0.0, "target_calls": 0, "row_calls": 0, "draft_calls": 0,
+              "accepted": 0, "tested": 0, "alpha_sum": 0.0}
+    history: list[dict] = []
+
+    def log(metrics: dict, step: int):
+        history.append({"step": step, **metrics})
+        tracker.log(metrics, step)
+
+    log(run_eval(model, tok, task, eval_set, args), 0)
+    per_epoch = args.pool_size // args.prompts_per_step
+    order = None
+    bar = tqdm(range(1, args.steps + 1), desc=f"spec_rl[{args.drafter}]", dynamic_ncols=True)
+    for step in bar:
+        torch.manual_seed(hash((args.seed, step)) % 2**31)
+        epoch, slot = divmod(step - 1, per_epoch)
+        if slot == 0:  # a new pass over the fixed pool, in a new order
+            order = np.random.default_rng([args.seed, epoch]).permutation(args.pool_size)
+        idx = order[slot * args.prompts_per_step:(slot + 1) * args.prompts_per_step].tolist()
+        examples, prompts = [pool[i] for i in idx], [pool_prompts[i] for i in idx]
+
+        # ---- speculative rollout ----
+        if args.drafter == "self":
+            drafter.model = fake_int8_copy(model)
+        if args.drafter == "prev":
+            drafter.prior = {g: memory[i] for g, i in enumerate(idx) if i in memory}
+            drafter.plen = [len(p) for p in prompts for _ in range(args.group_size)]
+        if args.drafter == "ngram":
+            drafter.extra = {g: [prompts[g] + t for t, _ in memory[i]] for g, i in enumerate(idx) if i in memory}
+        model.eval()
+        with timer("gen"):
+            comp, lps, st, probs = spec_generate(model, prompts, args.group_size, args.max_new_tokens,
+                                                 tok.pad_token_id, tok.eos_token_id, drafter, gamma,
+                                                 args.temperature, args.top_p, False, args.adaptive_gamma,
+                                                 keep_probs=args.drafter in ("prev", "ngram"))
+        model.train()
+        if probs is not None:
+            for g, i in enumerate(idx):
+                memory[i] = [(comp[r], probs[r].half().float() if args.drafter == "ngram" else probs[r])
+                             for r in range(g * args.group_size, (g + 1) * args.group_size)]
+        ro = to_rollout(tok, prompts, args.group_size, comp, lps, tok.eos_token_id)
+        answers = [e.answer for e in examples for _ in range(args.group_size)]
+        rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)])
+        adv = group_advantages(rewards, args.group_size, args.adv_std_norm)
+        lengths = ro.completion_mask.sum(1).float()
+        s = st.summary()
+        totals["gen_tokens"] += int(lengths.sum())
+        totals["gen_time"] += timer.totals["gen"]
+        for key in ("target_calls", "row_calls", "draft_calls"):
+            totals[key] += s[key]
+        totals["accepted"] += st.accepted
+        totals["tested"] += st.tested
+        totals["alpha_sum"] += st.alpha_sum
+
+        # ---- GRPO update (on-policy: pi_old = pi_theta.detach(), ratio 1) ----
+        with timer("train"):
+            m = ro.completion_mask.float()
+            n_seqs, n_tokens = len(comp), int(m.sum())
+            opt.zero_grad(set_to_none=True)
+            logp, ent = common.token_logprobs(model, ro.prompt_ids.to(device), ro.prompt_mask.to(device),
+                                              ro.completion_ids.to(device), ro.completion_mask.to(device),
+                                              args.temperature, with_entropy=True)
+            m = m.to(device)
+            tok_loss, clipped = clipped_pg_loss(logp, logp.detach(), adv.to(device), args.clip_eps_low,
+                                                args.clip_eps_high)
+            loss = aggregate_loss(tok_loss, m, args.loss_agg, n_seqs, n_tokens, args.max_new_tokens)
+            if not torch.isfinite(loss):
+                raise SystemExit(f"non-finite loss at step {step}: lower --lr or check the rewards")
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+            opt.step()
+        mismatch = common.masked_mean((logp.detach() - ro.logprobs.to(device)).abs(), m).item()
+
+        t = timer.pop()
+        groups = rewards.view(-1, args.group_size)
+        metrics = {
+            "rollout/reward": rewards.mean().item(), "rollout/length": lengths.mean().item(),
+            "rollout/zero_var_group_frac": (groups.std(1) == 0).float().mean().item(),
+            "rollout/tokens_per_s": lengths.sum().item() / max(t.get("gen", 1e-9), 1e-9),
+            "rollout/logprob_mismatch": mismatch,
+            "rollout/alpha": s["alpha"], "rollout/accept_rate": s["accept_rate"],
+            "rollout/mean_accepted": s["mean_accepted"], "rollout/target_calls": s["target_calls"],
+            "rollout/row_calls_per_token": s["row_calls_per_token"],
+            "rollout/reused_frac": st.accepted / max(st.emitted, 1), "rollout/epoch": epoch,
+            "loss/pg": loss.item(), "loss/entropy": common.masked_mean(ent.detach(), m).item(),
+            "loss/clipfrac": common.masked_mean(clipped, m).item(), "loss/grad_norm": grad_norm,
+            "perf/gen_s": t.get("gen", 0.0), "perf/train_s": t.get("train", 0.0),
+        }
+        if step % args.eval_every == 0 or step == args.steps:
+            metrics.update(run_eval(model, tok, task, eval_set, args))
+        log(metrics, step)
+        bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", alpha=f"{s['alpha']:.2f}",
+                        calls=s["target_calls"])
+
+    evals = [h for h in history if "eval/acc" in h]
+    train = [h for h in history if "rollout/reward" in h]
+    later = [h for h in train if h["rollout/epoch"] >= 1] or train  # SPEC-RL has no draft in epoch 0
+    tenth = max(1, len(later) // 10)
+    summary = {
+        "eval_acc_start": evals[0]["eval/acc"], "eval_acc_end": evals[-1]["eval/acc"],
+        "eval_acc_best": max(h["eval/acc"] for h in evals),
+        "train_reward_first": train[0]["rollout/reward"], "train_reward_last": train[-1]["rollout/reward"],
+        "gen_tokens": totals["gen_tokens"], "tokens_per_s": totals["gen_tokens"] / max(totals["gen_time"], 1e-9),
+        "wall_s": time.time() - t_start, "gen_s": totals["gen_time"],
+        "target_calls": totals["target_calls"], "row_calls": totals["row_calls"],
+        "draft_calls": totals["draft_calls"],
+        "target_calls_per_step": totals["target_calls"] / len(train),
+        "row_calls_per_token": totals["row_calls"] / max(totals["gen_tokens"], 1),
+        "reused_frac": totals["accepted"] / max(totals["gen_tokens"], 1),
+        "alpha": totals["alpha_sum"] / max(totals["tested"], 1),
+        "alpha_early": float(np.mean([h["rollout/alpha"] for h in later[:tenth]])),
+        "alpha_late": float(np.mean([h["rollout/alpha"] for h in later[-tenth:]])),
+        "logprob_mismatch": float(np.mean([h["rollout/logprob_mismatch"] for h in train])),
+    }
+    save_curve(history, run_dir / "curve.png", f"GRPO with {args.drafter} drafts on {task.name} ({args.model})")
+    save_drift(history, run_dir / "drift.png", f"drafter {args.drafter}: acceptance as the policy trains")
+    print(f"held-out greedy accuracy {summary['eval_acc_start']:.3f} -> {summary['eval_acc_end']:.3f} in "
+          f"{summary['wall_s']:.0f}s; {summary['target_calls']} batched target calls, "
+          f"{summary['row_calls_per_token']:.3f} target forwards per token, reused {summary['reused_frac']:.2f}")
+    return tracker.finish(summary)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
