@@ -92,7 +92,7 @@ class Args:
     threads: int = 2
     """torch CPU threads"""
     # objective and schedule
-    loss: Literal["rkl-sampled", "rkl", "fkl", "fkl-teacher", "gkd"] = "rkl-sampled"
+    loss: Literal["rkl", "rkl-sampled", "fkl", "fkl-teacher", "gkd"] = "rkl"
     """per-token divergence of the OPD stage (see the header)"""
     schedule: Literal["opd", "bridge"] = "opd"
     """opd: --steps of --loss; bridge: forward-KL warm-up on teacher rollouts, OPD, then optional GRPO"""
@@ -123,6 +123,8 @@ class Args:
     """AdamW learning rate of the distillation stages"""
     grpo_lr: float = 1e-4
     """AdamW learning rate of the bridge's GRPO stage"""
+    warmup_steps: int = 10
+    """linear learning-rate warm-up (Adam's first steps are sign-like and overshoot at full lr)"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
     # eval
@@ -384,6 +386,9 @@ def main(args: Args) -> dict:
                     ent = -(s_logp.exp() * s_logp).sum(-1)
                     stats["entropy"] += common.masked_sum(ent, m).item() / n_tokens
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+            if stage != "grpo":
+                for g in opt.param_groups:
+                    g["lr"] = args.lr * min(1.0, step / max(args.warmup_steps, 1))
             opt.step()
         t = timer.pop()
         own = ro_s if ro_s is not None else ro_t  # the rollouts of the trained-on policy this step

@@ -1,0 +1,112 @@
+"""A-6 (reward-density principle): spend a fixed budget of labelled prompts on the student or on the teacher.
+
+    python benchmarks/a6_bridge.py                  # 3 seeds (about 15 minutes on 2 shared cores)
+    python benchmarks/a6_bridge.py --report-only    # rebuild the table from the committed CSV
+    python benchmarks/report.py                     # paste it into README.md
+
+Configurations, each with the same labelled budget (GRPO_STEPS x PROMPTS labelled prompts):
+  (a) grpo-student          GRPO directly on the student tiny-0.6m
+  (b) grpo-teacher+bridge   GRPO on the teacher tiny-5m, then the dense bridge to the student
+                            (forward-KL warm-up on teacher rollouts, then reverse-KL OPD; unlabelled prompts)
+  (c) bridge (pre-RL)       the same bridge from the teacher before its RL (no labels used at all)
+Rows: benchmarks/results/a6_bridge.csv; table: benchmarks/results/a6_bridge.md.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
+
+CSV = "a6_bridge.csv"
+SEEDS = (0, 1, 2)
+GRPO_STEPS, PROMPTS, GROUP = 40, 16, 8  # labelled budget: 640 prompts
+WARMUP, OPD_STEPS = 15, 45  # bridge: unlabelled prompts only
+EVAL = 300
+CONFIGS = ("grpo-student", "grpo-teacher+bridge", "bridge-pre-rl-teacher")
+
+
+def run(seeds) -> None:
+    from algos import grpo, opd
+
+    base = Path("runs/bench_a6")
+    g_common = dict(steps=GRPO_STEPS, prompts_per_step=PROMPTS, group_size=GROUP, eval_every=GRPO_STEPS,
+                    eval_examples=EVAL, pass_k=0, threads=1)
+    b_common = dict(schedule="bridge", bridge_warmup=WARMUP, steps=OPD_STEPS, eval_every=WARMUP + OPD_STEPS,
+                    eval_examples=EVAL, threads=1)
+    for seed in seeds:
+        s = grpo.main(grpo.Args(seed=seed, out_dir=str(base / f"a_s{seed}"), **g_common))
+        s["labelled_prompts"] = GRPO_STEPS * PROMPTS
+        append_rows(CSV, "a6_bridge", "algos/grpo.py", "grpo-student", seed, s,
+                    f"python algos/grpo.py --seed {seed} --steps {GRPO_STEPS} --prompts-per-step {PROMPTS}")
+        t = grpo.main(grpo.Args(seed=seed, model="tiny-5m", out_dir=str(base / f"t_s{seed}"), **g_common))
+        ckpt = base / f"t_s{seed}" / "grpo" / "checkpoint"
+        s = opd.main(opd.Args(seed=seed, teacher=str(ckpt), out_dir=str(base / f"b_s{seed}"), **b_common))
+        s["labelled_prompts"] = GRPO_STEPS * PROMPTS
+        s["teacher_rl_acc_start"], s["teacher_rl_acc_end"] = t["eval_acc_start"], t["eval_acc_end"]
+        append_rows(CSV, "a6_bridge", "algos/opd.py", "grpo-teacher+bridge", seed, s,
+                    f"python algos/grpo.py --model tiny-5m --seed {seed} ...; python algos/opd.py --schedule bridge "
+                    f"--teacher {ckpt}")
+        s = opd.main(opd.Args(seed=seed, teacher="tiny-5m", out_dir=str(base / f"c_s{seed}"), **b_common))
+        append_rows(CSV, "a6_bridge", "algos/opd.py", "bridge-pre-rl-teacher", seed, s,
+                    f"python algos/opd.py --schedule bridge --seed {seed}")
+
+
+def fmt(vals, scale=100.0, digits=1):
+    if not vals:
+        return "-"
+    m = statistics.mean(vals) * scale
+    sd = statistics.stdev(vals) * scale if len(vals) > 1 else 0.0
+    return f"{m:.{digits}f} ± {sd:.{digits}f}"
+
+
+def report() -> None:
+    rows = read_rows(CSV)
+    by = defaultdict(lambda: defaultdict(list))
+    meta = None
+    for r in rows:
+        by[r["config"]][r["metric"]].append(float(r["value"]))
+        meta = r
+    lines = ["| configuration | labelled prompts | teacher held-out acc | student held-out acc start | end | "
+             "harder (3-digit) end | seeds |", "|---|---|---|---|---|---|---|"]
+    names = {"grpo-student": "(a) GRPO on the student", "grpo-teacher+bridge": "(b) GRPO on the teacher, then bridge",
+             "bridge-pre-rl-teacher": "(c) bridge from the pre-RL teacher"}
+    for c in CONFIGS:
+        f = by.get(c)
+        if not f:
+            continue
+        teacher = fmt(f["teacher_acc"]) if "teacher_acc" in f else "-"
+        lab = int(statistics.mean(f["labelled_prompts"])) if "labelled_prompts" in f else 0
+        lines.append(f"| {names[c]} | {lab} | {teacher} | {fmt(f['eval_acc_start'])} | {fmt(f['eval_acc_end'])} | "
+                     f"{fmt(f.get('eval_acc_hard_end', []))} | {len(f['eval_acc_end'])} |")
+    if meta:
+        t = by.get("grpo-teacher+bridge", {})
+        extra = ""
+        if t.get("teacher_rl_acc_start"):
+            extra = (f" GRPO moved the teacher from {fmt(t['teacher_rl_acc_start'])} to "
+                     f"{fmt(t['teacher_rl_acc_end'])} (its own 300-prompt eval).")
+        lines += ["", f"Task: 2-digit addition (`add`), student `tiny-0.6m`, teacher `tiny-5m`; {EVAL} held-out prompts, "
+                  f"greedy. Labelled budget: {GRPO_STEPS} GRPO batches x {PROMPTS} prompts x {GROUP} samples (reduced "
+                  f"from the 400-batch default to fit the 2-core budget). Bridge: {WARMUP} forward-KL steps on teacher "
+                  f"rollouts, then {OPD_STEPS} exact reverse-KL OPD steps (32 prompts x 4, unlabelled).{extra} "
+                  f"Stage 3 (student GRPO after the bridge) was not run. Mean ± std over seeds; hardware: "
+                  f"{meta['hardware']}; {meta['versions']}; commit {meta['commit']}. Rows: `benchmarks/results/{CSV}`; "
+                  f"command: `python benchmarks/a6_bridge.py`."]
+    (RESULTS / "a6_bridge.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
+    ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    a = ap.parse_args()
+    if not a.report_only:
+        run(a.seeds)
+    report()

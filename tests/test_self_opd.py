@@ -1,0 +1,117 @@
+"""algos/self_opd.py: privileged context never reaches the student's forward pass, position weights,
+clipped forward KL, span marks, the KL-channel schedule, identical views give zero loss, learning, bad input."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+import common
+from algos import self_opd as so
+
+
+def test_privileged_prompt_is_the_worked_solution():
+    task = common.make_task("add")
+    ex = task.make(47, 85)
+    assert so.privileged_prompt(ex, task, "solution") == "47+85:7+5=12;4+8+1=13;="
+    assert so.privileged_prompt(ex, task, "answer") == "47+85=132\n47+85="
+
+
+def test_position_weights_increase_with_mean_one():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]).float()
+    w = so.position_weights(mask)
+    for i in range(2):
+        n = int(mask[i].sum())
+        assert torch.allclose(w[i, :n].mean(), torch.tensor(1.0)) and (w[i, 1:n] > w[i, :n - 1]).all()
+        assert (w[i, n:] == 0).all()
+
+
+def test_clipped_fkl_value_and_gradient():
+    logits = (torch.randn(6, 9) * 3).requires_grad_(True)
+    s, t = torch.log_softmax(logits, -1), torch.log_softmax(torch.randn(6, 9) * 3, -1)
+    f = so.forward_kl(s, t)
+    out = so.clipped_fkl(s, t, 0.5)
+    assert torch.allclose(out, f.clamp(max=0.5), atol=1e-6)
+    assert so.clipped_fkl(s, s.detach(), 0.5).abs().max() < 1e-6
+    (g,) = torch.autograd.grad(so.clipped_fkl(s, s.detach(), 0.5).sum(), logits)
+    assert g.abs().max() < 1e-6  # the student's own view as teacher: no signal
+
+
+def test_trace_loss_identical_views_is_pure_grpo():
+    logits = torch.randn(2, 3, 7).requires_grad_(True)
+    s = torch.log_softmax(logits, -1)
+    tokens = torch.randint(0, 7, (2, 3))
+    s_tok = s.gather(-1, tokens[..., None]).squeeze(-1)
+    m, key, err = torch.ones(2, 3), torch.tensor([[0, 1, 0], [0, 0, 0.]]), torch.tensor([[0, 0, 0], [1, 1, 0.]])
+    adv = torch.tensor([1.0, -1.0])
+    loss = so.trace_loss(s, s.detach(), s_tok, adv, m, key, err, 1.0, True)
+    want = -(adv[:, None] * s_tok) * (1 - key - err)
+    assert torch.allclose(loss, want, atol=1e-6)
+
+
+def test_critical_masks_mark_carries_and_first_error():
+    task = common.make_task("add")
+    exs = [task.make(47, 85), task.make(47, 85), task.make(12, 13)]
+    key, err = so.critical_masks(task, exs, ["132", "142", "25"], [1.0, 0.0, 1.0], 5)
+    assert key[0].tolist() == [1, 1, 0, 0, 0]  # 132: the hundreds and tens digits receive carries
+    assert err[1].tolist() == [0, 1, 0, 0, 0]  # 142 vs 132: first wrong character
+    assert key[2].sum() == 0 and err[2].sum() == 0 and err[0].sum() == 0
+    assert so.error_mask(err, 2, torch.ones(3, 5))[1].tolist() == [0, 1, 1, 0, 0]
+    steps = common.make_task("addsteps")
+    key, _ = so.critical_masks(steps, [steps.make(47, 85)], ["7+5=12;4+8+1=13;=132"], [1.0], 24)
+    t = "7+5=12;4+8+1=13;=132"
+    assert [t[j] for j in key[0].nonzero().flatten().tolist()] == ["1", "1", "3"]  # "+1" term, carried digits
+
+
+def test_kl_channel_schedule():
+    a = so.Args(kl_coef=2.0, kl_warmup=3, kl_decay=4)
+    assert [so.kl_channel_weight(s, a) for s in (1, 3, 5, 7, 9)] == [2.0, 2.0, 1.0, 0.0, 0.0]
+
+
+def test_privileged_context_never_reaches_the_students_forward_pass(tmp_path):
+    """Record every embedding lookup: those run with gradient (the student) must never contain the
+    scratchpad marker ':' that only the privileged prompt has; the teacher's (no grad) must."""
+    model, tok = common.load_model("tiny-0.6m")
+    calls = []
+    orig = common.load_model
+
+    def hooked(name, device="cpu", dtype=torch.float32):
+        m, t = orig(name, device, dtype)
+        m.get_input_embeddings().register_forward_hook(
+            lambda mod, inp, out: calls.append((inp[0].detach().clone(), torch.is_grad_enabled())))
+        return m, t
+
+    common.load_model = hooked
+    try:
+        so.main(so.Args(steps=2, prompts_per_step=4, eval_examples=4, eval_hard=False, mode="opsd",
+                        out_dir=str(tmp_path)))
+    finally:
+        common.load_model = orig
+    colon = tok.convert_tokens_to_ids(":")
+    with_grad = [ids for ids, g in calls if g]
+    assert with_grad and all(not (ids == colon).any() for ids in with_grad)
+    assert any((ids == colon).any() for ids, g in calls if not g)  # the teacher did see it
+
+
+def test_self_opd_learns(tmp_path):
+    s = so.main(so.Args(steps=30, eval_every=30, eval_examples=300, eval_hard=False, out_dir=str(tmp_path)))
+    # stated margin: +10 points in 30 steps (the privileged view is ~98% accurate)
+    assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.10, s
+    assert s["privileged_acc_start"] > 0.9
+
+
+@pytest.mark.parametrize("mode", ["trace", "grpo", "pw-opsd"])
+def test_modes_run(tmp_path, mode):
+    s = so.main(so.Args(mode=mode, steps=2, prompts_per_step=4, eval_examples=10, eval_hard=False,
+                        out_dir=str(tmp_path)))
+    assert s["gen_tokens"] > 0 and s["entropy_first"] >= 0
+
+
+@pytest.mark.parametrize("change,msg", [
+    ({"mode": "trace", "group_size": 1}, "group-size"),
+    ({"kl_clip": 0.0}, "kl-clip"),
+    ({"mode": "trace", "task": "jsonl:/nonexistent.jsonl"}, "no such file"),
+    ({"task": "mul"}, "unknown task"),
+])
+def test_bad_input(tmp_path, change, msg):
+    with pytest.raises(SystemExit, match=msg):
+        so.main(replace(so.Args(out_dir=str(tmp_path)), **change))
