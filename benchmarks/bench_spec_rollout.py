@@ -1,0 +1,126 @@
+"""Speculative rollouts: measured tokens per target call against (1 - alpha^(gamma+1)) / (1 - alpha), the
+batched target-call reduction and the wall-clock ratio against HF `generate` (KV cache), per drafter and gamma;
+then short GRPO runs of algos/spec_rl.py per drafter (acceptance drift, reuse, target forwards per token).
+
+    python benchmarks/bench_spec_rollout.py                 # runs everything (budget: 15 minutes on 2 cores)
+    python benchmarks/bench_spec_rollout.py --report-only   # rebuilds the table and plot from the CSV
+    python benchmarks/report.py                             # pastes the table into README.md
+
+Writes benchmarks/results/spec_rollout.csv (rows with provenance), spec_rollout.md and spec_speedup.png.
+No GPU in the session that made the committed rows: wall-clock figures are CPU figures.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
+
+CSV = "spec_rollout.csv"
+DECODE = [("model", 2), ("model", 4), ("model", 6), ("ngram", 4), ("ngram", 8)]
+RL_DRAFTERS = ["none", "prev", "ngram", "model", "self"]
+
+
+def run(rl_steps: int) -> None:
+    from algos import spec_decode, spec_rl
+
+    for drafter, gamma in DECODE:
+        a = spec_decode.Args(drafter=drafter, gamma=gamma, waves=2 if drafter == "ngram" else 1, prompts=16,
+                             out_dir="runs/bench_spec", exp_name=f"{drafter}_g{gamma}")
+        s = spec_decode.main(a)
+        append_rows(CSV, "spec_decode", "algos/spec_decode.py", f"{drafter} gamma={gamma} addsteps tiny-5m", 0, s,
+                    f"python algos/spec_decode.py --drafter {drafter} --gamma {gamma} --prompts 16"
+                    + (" --waves 2" if drafter == "ngram" else ""))
+    for drafter in RL_DRAFTERS:
+        a = spec_rl.Args(drafter=drafter, steps=rl_steps, eval_every=rl_steps, out_dir="runs/bench_spec",
+                         exp_name=f"rl_{drafter}")
+        s = spec_rl.main(a)
+        append_rows(CSV, "spec_rl", "algos/spec_rl.py", f"{drafter} steps={rl_steps}", 0, s,
+                    f"python algos/spec_rl.py --drafter {drafter} --steps {rl_steps} --eval-every {rl_steps}")
+
+
+def latest(rows):
+    by = defaultdict(dict)
+    for r in rows:
+        by[(r["bench"], r["config"])][r["metric"]] = float(r["value"])
+        by[(r["bench"], r["config"])]["_meta"] = r
+    return by
+
+
+def report() -> None:
+    from algos.spec_decode import speedup_theory, tokens_per_call_theory
+
+    by = latest(read_rows(CSV))
+    lines = ["**Speculative sampling** (`algos/spec_decode.py`, target `tiny-5m`, `addsteps`, 16 prompts x 8, "
+             "T = 1). Tokens per call are per sequence (emitted tokens / target forwards the sequence took part "
+             "in); batched calls are the lock-step batch's target forwards; wall ratio = HF `generate` time / "
+             "speculative time on the same prompts. **CPU only: no GPU was available for these rows.**", "",
+             "| drafter | gamma | alpha | tokens / call (measured) | theory (1-a^(g+1))/(1-a) | batched calls: "
+             "plain -> spec | call reduction | wall ratio (CPU) |", "|---|---|---|---|---|---|---|---|"]
+    meta = None
+    for (bench, cfg), f in sorted(by.items()):
+        if bench != "spec_decode":
+            continue
+        meta = f["_meta"]
+        drafter, gamma = cfg.split()[0], int(cfg.split()[1].split("=")[1])
+        lines.append(f"| {drafter} | {gamma} | {f['alpha']:.3f} | {f['tokens_per_row_call']:.2f} | "
+                     f"{tokens_per_call_theory(f['alpha'], gamma):.2f} | {f['plain_calls']:.0f} -> "
+                     f"{f['target_calls']:.0f} | {f['call_reduction']:.2f}x | {f['speedup_wall']:.2f}x |")
+    lines += ["", "**GRPO with speculative rollouts** (`algos/spec_rl.py`, policy `tiny-0.6m`, `add`, fixed pool "
+              "of 512 prompts). Forwards / token = per-sequence target forwards per generated token (plain = 1); "
+              "alpha early / late = mean acceptance over the first / last tenth of the run after epoch 0.", "",
+              "| drafter | steps | held-out acc start -> end | forwards / token | batched calls / step | reused "
+              "| alpha early -> late | rollout s | wall s |", "|---|---|---|---|---|---|---|---|---|"]
+    for (bench, cfg), f in sorted(by.items()):
+        if bench != "spec_rl":
+            continue
+        meta = f["_meta"]
+        lines.append(f"| {cfg.split()[0]} | {cfg.split()[1].split('=')[1]} | {100 * f['eval_acc_start']:.1f} -> "
+                     f"{100 * f['eval_acc_end']:.1f} | {f['row_calls_per_token']:.3f} | "
+                     f"{f['target_calls_per_step']:.2f} | {f['reused_frac']:.2f} | {f['alpha_early']:.3f} -> "
+                     f"{f['alpha_late']:.3f} | {f['gen_s']:.0f} | {f['wall_s']:.0f} |")
+    if meta:
+        lines += ["", f"Hardware: {meta['hardware']} (shared with other jobs, so wall times are noisy); "
+                  f"{meta['versions']}; commit {meta['commit']}. Rows: `benchmarks/results/{CSV}`; command: "
+                  "`python benchmarks/bench_spec_rollout.py`."]
+    (RESULTS / "spec_rollout.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    a = np.linspace(0, 0.99, 100)
+    for g in (2, 4, 6, 8):
+        ax.plot(a, [tokens_per_call_theory(x, g) for x in a], "--", lw=1, label=f"theory tokens/call, gamma={g}")
+    ax.plot(a, [speedup_theory(x, 4, 0.3) for x in a], ":", color="k", lw=1, label="theory speedup, gamma=4, c=0.3")
+    for (bench, cfg), f in by.items():
+        if bench == "spec_decode":
+            ax.scatter(f["alpha"], f["tokens_per_row_call"], marker="o", color="C0")
+            ax.scatter(f["alpha"], f["speedup_wall"], marker="x", color="C3")
+            ax.annotate(cfg.split(" add")[0], (f["alpha"], f["tokens_per_row_call"]), fontsize=7)
+    ax.scatter([], [], marker="o", color="C0", label="measured tokens / target call")
+    ax.scatter([], [], marker="x", color="C3", label="measured wall-clock speedup (CPU)")
+    ax.set(xlabel="acceptance alpha", ylabel="tokens per call / speedup", title="Speculative sampling vs alpha")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "spec_speedup.png", dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--report-only", action="store_true", help="only rebuild the table and plot from the CSV")
+    ap.add_argument("--rl-steps", type=int, default=160, help="GRPO rollout batches per drafter")
+    args = ap.parse_args()
+    if not args.report_only:
+        run(args.rl_steps)
+    report()
