@@ -31,9 +31,11 @@ Commands:
   python worldmodels/ar_world_model.py                       # teacher forcing, ~1 min on 1 CPU thread
   python worldmodels/ar_world_model.py --chained             # chained forward training
   python worldmodels/ar_world_model.py --device cuda --steps 20000 --channels 128   # one GPU, larger
-Expected result: one-step error far below the copy-last-frame baseline; error grows with the horizon
-(up to 4x the training horizon, 32 steps) and --chained grows more slowly
-(benchmarks/results/world_models.md, rows `ar` and `ar-chained`).
+Expected result (benchmarks/results/world_models.md, rows `ar` and `ar-chained`, seed 0): teacher forcing
+gets one step almost exactly (pixel MSE 1e-4 vs 4.8e-3 for copying the last frame, agent cell always right)
+and then compounds: MSE 0.12 at h=8, 0.30 at h=32, the agent fades and the objects brighten.
+--chained keeps the pixel MSE small at every horizon (0.0066 at h=32, about the copy baseline) but does so
+by blurring the agent away: its agent cell is wrong in 72% of rollouts already at h=1.
 """
 from __future__ import annotations
 
