@@ -382,8 +382,9 @@ class VLLMEngine:
         except ImportError:
             raise SystemExit("--engine vllm needs vLLM on a CUDA machine: pip install -r requirements-gpu.txt")
 
-        self.llm = LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
-                       max_model_len=max_model_len, seed=seed, enable_prefix_caching=True)
+        # processed_logprobs: log-probs after temperature / top-p, i.e. of the distribution actually sampled
+        self.llm = LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                       seed=seed, enable_prefix_caching=True, logprobs_mode="processed_logprobs")
 
     def generate(self, tok, prompts, group_size, max_new_tokens, temperature, top_p, greedy) -> Rollout:
         from vllm import SamplingParams, TokensPrompt
