@@ -111,7 +111,7 @@ class Args:
     """generation budget per completion"""
     temperature: float = 1.0
     """sampling temperature"""
-    lr: float = 2e-4
+    lr: float = 1e-4
     """AdamW learning rate"""
     warmup_steps: int = 10
     """linear learning-rate warm-up (Adam's first steps are sign-like and overshoot at full lr)"""

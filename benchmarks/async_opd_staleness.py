@@ -104,7 +104,7 @@ def report() -> None:
         seeds = len(by[f"{VARIANTS[0]}|k=0"]["eval_acc_end"]) if by.get(f"{VARIANTS[0]}|k=0") else 0
         lines += ["", f"Top: `algos/async_opd.py`, student `tiny-0.6m` (held-out start {fmt(start)}%), teacher `tiny-5m`, "
                   f"2-digit addition, {STEPS} steps (32 prompts x 4; reduced from the 120-step default for the budget), "
-                  f"lr 2e-4, full teacher scores (no cache); accuracy = held-out greedy % on {EVAL} prompts at the end; "
+                  f"lr 1e-4, full teacher scores (no cache); accuracy = held-out greedy % on {EVAL} prompts at the end; "
                   f"KL = mean exact per-token KL(student‖teacher) on the last 10 batches. Staleness k: rollouts sampled "
                   f"by the student of k updates ago. {seeds} seed(s); differences of a few points are within noise at "
                   f"this size. Bottom: per-position gradient (w.r.t. the student logits) of KL(student‖teacher), "

@@ -73,7 +73,7 @@ def test_stages_of_the_bridge():
 
 
 def test_repeat_frac():
-    assert opd.repeat_frac(["123", "1212", "11"]) == pytest.approx(1 / 3)
+    assert opd.repeat_frac(["123", "12121", "11"]) == pytest.approx(1 / 3)
 
 
 def test_teacher_with_another_tokenizer_is_refused():
