@@ -413,7 +413,7 @@ def main(args: Args) -> dict:
     summary = {"score_first": scores[0], "score_last": scores[-1], "score_best": max(scores),
                "return_last": hist[-1]["eval/return"], "q_edge_last": hist[-1]["q/edge"],
                "q_edge_minus_mc_last": hist[-1]["q/edge_minus_mc"],
-               "q_edge_minus_mc_max": max(h["q/edge_minus_mc"] for h in hist),
+               "q_edge_minus_mc_max": max(h["q/edge_minus_mc"] for h in hist[1:]),  # after training starts
                "q_data_minus_mc_last": hist[-1]["q/data_minus_mc"], "penalty_mean_last": pen,
                "n_critics": args.n_critics, "behaviour_score": meta["behaviour_score"],
                "wall_s": time.perf_counter() - t0}
