@@ -41,6 +41,8 @@ def configs() -> dict:
         "diffusion": (diffusion_world_model, dict(), "python worldmodels/diffusion_world_model.py"),
         "live": (live, dict(mode="live"), "python worldmodels/live.py"),
         "policy-eval": (policy_eval, dict(), "python worldmodels/policy_eval.py"),
+        "policy-eval-no-consistency": (policy_eval, dict(consistency=0.0),
+                                       "python worldmodels/policy_eval.py --consistency 0"),
     }
 
 
@@ -61,7 +63,7 @@ def run(names: list[str], seeds: list[int], out_root: Path) -> None:
             append_rows(CSV, "world_models", name, json.dumps(kw, sort_keys=True), seed, flat,
                         command=f"{cmd} --seed {seed}")
             for png in ("strip.png", "policy_eval.png"):
-                if seed == seeds[0] and (out / png).exists():
+                if seed == 0 and (out / png).exists():
                     shutil.copy(out / png, RESULTS / f"world_models_{name}_{png}")
             print(f"{name} seed {seed}: " + ", ".join(f"{k}={v:.4g}" for k, v in summary.items()
                                                         if isinstance(v, float) and ("err_h" in k or k in (
@@ -109,25 +111,27 @@ def report() -> None:
         d = data[order[0]]
         lines.append("| copy x_0 | " + fmt(d.get("copy_err_h1", [])) + " | | | " + fmt(d.get("copy_err_h32", []))
                      + " |" + " |" * (len(HORIZONS) + 2))
-    if "policy-eval" in data:
-        d = data["policy-eval"]
-        n_pol = len([k for k in d if k.startswith("real_success_")])
+    pe_names = [n for n in ("policy-eval", "policy-eval-no-consistency") if n in data]
+    if pe_names:
+        n_pol = len([k for k in data[pe_names[0]] if k.startswith("real_success_")])
         lines += ["", f"Policy evaluation in a learned world model ({n_pol} scripted policies, eps-greedy shortest "
-                  "path, 200 episodes of 12 steps each; `worldmodels/policy_eval.py`):", "",
-                  f"| figure | value (mean ± std over {len(d.get('pearson', []))} seed(s)) |", "|---|---|"]
+                  "path with eps = 0, .1, .2, .35, .5, .7, 1; 200 episodes of 12 steps each; "
+                  "`worldmodels/policy_eval.py`, `--consistency 0` drops the forward-inverse consistency term):", "",
+                  "| figure | " + " | ".join(f"`{n}`" for n in pe_names) + " |", "|---" * (len(pe_names) + 1) + "|"]
         for key, label in (("pearson", "Pearson r, imagined vs real success"), ("mmrv", "MMRV"),
                            ("pearson_term", "Pearson r with inverse-dynamics termination"),
                            ("mmrv_term", "MMRV with termination"), ("terminated_frac", "episodes terminated"),
                            ("one_step_agent_acc", "one-step agent-cell accuracy on executed rollouts"),
                            ("agent_err_h12", "open-loop agent-cell error after 12 steps")):
-            if key in d:
-                lines.append(f"| {label} | {fmt(d[key], 3)} |")
-        real = [np.mean(d[f"real_success_{i}"]) for i in range(n_pol)]
-        imag = [np.mean(d[f"imagined_success_{i}"]) for i in range(n_pol)]
-        lines.append("| real success per policy (eps 0 ... 1) | " + ", ".join(f"{v:.2f}" for v in real) + " |")
-        lines.append("| imagined success per policy | " + ", ".join(f"{v:.2f}" for v in imag) + " |")
+            lines.append(f"| {label} | " + " | ".join(fmt(data[n].get(key, []), 3) for n in pe_names) + " |")
+        lines.append("| seeds | " + " | ".join(str(len(data[n].get("pearson", []))) for n in pe_names) + " |")
+        for key, label in (("real_success", "real success per policy"),
+                           ("imagined_success", "imagined success per policy")):
+            lines.append(f"| {label} | " + " | ".join(", ".join(
+                f"{np.mean(data[n][f'{key}_{i}']):.2f}" for i in range(n_pol)) for n in pe_names) + " |")
     any_row = next(iter(meta.values()))
-    lines += ["", f"Commit `{any_row['commit']}`, {any_row['hardware']}, {any_row['versions']}; "
+    commits = ", ".join(f"`{c}`" for c in sorted({r["commit"] for r in read_rows(CSV)}))
+    lines += ["", f"Commits {commits}; {any_row['hardware']}, {any_row['versions']}; "
               "rows in `benchmarks/results/world_models.csv`; curves in `benchmarks/results/world_models.png`."]
     MD.write_text("\n".join(lines) + "\n")
 

@@ -39,8 +39,12 @@ Commands:
   python worldmodels/policy_eval.py                    # ~1-2 min on 1 CPU thread
   python worldmodels/policy_eval.py --train-eps 0.3    # train on greedy-policy data too
   python worldmodels/policy_eval.py --device cuda --steps 10000 --channels 128
-Expected result: imagined success tracks real success across the seven policies (Pearson near 1, MMRV near
-0 at this scale); the figures are in benchmarks/results/world_models.md.
+Expected result (benchmarks/results/world_models.md, policy-evaluation table, seed 0): with the default
+800-step budget the forward model does NOT learn to move the agent (one-step agent-cell accuracy 7%), so
+imagined success is nearly flat across policies (0.21-0.41 against real 0.09-0.98): Pearson 0.47, MMRV 0.45,
+far from the paper's 0.929 / 0.119. Inverse-dynamics termination stops 79% of imagined episodes and makes
+the ranking worse (r = -0.32). A perfect model gives r = 1 and MMRV = 0 exactly
+(tests/test_policy_eval.py::test_true_dynamics_reproduce_real_success), so the gap is the model's.
 """
 from __future__ import annotations
 
