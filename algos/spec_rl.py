@@ -43,6 +43,7 @@ Deviations:
 Commands:
   python algos/spec_rl.py                              # SPEC-RL drafts, tiny-0.6m on add, 2-core CPU
   python algos/spec_rl.py --drafter none               # plain GRPO through the same sampler (the baseline)
+  python algos/spec_rl.py --drafter prev+ngram         # SPEC-RL, then n-gram drafts after the first rejection
   python algos/spec_rl.py --drafter ngram              # sibling / previous-epoch n-gram drafter (B-20)
   python algos/spec_rl.py --drafter model              # frozen draft model (the initial policy): acceptance decays
   python algos/spec_rl.py --drafter self               # int8 copy of the current policy: acceptance holds (A-25)
@@ -95,8 +96,9 @@ class Args:
     threads: int = 2
     """torch CPU threads"""
     # rollout
-    drafter: Literal["prev", "ngram", "model", "self", "none"] = "prev"
-    """prev = SPEC-RL (last epoch's rollout), ngram = siblings (B-20), model = frozen draft, self = int8 policy"""
+    drafter: Literal["prev", "prev+ngram", "ngram", "model", "self", "none"] = "prev"
+    """prev = SPEC-RL (last epoch's rollout; +ngram: n-gram drafts after a rejection), ngram = siblings (B-20),
+    model = frozen draft, self = int8 policy"""
     draft_model: str = ""
     """the frozen draft model of --drafter model ('' = a frozen copy of the initial policy)"""
     gamma: int = 4
@@ -125,7 +127,7 @@ class Args:
     loss_agg: Literal["seq-mean", "token-mean", "const"] = "seq-mean"
     """loss aggregation, as algos/grpo.py"""
     # optimisation
-    steps: int = 320
+    steps: int = 200
     """rollout batches (one optimiser step each)"""
     lr: float = 1e-4
     """learning rate (AdamW); >= 3e-4 is unstable on the tiny policy"""
@@ -539,12 +541,15 @@ def to_rollout(tok, prompts, group_size, comp, lps, eos_id) -> common.Rollout:
 
 
 class PrevDrafter:
-    """SPEC-RL (A-36): the first round of each row drafts its previous-epoch completion with the stored q."""
+    """SPEC-RL (A-36): the first round of each row drafts its previous-epoch completion with the stored q.
+
+    With `then` (an NgramDrafter over the group's previous completions and siblings) the rows rejected in the
+    first round keep drafting instead of decoding one token per call (--drafter prev+ngram)."""
 
     name = "prev"
 
-    def __init__(self, group_size: int):
-        self.G, self.calls = group_size, 0
+    def __init__(self, group_size: int, then=None, then_gamma: int = 4):
+        self.G, self.calls, self.then, self.then_gamma = group_size, 0, then, then_gamma
         self.prior: dict = {}  # group index in this batch -> [(tokens, q [len, V])] * G (set before each rollout)
         self.plen: list[int] = []
 
@@ -552,22 +557,28 @@ class PrevDrafter:
         pass
 
     def propose(self, all_seqs, rows, k):
+        V = next(iter(self.prior.values()))[0][1].shape[-1] if self.prior else 1
         toks = torch.zeros(len(rows), k, dtype=torch.long)
+        q = torch.zeros(len(rows), k, V)
         n = torch.zeros(len(rows), dtype=torch.long)
-        q = None
+        later = []  # rows past their first round: the `then` drafter (if any) continues them
         for j, r in enumerate(rows):
             old = self.prior.get(r // self.G)
-            if old is None or len(all_seqs[r]) != self.plen[r]:  # only before the first generated token
+            if len(all_seqs[r]) != self.plen[r]:
+                later.append(j)
+                continue
+            if old is None:
                 continue
             t, qr = old[r % self.G]
             m = min(len(t), k)
-            if m == 0:
-                continue
-            if q is None:
-                q = torch.zeros(len(rows), k, qr.shape[-1])
-            toks[j, :m], q[j, :m], n[j] = torch.tensor(t[:m]), qr[:m], m
-        if q is None:
-            return torch.zeros(len(rows), 0, dtype=torch.long), None, torch.zeros(len(rows), dtype=torch.long)
+            toks[j, :m], q[j, :m], n[j] = torch.tensor(t[:m], dtype=torch.long), qr[:m], m
+        if later and self.then is not None and self.prior:
+            tt, tq, tn = self.then.propose(all_seqs, [rows[j] for j in later], min(k, self.then_gamma))
+            for i, j in enumerate(later):
+                m = int(tn[i])
+                toks[j, :m], q[j, :m], n[j] = tt[i, :m], tq[i, :m], m
+        if len(rows) == 0 or int(n.max()) == 0:
+            return torch.zeros(len(rows), 0, dtype=torch.long), None, n
         return toks, q, n
 
 
@@ -649,9 +660,10 @@ def main(args: Args) -> dict:
         drafter = ModelDrafter(None, tok.pad_token_id, args.temperature, args.top_p, False)
     elif args.drafter == "ngram":
         drafter = NgramDrafter(args.group_size, V)
-    elif args.drafter == "prev":
-        drafter = PrevDrafter(args.group_size)
-    gamma = args.max_new_tokens if args.drafter == "prev" else args.gamma
+    elif args.drafter in ("prev", "prev+ngram"):
+        then = NgramDrafter(args.group_size, V) if args.drafter == "prev+ngram" else None
+        drafter = PrevDrafter(args.group_size, then, args.gamma)
+    gamma = args.max_new_tokens if args.drafter.startswith("prev") else args.gamma
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     run_dir = Path(args.out_dir) / args.exp_name
@@ -685,22 +697,23 @@ def main(args: Args) -> dict:
         # ---- speculative rollout ----
         if args.drafter == "self":
             drafter.model = fake_int8_copy(model)
-        if args.drafter == "prev":
+        if args.drafter.startswith("prev"):
             drafter.prior = {g: memory[i] for g, i in enumerate(idx) if i in memory}
             drafter.plen = [len(p) for p in prompts for _ in range(args.group_size)]
-        if args.drafter == "ngram":
-            drafter.extra = {g: [prompts[g] + t for t, _ in memory[i]] for g, i in enumerate(idx) if i in memory}
+        ng = drafter.then if args.drafter == "prev+ngram" else drafter
+        if args.drafter in ("ngram", "prev+ngram"):
+            ng.extra = {g: [prompts[g] + t for t, _ in memory[i]] for g, i in enumerate(idx) if i in memory}
         model.eval()
         with timer("gen"):
             comp, lps, st, probs = spec_generate(model, prompts, args.group_size, args.max_new_tokens,
                                                  tok.pad_token_id, tok.eos_token_id, drafter, gamma,
                                                  args.temperature, args.top_p, False, args.adaptive_gamma,
-                                                 keep_probs=args.drafter in ("prev", "ngram"))
+                                                 keep_probs=args.drafter.startswith("prev"))
         model.train()
-        if probs is not None:
+        if args.drafter in ("prev", "prev+ngram", "ngram"):  # remember this visit for the next epoch
             for g, i in enumerate(idx):
-                memory[i] = [(comp[r], probs[r].half().float() if args.drafter == "ngram" else probs[r])
-                             for r in range(g * args.group_size, (g + 1) * args.group_size)]
+                rows = range(g * args.group_size, (g + 1) * args.group_size)
+                memory[i] = [(comp[r], probs[r] if probs is not None else None) for r in rows]
         ro = to_rollout(tok, prompts, args.group_size, comp, lps, tok.eos_token_id)
         answers = [e.answer for e in examples for _ in range(args.group_size)]
         rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)])
