@@ -32,7 +32,7 @@ Deviations from the paper:
   on-policy, accelerate for several processes).
 
 Commands:
-  python algos/dapo.py                                          # tiny default, 2-core CPU, ~2 minutes
+  python algos/dapo.py                                          # tiny default (300 steps), 2-core CPU
   python algos/dapo.py --no-dynamic-sampling --clip-eps-high 0.2 --overlong-buffer 0   # = GRPO token-mean
   python algos/dapo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm --device cuda \
       --max-new-tokens 512 --overlong-buffer 128 --prompts-per-step 64 --lr 1e-6          # one GPU
@@ -123,8 +123,9 @@ class Args:
     rollout_budget: int = 0
     """stop once this many sequences have been sampled (0 = run all --steps)"""
     # optimisation
-    steps: int = 400
-    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
+    steps: int = 300
+    """training steps (each samples 1..max_sample_rounds rollout batches, then ppo_epochs * minibatches
+    optimiser steps); on the tiny default a step sampled 2 batches in the comparison's first 20 steps"""
     ppo_epochs: int = 1
     """passes over each rollout batch"""
     minibatches: int = 1
@@ -425,6 +426,8 @@ def main(args: Args) -> dict:
                  "rollout/informative_groups": 0, "rollout/rollouts_per_informative_group": float("nan"),
                  "rollout/sampled": sampled}, step)
             timer.pop()
+            if args.rollout_budget and rollouts_spent >= args.rollout_budget:
+                break
             continue
         ro = concat_rollouts([k[0] for k in kept], tok.pad_token_id) if len(kept) > 1 else kept[0][0]
         rewards = torch.cat([k[1] for k in kept]).view(-1).to(device)
@@ -520,20 +523,19 @@ def main(args: Args) -> dict:
             "loss/grad_norm": stats["grad_norm"] / n_upd, "perf/lr": opt.param_groups[0]["lr"],
             "perf/gen_s": t.get("gen", 0.0), "perf/train_s": t.get("train", 0.0), "perf/sync_s": t.get("sync", 0.0),
         }
-        if accel.is_main_process and (step % args.eval_every == 0 or step == args.steps):
+        last = step == args.steps or bool(args.rollout_budget and rollouts_spent >= args.rollout_budget)
+        if accel.is_main_process and (step % args.eval_every == 0 or last):
             metrics.update(run_eval(model, tok, task, hard_task, eval_sets, args, engine))
         log(metrics, step)
         bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
                         acc=f"{[h for h in history if 'eval/acc' in h][-1]['eval/acc']:.2f}" if accel.is_main_process else "")
-        if accel.is_main_process and (args.save_every and step % args.save_every == 0 or step == args.steps):
+        if accel.is_main_process and (args.save_every and step % args.save_every == 0 or last):
             common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
                                    {"step": step, "history": history, "wall_s": time.time() - t_start,
                                     "gen_tokens": gen_tokens, "gen_time": gen_time,
                                     "rollouts_spent": rollouts_spent, "informative_total": informative_total})
-        if args.rollout_budget and rollouts_spent >= args.rollout_budget:
+        if last and step < args.steps:
             print(f"rollout budget of {args.rollout_budget} sequences spent after {step} steps")
-            if accel.is_main_process and step % args.eval_every and step != args.steps:
-                log(run_eval(model, tok, task, hard_task, eval_sets, args, engine), step)
             break
 
     if not accel.is_main_process:

@@ -33,7 +33,7 @@ Deviations:
   rollout/logprob_mismatch metric), as in algos/grpo.py.
 
 Commands:
-  python algos/ppo.py                                           # tiny default, 2-core CPU, ~3 minutes
+  python algos/ppo.py                                           # tiny default (100 batches), 2-core CPU
   python algos/ppo.py --kl-coef 0.05                            # with the per-token KL penalty in the reward
   python algos/ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm --device cuda \
       --max-new-tokens 512 --prompts-per-step 64 --lr 1e-6 --vf-lr 1e-5                 # one GPU
@@ -114,8 +114,9 @@ class Args:
     kl_coef: float = 0.0
     """beta of the per-token KL penalty to the frozen initial policy in the reward (0 = no reference)"""
     # optimisation
-    steps: int = 400
-    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
+    steps: int = 100
+    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps); a PPO step costs about
+    3.5x a GRPO step here (pi_old, V_old, two epochs of policy and critic), and learns faster per batch"""
     ppo_epochs: int = 2
     """passes over each rollout batch"""
     minibatches: int = 1

@@ -113,7 +113,7 @@ def collect():
 def report() -> None:
     by, meta = collect()
     lines = ["| method | command | held-out acc end | best | gain (points) | generated tokens | rollouts per "
-             "informative group | optimiser steps | wall s | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "informative group | steps (rollout rounds) | wall s | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
     for label in METHODS:
         if label not in by:
             continue

@@ -68,7 +68,7 @@ def test_sequence_clip_zeroes_the_whole_sequence():
     assert clipped.tolist() == [1.0, 0.0] and torch.all(g[0] == 0) and torch.all(g[1] != 0)
 
 
-SMALL = gspo.Args(steps=80, prompts_per_step=32, group_size=8, eval_every=40, eval_examples=300, pass_k=0,
+SMALL = gspo.Args(steps=40, prompts_per_step=32, group_size=8, eval_every=20, eval_examples=300, pass_k=0,
                   eval_hard=False, out_dir="", exp_name="t")
 
 

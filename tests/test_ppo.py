@@ -102,7 +102,7 @@ def test_critic_starts_at_zero_and_is_masked():
     assert all(p.data_ptr() != q.data_ptr() for p, q in zip(critic.parameters(), model.parameters()))
 
 
-SMALL = ppo.Args(steps=80, eval_every=40, eval_examples=300, pass_k=0, eval_hard=False, out_dir="", exp_name="t")
+SMALL = ppo.Args(steps=40, eval_every=20, eval_examples=300, pass_k=0, eval_hard=False, out_dir="", exp_name="t")
 
 
 def test_ppo_learns(tmp_path):
@@ -114,8 +114,8 @@ def test_ppo_learns(tmp_path):
 
 
 def test_resume_is_exact_with_the_critic(tmp_path):
-    cfg = replace(SMALL, steps=4, eval_every=2, eval_examples=40, prompts_per_step=32, minibatches=2,
-                  micro_batch_size=16, kl_coef=0.05)
+    cfg = replace(SMALL, steps=4, eval_every=2, eval_examples=20, prompts_per_step=16, minibatches=2,
+                  micro_batch_size=8, kl_coef=0.05)
     straight = ppo.main(replace(cfg, out_dir=str(tmp_path / "a")))
     ppo.main(replace(cfg, steps=2, out_dir=str(tmp_path / "b")))
     resumed = ppo.main(replace(cfg, out_dir=str(tmp_path / "b"), resume=str(tmp_path / "b" / "t" / "checkpoint")))

@@ -47,7 +47,7 @@ def test_reinforce_pp_against_loop():
     assert torch.all(rloo.reinforce_pp_advantages(torch.ones(8)) == 0)
 
 
-SMALL = rloo.Args(steps=80, prompts_per_step=32, group_size=8, eval_every=40, eval_examples=300, pass_k=0,
+SMALL = rloo.Args(steps=40, prompts_per_step=32, group_size=8, eval_every=20, eval_examples=300, pass_k=0,
                   eval_hard=False, out_dir="", exp_name="t")
 
 

@@ -1,0 +1,165 @@
+"""A-56 (AsyncWebRL's loss normaliser): per-trajectory 1/|tau_i| (seq-mean) versus a constant 1/k (const).
+
+    python benchmarks/a56_length_normaliser.py                 # 2 normalisers x seeds on addsteps (3 digits)
+    python benchmarks/a56_length_normaliser.py --report-only   # rebuilds the table and the plot from the CSV
+
+The claim (papers/ A-56): when failures are longer than successes, 1/|tau_i| gives each failed token a
+smaller share of the negative gradient, so verbose failures persist; a constant 1/k removes that coupling and
+contracts responses at equal success. The test bed is algos/grpo.py on `addsteps` with 3-digit operands (a
+scratchpad per column) and a generous max_new_tokens, so a response can ramble; everything except
+--loss-agg is identical between the two arms (k = max_new_tokens). The script reports the measured length
+of successes and failures at the start, since the claim's premise (failures longer) has to be checked, not
+assumed.
+
+Writes benchmarks/results/a56.csv, benchmarks/results/a56.md and benchmarks/results/a56.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
+
+CSV = "a56.csv"
+ARMS = {"1/|tau| (seq-mean)": "seq-mean", "1/k (const)": "const"}
+
+
+def premise(max_new_tokens: int, n: int = 256) -> dict:
+    """Mean sampled length of successes and failures of the starting policy (temperature 1)."""
+    import numpy as np
+    import torch
+
+    import common
+
+    torch.manual_seed(0)
+    model, tok = common.load_model("tiny-0.6m")
+    task = common.make_task("addsteps", 3)
+    ex = task.sample("train", n, np.random.default_rng(0))
+    ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in ex]), 1, max_new_tokens)
+    r = np.array([task.verify(t, e.answer)[0] for t, e in zip(ro.texts, ex)])
+    L = ro.completion_mask.sum(1).numpy()
+    return {"start_success_rate": float(r.mean()), "start_len_success": float(L[r == 1].mean()) if r.any() else -1,
+            "start_len_failure": float(L[r == 0].mean()),
+            "start_truncated": float(np.mean([f == "length" for f in ro.finish_reasons]))}
+
+
+def run(seeds, steps: int, threads: int, max_new_tokens: int, prompts: int) -> None:
+    from algos import grpo
+
+    base = premise(max_new_tokens)
+    print("starting policy:", base)
+    append_rows(CSV, "a56", "algos/grpo.py", "premise", 0, base, "python benchmarks/a56_length_normaliser.py")
+    for seed in seeds:
+        for label, agg in ARMS.items():
+            args = grpo.Args(task="addsteps", digits=3, max_new_tokens=max_new_tokens, prompts_per_step=prompts,
+                             loss_agg=agg, steps=steps, seed=seed, eval_every=max(steps // 4, 1), eval_examples=200,
+                             pass_k=0, eval_hard=False, threads=threads, out_dir=f"runs/bench_a56/s{seed}",
+                             exp_name=agg)
+            s = grpo.main(args)
+            rows = [json.loads(x) for x in open(Path(args.out_dir) / agg / "metrics.jsonl")]
+            train = [r for r in rows if "rollout/length" in r]
+            w = max(len(train) // 10, 1)  # windows of 10% of the run
+            for i in range(0, len(train), w):
+                win = train[i:i + w]
+                s[f"len_at_step_{win[-1]['step']}"] = statistics.mean(r["rollout/length"] for r in win)
+                s[f"reward_at_step_{win[-1]['step']}"] = statistics.mean(r["rollout/reward"] for r in win)
+            s["len_first"] = statistics.mean(r["rollout/length"] for r in train[:w])
+            s["len_last"] = statistics.mean(r["rollout/length"] for r in train[-w:])
+            s["reward_last_window"] = statistics.mean(r["rollout/reward"] for r in train[-w:])
+            s["truncated_last"] = statistics.mean(r["rollout/truncated_frac"] for r in train[-w:])
+            cmd = (f"python algos/grpo.py --task addsteps --digits 3 --max-new-tokens {max_new_tokens} "
+                   f"--prompts-per-step {prompts} --loss-agg {agg} --steps {steps} --seed {seed} --threads {threads}")
+            append_rows(CSV, "a56", "algos/grpo.py", label, seed, s, cmd)
+
+
+def fmt(vals, scale=1.0, digits=1):
+    if not vals:
+        return "-"
+    m = statistics.mean(vals) * scale
+    sd = statistics.stdev(vals) * scale if len(vals) > 1 else 0.0
+    return f"{m:.{digits}f} ± {sd:.{digits}f}"
+
+
+def report() -> None:
+    rows = read_rows(CSV)
+    by = defaultdict(lambda: defaultdict(dict))
+    meta = {}
+    for r in rows:
+        by[r["config"]][r["seed"]][r["metric"]] = float(r["value"])
+        meta[r["config"]] = r
+    lines = ["| normaliser | response length, first 10% of training | last 10% | train reward, last 10% | "
+             "held-out acc start | end | seeds |", "|---|---|---|---|---|---|---|"]
+    for label in ARMS:
+        if label not in by:
+            continue
+        runs = list(by[label].values())
+        get = lambda k: [r[k] for r in runs if k in r]  # noqa: E731
+        lines.append(f"| {label} | {fmt(get('len_first'))} | {fmt(get('len_last'))} | "
+                     f"{fmt(get('reward_last_window'), 100)}% | {fmt(get('eval_acc_start'), 100)}% | "
+                     f"{fmt(get('eval_acc_end'), 100)}% | {len(runs)} |")
+    if "premise" in by and meta:
+        p = next(iter(by["premise"].values()))
+        any_row = meta[next(k for k in meta if k != "premise")] if len(meta) > 1 else meta["premise"]
+        cmd = any_row["command"]
+        lines += ["", f"Starting policy (`tiny-0.6m`, temperature 1, 256 training prompts): success rate "
+                  f"{100 * p['start_success_rate']:.1f}%, mean length of successes {p['start_len_success']:.1f} "
+                  f"tokens vs failures {p['start_len_failure']:.1f}, truncated {100 * p['start_truncated']:.1f}%. "
+                  f"Lengths count response tokens including EOS. Each arm: `{cmd}` with `--loss-agg seq-mean` or "
+                  f"`const` (k = max_new_tokens). Mean ± std over seeds; held-out = 200 prompts, greedy. "
+                  f"Hardware: {any_row['hardware']} (shared); commit {any_row['commit']}. Rows: "
+                  f"`benchmarks/results/{CSV}`; command: `python benchmarks/a56_length_normaliser.py`.",
+                  "", "![A-56 length and reward curves](benchmarks/results/a56.png)"]
+    (RESULTS / "a56.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(by)
+
+
+def plot(by) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for label in ARMS:
+        if label not in by:
+            continue
+        for ax, key in zip(axes, ("len_at_step_", "reward_at_step_")):
+            curves = defaultdict(list)
+            for r in by[label].values():
+                for k, v in r.items():
+                    if k.startswith(key):
+                        curves[int(k.rsplit("_", 1)[-1])].append(v)
+            xs = sorted(curves)
+            m, sd = np.array([np.mean(curves[x]) for x in xs]), np.array([np.std(curves[x]) for x in xs])
+            line, = ax.plot(xs, m, "o-", ms=3, label=label)
+            ax.fill_between(xs, m - sd, m + sd, color=line.get_color(), alpha=0.15)
+    axes[0].set(xlabel="rollout batch", ylabel="mean response length (tokens)", title="length")
+    axes[1].set(xlabel="rollout batch", ylabel="train reward", title="success (sampled)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("A-56 on addsteps, 3 digits: 1/|tau| vs constant 1/k", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "a56.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--report-only", action="store_true", help="only rebuild the table and the plot from the CSV")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per rollout batch (x 8 samples)")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    if not a.report_only:
+        run(a.seeds, a.steps, a.threads, a.max_new_tokens, a.prompts)
+    report()
