@@ -23,7 +23,8 @@ from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
 
 CSV = "spec_rollout.csv"
 DECODE = [("model", 2), ("model", 4), ("model", 6), ("ngram", 4), ("ngram", 8)]
-RL_DRAFTERS = ["none", "prev", "ngram", "model", "self"]
+RL_DRAFTERS = ["none", "prev", "prev+ngram", "ngram", "model", "self"]
+RL_POOL = 128  # a small pool: many epochs in a short run, so SPEC-RL has previous rollouts to reuse
 
 
 def run(rl_steps: int) -> None:
@@ -37,11 +38,12 @@ def run(rl_steps: int) -> None:
                     f"python algos/spec_decode.py --drafter {drafter} --gamma {gamma} --prompts 16"
                     + (" --waves 2" if drafter == "ngram" else ""))
     for drafter in RL_DRAFTERS:
-        a = spec_rl.Args(drafter=drafter, steps=rl_steps, eval_every=rl_steps, out_dir="runs/bench_spec",
-                         exp_name=f"rl_{drafter}")
+        a = spec_rl.Args(drafter=drafter, steps=rl_steps, eval_every=rl_steps, pool_size=RL_POOL,
+                         out_dir="runs/bench_spec", exp_name=f"rl_{drafter.replace('+', '_')}")
         s = spec_rl.main(a)
         append_rows(CSV, "spec_rl", "algos/spec_rl.py", f"{drafter} steps={rl_steps}", 0, s,
-                    f"python algos/spec_rl.py --drafter {drafter} --steps {rl_steps} --eval-every {rl_steps}")
+                    f"python algos/spec_rl.py --drafter {drafter} --steps {rl_steps} --eval-every {rl_steps} "
+                    f"--pool-size {RL_POOL}")
 
 
 def latest(rows):
@@ -71,19 +73,24 @@ def report() -> None:
         lines.append(f"| {drafter} | {gamma} | {f['alpha']:.3f} | {f['tokens_per_row_call']:.2f} | "
                      f"{tokens_per_call_theory(f['alpha'], gamma):.2f} | {f['plain_calls']:.0f} -> "
                      f"{f['target_calls']:.0f} | {f['call_reduction']:.2f}x | {f['speedup_wall']:.2f}x |")
-    lines += ["", "**GRPO with speculative rollouts** (`algos/spec_rl.py`, policy `tiny-0.6m`, `add`, fixed pool "
-              "of 512 prompts). Forwards / token = per-sequence target forwards per generated token (plain = 1); "
-              "alpha early / late = mean acceptance over the first / last tenth of the run after epoch 0.", "",
-              "| drafter | steps | held-out acc start -> end | forwards / token | batched calls / step | reused "
-              "| alpha early -> late | rollout s | wall s |", "|---|---|---|---|---|---|---|---|---|"]
-    for (bench, cfg), f in sorted(by.items()):
-        if bench != "spec_rl":
-            continue
+    lines += ["", f"**GRPO with speculative rollouts** (`algos/spec_rl.py`, policy `tiny-0.6m`, `add`, fixed pool "
+              f"of {RL_POOL} prompts, 32 x 8 per step, same seed). Forwards / token = per-sequence target forwards "
+              "per generated token (plain = 1); call reduction = batched target calls of `none` / this drafter; "
+              "rollout time ratio = rollout seconds of `none` / this drafter (CPU); alpha early / late = mean "
+              "acceptance over the first / last tenth of the run after epoch 0.", "",
+              "| drafter | steps | held-out acc start -> end | forwards / token | batched calls / step | call "
+              "reduction | rollout time ratio (CPU) | reused | alpha early -> late |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    rl = {cfg: f for (bench, cfg), f in by.items() if bench == "spec_rl"}
+    base = next((f for cfg, f in rl.items() if cfg.startswith("none ")), None)
+    for cfg, f in sorted(rl.items(), key=lambda kv: RL_DRAFTERS.index(kv[0].split()[0])):
         meta = f["_meta"]
+        red = base["target_calls"] / f["target_calls"] if base else float("nan")
+        tr = base["gen_s"] / f["gen_s"] if base else float("nan")
         lines.append(f"| {cfg.split()[0]} | {cfg.split()[1].split('=')[1]} | {100 * f['eval_acc_start']:.1f} -> "
                      f"{100 * f['eval_acc_end']:.1f} | {f['row_calls_per_token']:.3f} | "
-                     f"{f['target_calls_per_step']:.2f} | {f['reused_frac']:.2f} | {f['alpha_early']:.3f} -> "
-                     f"{f['alpha_late']:.3f} | {f['gen_s']:.0f} | {f['wall_s']:.0f} |")
+                     f"{f['target_calls_per_step']:.2f} | {red:.2f}x | {tr:.2f}x | {f['reused_frac']:.2f} | "
+                     f"{f['alpha_early']:.3f} -> {f['alpha_late']:.3f} |")
     if meta:
         lines += ["", f"Hardware: {meta['hardware']} (shared with other jobs, so wall times are noisy); "
                   f"{meta['versions']}; commit {meta['commit']}. Rows: `benchmarks/results/{CSV}`; command: "
@@ -119,7 +126,7 @@ def report() -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table and plot from the CSV")
-    ap.add_argument("--rl-steps", type=int, default=160, help="GRPO rollout batches per drafter")
+    ap.add_argument("--rl-steps", type=int, default=40, help="GRPO rollout batches per drafter")
     args = ap.parse_args()
     if not args.report_only:
         run(args.rl_steps)
