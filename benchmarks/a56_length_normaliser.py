@@ -95,15 +95,16 @@ def report() -> None:
         by[r["config"]][r["seed"]][r["metric"]] = float(r["value"])
         meta[r["config"]] = r
     lines = ["| normaliser | response length, first 10% of training | last 10% | train reward, last 10% | "
-             "held-out acc start | end | seeds |", "|---|---|---|---|---|---|---|"]
+             "held-out acc start | end | groups with a reward signal | seeds |", "|---|---|---|---|---|---|---|---|"]
     for label in ARMS:
         if label not in by:
             continue
         runs = list(by[label].values())
         get = lambda k: [r[k] for r in runs if k in r]  # noqa: E731
-        lines.append(f"| {label} | {fmt(get('len_first'))} | {fmt(get('len_last'))} | "
+        lines.append(f"| {label.replace('|', chr(92) + '|')} | {fmt(get('len_first'))} | {fmt(get('len_last'))} | "
                      f"{fmt(get('reward_last_window'), 100)}% | {fmt(get('eval_acc_start'), 100)}% | "
-                     f"{fmt(get('eval_acc_end'), 100)}% | {len(runs)} |")
+                     f"{fmt(get('eval_acc_end'), 100)}% | "
+                     f"{fmt([1 - v for v in get('zero_var_group_frac')], 100)}% | {len(runs)} |")
     if "premise" in by and meta:
         p = next(iter(by["premise"].values()))
         any_row = meta[next(k for k in meta if k != "premise")] if len(meta) > 1 else meta["premise"]
@@ -111,11 +112,18 @@ def report() -> None:
         lines += ["", f"Starting policy (`tiny-0.6m`, temperature 1, 256 training prompts): success rate "
                   f"{100 * p['start_success_rate']:.1f}%, mean length of successes {p['start_len_success']:.1f} "
                   f"tokens vs failures {p['start_len_failure']:.1f}, truncated {100 * p['start_truncated']:.1f}%. "
-                  f"Lengths count response tokens including EOS. Each arm: `{cmd}` with `--loss-agg seq-mean` or "
+                  f"Lengths count response tokens including EOS; 'groups with a reward signal' = groups whose 8 "
+                  f"rewards were not all equal (the only ones that give GRPO a gradient). Each arm: `{cmd}` with `--loss-agg seq-mean` or "
                   f"`const` (k = max_new_tokens). Mean ± std over seeds; held-out = 200 prompts, greedy. "
                   f"Hardware: {any_row['hardware']} (shared); commit {any_row['commit']}. Rows: "
                   f"`benchmarks/results/{CSV}`; command: `python benchmarks/a56_length_normaliser.py`.",
                   "", "![A-56 length and reward curves](benchmarks/results/a56.png)"]
+        signal = [1 - r["zero_var_group_frac"] for lab in ARMS for r in by.get(lab, {}).values()]
+        if signal and max(signal) < 0.05:
+            lines.insert(len(lines) - 2, f"\nInconclusive: at most {100 * max(signal):.1f}% of groups carried a "
+                         "reward signal, so both normalisers applied (almost) no gradient and the arms stayed "
+                         "together." + (" The premise also fails here: failures are shorter than successes."
+                                        if p["start_len_failure"] < p["start_len_success"] else ""))
     (RESULTS / "a56.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(by)
