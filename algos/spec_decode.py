@@ -365,6 +365,7 @@ class SpecStats:
     accepted: int = 0  # drafted tokens accepted
     alpha_sum: float = 0.0  # sum over tested positions of sum_v min(p, q)
     emitted: int = 0  # tokens kept (up to EOS and the budget)
+    reused: int = 0  # accepted draft tokens that were kept (drafts accepted past an EOS are not)
     target_s: float = 0.0
     draft_s: float = 0.0
 
@@ -375,7 +376,8 @@ class SpecStats:
                 "mean_accepted": self.accepted / max(self.rounds_with_draft, 1),
                 "tokens_per_row_call": self.emitted / max(self.row_calls, 1),
                 "row_calls_per_token": self.row_calls / max(self.emitted, 1),
-                "emitted": self.emitted, "target_s": self.target_s, "draft_s": self.draft_s}
+                "emitted": self.emitted, "reused_frac": self.reused / max(self.emitted, 1),
+                "target_s": self.target_s, "draft_s": self.draft_s}
 
 
 @torch.no_grad()
@@ -459,6 +461,7 @@ def spec_generate(target, prompts: list[list[int]], group_size: int, max_new_tok
                     if keep_probs:
                         probs[r].append(p[j, pos])
                     st.emitted += 1
+                    st.reused += int(pos < int(n_acc[j]))
                     if t == eos_id or len(seqs[r]) - plen[r] >= max_new_tokens:
                         done[r] = True
                         break

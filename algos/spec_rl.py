@@ -427,6 +427,7 @@ class SpecStats:
     accepted: int = 0  # drafted tokens accepted
     alpha_sum: float = 0.0  # sum over tested positions of sum_v min(p, q)
     emitted: int = 0  # tokens kept (up to EOS and the budget)
+    reused: int = 0  # accepted draft tokens that were kept (drafts accepted past an EOS are not)
     target_s: float = 0.0
     draft_s: float = 0.0
 
@@ -437,7 +438,8 @@ class SpecStats:
                 "mean_accepted": self.accepted / max(self.rounds_with_draft, 1),
                 "tokens_per_row_call": self.emitted / max(self.row_calls, 1),
                 "row_calls_per_token": self.row_calls / max(self.emitted, 1),
-                "emitted": self.emitted, "target_s": self.target_s, "draft_s": self.draft_s}
+                "emitted": self.emitted, "reused_frac": self.reused / max(self.emitted, 1),
+                "target_s": self.target_s, "draft_s": self.draft_s}
 
 
 @torch.no_grad()
@@ -521,6 +523,7 @@ def spec_generate(target, prompts: list[list[int]], group_size: int, max_new_tok
                     if keep_probs:
                         probs[r].append(p[j, pos])
                     st.emitted += 1
+                    st.reused += int(pos < int(n_acc[j]))
                     if t == eos_id or len(seqs[r]) - plen[r] >= max_new_tokens:
                         done[r] = True
                         break
@@ -675,7 +678,7 @@ def main(args: Args) -> dict:
     timer = common.Timer()
     t_start = time.time()
     totals = {"gen_tokens": 0, "gen_time": 0.0, "target_calls": 0, "row_calls": 0, "draft_calls": 0,
-              "accepted": 0, "tested": 0, "alpha_sum": 0.0}
+              "reused": 0, "tested": 0, "alpha_sum": 0.0}
     history: list[dict] = []
 
     def log(metrics: dict, step: int):
@@ -724,7 +727,7 @@ def main(args: Args) -> dict:
         totals["gen_time"] += timer.totals["gen"]
         for key in ("target_calls", "row_calls", "draft_calls"):
             totals[key] += s[key]
-        totals["accepted"] += st.accepted
+        totals["reused"] += st.reused
         totals["tested"] += st.tested
         totals["alpha_sum"] += st.alpha_sum
 
@@ -757,7 +760,7 @@ def main(args: Args) -> dict:
             "rollout/alpha": s["alpha"], "rollout/accept_rate": s["accept_rate"],
             "rollout/mean_accepted": s["mean_accepted"], "rollout/target_calls": s["target_calls"],
             "rollout/row_calls_per_token": s["row_calls_per_token"],
-            "rollout/reused_frac": st.accepted / max(st.emitted, 1), "rollout/epoch": epoch,
+            "rollout/reused_frac": s["reused_frac"], "rollout/epoch": epoch,
             "loss/pg": loss.item(), "loss/entropy": common.masked_mean(ent.detach(), m).item(),
             "loss/clipfrac": common.masked_mean(clipped, m).item(), "loss/grad_norm": grad_norm,
             "perf/gen_s": t.get("gen", 0.0), "perf/train_s": t.get("train", 0.0),
@@ -782,7 +785,7 @@ def main(args: Args) -> dict:
         "draft_calls": totals["draft_calls"],
         "target_calls_per_step": totals["target_calls"] / len(train),
         "row_calls_per_token": totals["row_calls"] / max(totals["gen_tokens"], 1),
-        "reused_frac": totals["accepted"] / max(totals["gen_tokens"], 1),
+        "reused_frac": totals["reused"] / max(totals["gen_tokens"], 1),
         "alpha": totals["alpha_sum"] / max(totals["tested"], 1),
         "alpha_early": float(np.mean([h["rollout/alpha"] for h in later[:tenth]])),
         "alpha_late": float(np.mean([h["rollout/alpha"] for h in later[-tenth:]])),

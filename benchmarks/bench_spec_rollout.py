@@ -27,17 +27,17 @@ RL_DRAFTERS = ["none", "prev", "prev+ngram", "ngram", "model", "self"]
 RL_POOL = 128  # a small pool: many epochs in a short run, so SPEC-RL has previous rollouts to reuse
 
 
-def run(rl_steps: int) -> None:
+def run(rl_steps: int, decode: bool = True, rl_drafters=RL_DRAFTERS) -> None:
     from algos import spec_decode, spec_rl
 
-    for drafter, gamma in DECODE:
+    for drafter, gamma in DECODE if decode else []:
         a = spec_decode.Args(drafter=drafter, gamma=gamma, waves=2 if drafter == "ngram" else 1, prompts=16,
                              out_dir="runs/bench_spec", exp_name=f"{drafter}_g{gamma}")
         s = spec_decode.main(a)
         append_rows(CSV, "spec_decode", "algos/spec_decode.py", f"{drafter} gamma={gamma} addsteps tiny-5m", 0, s,
                     f"python algos/spec_decode.py --drafter {drafter} --gamma {gamma} --prompts 16"
                     + (" --waves 2" if drafter == "ngram" else ""))
-    for drafter in RL_DRAFTERS:
+    for drafter in rl_drafters:
         a = spec_rl.Args(drafter=drafter, steps=rl_steps, eval_every=rl_steps, pool_size=RL_POOL,
                          out_dir="runs/bench_spec", exp_name=f"rl_{drafter.replace('+', '_')}")
         s = spec_rl.main(a)
@@ -127,7 +127,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table and plot from the CSV")
     ap.add_argument("--rl-steps", type=int, default=40, help="GRPO rollout batches per drafter")
+    ap.add_argument("--rl-drafters", nargs="+", default=RL_DRAFTERS, choices=RL_DRAFTERS, help="spec_rl drafters")
+    ap.add_argument("--no-decode", action="store_true", help="skip the spec_decode sweep")
     args = ap.parse_args()
     if not args.report_only:
-        run(args.rl_steps)
+        run(args.rl_steps, not args.no_decode, args.rl_drafters)
     report()
