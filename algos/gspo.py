@@ -29,8 +29,8 @@ Commands:
   python algos/gspo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm --device cuda \
       --max-new-tokens 512 --prompts-per-step 64 --lr 1e-6 --clip-eps-low 3e-4 --clip-eps-high 4e-4   # one GPU
   accelerate launch --num_processes 4 algos/gspo.py --model ... --device cuda         # several GPUs
-Expected: held-out greedy accuracy on 2-digit addition rises by 15+ points in under 5 minutes on 2 cores;
-see benchmarks/results/grpo_family.md (rows in benchmarks/results/grpo_family.csv).
+Expected: held-out greedy accuracy on 2-digit addition +11.0 +- 2.2 points after 40 rollout batches (3 seeds,
+benchmarks/results/grpo_family.md, rows in benchmarks/results/grpo_family.csv); the default runs 400.
 """
 from __future__ import annotations
 

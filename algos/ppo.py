@@ -38,8 +38,8 @@ Commands:
   python algos/ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm --device cuda \
       --max-new-tokens 512 --prompts-per-step 64 --lr 1e-6 --vf-lr 1e-5                 # one GPU
   accelerate launch --num_processes 4 algos/ppo.py --model ... --device cuda          # several GPUs
-Expected: held-out greedy accuracy on 2-digit addition rises by 15+ points in under 5 minutes on 2 cores;
-see benchmarks/results/grpo_family.md (rows in benchmarks/results/grpo_family.csv).
+Expected: held-out greedy accuracy on 2-digit addition +19.9 +- 0.8 points after 40 rollout batches (3 seeds,
+benchmarks/results/grpo_family.md, rows in benchmarks/results/grpo_family.csv); the 100-batch default runs longer.
 """
 from __future__ import annotations
 
@@ -430,9 +430,10 @@ def main(args: Args) -> dict:
             batch["adv"] = whiten(adv, mask) if args.whiten_adv else adv
             ev = explained_variance(batch["old_v"], batch["returns"], mask)
             kl_ref = common.masked_mean(k3_kl(batch["old"], ref), mask).item() if ref is not None else 0.0
+            mismatch = common.masked_mean((batch["old"] - batch["logprobs"]).abs(), mask).item()
 
         # ---- update ----
-        stats = {"pg": 0.0, "vf": 0.0, "clipfrac": 0.0, "vf_clipfrac": 0.0, "mismatch": 0.0, "grad_norm": 0.0}
+        stats = {"pg": 0.0, "vf": 0.0, "clipfrac": 0.0, "vf_clipfrac": 0.0, "grad_norm": 0.0}
         n_upd = 0
         with timer("train"):
             for _epoch in range(args.ppo_epochs):
@@ -458,8 +459,6 @@ def main(args: Args) -> dict:
                         stats["clipfrac"] += common.masked_sum(clipped, m).item() / n_tokens
                         moved = ((values.detach() - batch["old_v"][idx]).abs() > args.vf_clip).float()
                         stats["vf_clipfrac"] += common.masked_sum(moved, m).item() / n_tokens
-                        stats["mismatch"] += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
-                                                               m).item() / n_tokens
                     if world > 1:  # the loss was normalised by global counts, so summed gradients are exact
                         for p in list(model.parameters()) + list(critic.parameters()):
                             if p.grad is not None:
@@ -481,7 +480,7 @@ def main(args: Args) -> dict:
             "rollout/length": lengths.mean().item(),
             "rollout/truncated_frac": float(np.mean([f == "length" for f in ro.finish_reasons])),
             "rollout/tokens_per_s": lengths.sum().item() / max(t.get("gen", 1e-9), 1e-9),
-            "rollout/logprob_mismatch": stats["mismatch"] / n_upd,
+            "rollout/logprob_mismatch": mismatch,  # sampler vs trainer, before any update
             "value/explained_var": ev, "value/mean": common.masked_mean(batch["old_v"], mask).item(),
             "loss/pg": stats["pg"] / n_upd, "loss/vf": stats["vf"] / n_upd, "loss/kl": kl_ref,
             "loss/clipfrac": stats["clipfrac"] / n_upd, "loss/vf_clipfrac": stats["vf_clipfrac"] / n_upd,

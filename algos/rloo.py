@@ -32,8 +32,8 @@ Commands:
   python algos/rloo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm --device cuda \
       --max-new-tokens 512 --prompts-per-step 64 --lr 1e-6                        # one GPU
   accelerate launch --num_processes 4 algos/rloo.py --model ... --device cuda         # several GPUs
-Expected: held-out greedy accuracy on 2-digit addition rises by 15+ points in under 5 minutes on 2 cores;
-see benchmarks/results/grpo_family.md (rows in benchmarks/results/grpo_family.csv).
+Expected: held-out greedy accuracy on 2-digit addition +8.5 +- 5.0 points after 40 rollout batches (3 seeds,
+benchmarks/results/grpo_family.md, rows in benchmarks/results/grpo_family.csv); the default runs 400.
 """
 from __future__ import annotations
 

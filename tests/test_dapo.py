@@ -88,7 +88,7 @@ def test_concat_and_select_keep_log_probs():
 
 # ---- the loop ----
 SMALL = dapo.Args(steps=40, prompts_per_step=32, group_size=8, eval_every=20, eval_examples=300, pass_k=0,
-                  eval_hard=False, out_dir="", exp_name="t")
+                  eval_hard=False, out_dir="", exp_name="t", threads=1)
 
 
 def rows(path):
@@ -125,8 +125,9 @@ def test_rollout_budget_stops_early(tmp_path):
 
 def test_dapo_learns(tmp_path):
     s = dapo.main(replace(SMALL, out_dir=str(tmp_path)))
-    # stated margin: MARGIN_DAPO
-    assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.06, s
+    # stated margin: +3 points in 40 steps (measured, seed 0, 1 thread: +6.7 at the end, +13 at best; the
+    # comparison's 20-step runs gained 10.4 +- 2.8; a flipped sign loses accuracy instead)
+    assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.03, s
     assert (tmp_path / "t" / "curve.png").exists()
 
 

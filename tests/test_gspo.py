@@ -69,12 +69,13 @@ def test_sequence_clip_zeroes_the_whole_sequence():
 
 
 SMALL = gspo.Args(steps=40, prompts_per_step=32, group_size=8, eval_every=20, eval_examples=300, pass_k=0,
-                  eval_hard=False, out_dir="", exp_name="t")
+                  eval_hard=False, out_dir="", exp_name="t", threads=1)
 
 
 def test_gspo_learns(tmp_path):
     s = gspo.main(replace(SMALL, out_dir=str(tmp_path)))
-    # stated margin: MARGIN_GSPO
+    # stated margin: +6 points in 40 rollout batches (measured, seed 0, 1 thread: +15; the comparison gained
+    # 11.0 +- 2.2 over 3 seeds; a flipped sign loses accuracy instead)
     assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.06, s
     assert (tmp_path / "t" / "curve.png").exists()
 

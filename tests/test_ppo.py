@@ -102,14 +102,16 @@ def test_critic_starts_at_zero_and_is_masked():
     assert all(p.data_ptr() != q.data_ptr() for p, q in zip(critic.parameters(), model.parameters()))
 
 
-SMALL = ppo.Args(steps=40, eval_every=20, eval_examples=300, pass_k=0, eval_hard=False, out_dir="", exp_name="t")
+SMALL = ppo.Args(steps=40, eval_every=20, eval_examples=300, pass_k=0, eval_hard=False, out_dir="", exp_name="t", threads=1)
 
 
 def test_ppo_learns(tmp_path):
-    s = ppo.main(replace(SMALL, out_dir=str(tmp_path)))
-    # stated margin: MARGIN_PPO
-    assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.06, s
+    s = ppo.main(replace(SMALL, steps=20, eval_every=10, out_dir=str(tmp_path)))
+    # stated margin: +8 points of held-out greedy accuracy in 20 rollout batches (measured, seed 0, 1 thread:
+    # +18 at 20 batches and +21 at 40; a flipped advantage sign or a broken GAE loses accuracy instead)
+    assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.08, s
     assert s["explained_var_last"] > 0.0  # the critic learned something about the reward
+    assert s["logprob_mismatch"] < 1e-3  # sampler and trainer agree before the update
     assert (tmp_path / "t" / "curve.png").exists()
 
 

@@ -48,12 +48,13 @@ def test_reinforce_pp_against_loop():
 
 
 SMALL = rloo.Args(steps=40, prompts_per_step=32, group_size=8, eval_every=20, eval_examples=300, pass_k=0,
-                  eval_hard=False, out_dir="", exp_name="t")
+                  eval_hard=False, out_dir="", exp_name="t", threads=1)
 
 
 def test_rloo_learns(tmp_path):
-    s = rloo.main(replace(SMALL, out_dir=str(tmp_path)))
-    # stated margin: MARGIN_RLOO
+    s = rloo.main(replace(SMALL, steps=80, eval_every=40, out_dir=str(tmp_path)))
+    # stated margin: +6 points in 80 rollout batches (measured, seed 0, 1 thread: +1.7 at 40 and +16.7 at 80; without
+    # the std division RLOO starts slower than GRPO; a flipped sign loses accuracy instead)
     assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.06, s
 
 
