@@ -1,0 +1,69 @@
+"""Each LLM script's default command, once: does it learn within its time budget on this machine?
+
+    python benchmarks/run_defaults.py                    # runs the scripts below with no flags (about 10 min)
+    python benchmarks/run_defaults.py --record-only      # only (re)record runs/defaults/*/summary.json
+    python benchmarks/run_defaults.py --report-only      # only rebuild benchmarks/results/defaults.md
+
+Rows go to benchmarks/results/defaults.csv (seed 0, the default), the table to benchmarks/results/defaults.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
+
+SCRIPTS = ["grpo", "ppo", "rloo", "dapo", "gspo"]
+OUT = ROOT / "runs" / "defaults"
+CSV = "defaults.csv"
+
+
+def run(names) -> None:
+    for name in names:
+        subprocess.run([sys.executable, f"algos/{name}.py", "--out-dir", str(OUT)], cwd=ROOT, check=True)
+
+
+def record(names) -> None:
+    for name in names:
+        summary = json.loads((OUT / name / "summary.json").read_text())
+        append_rows(CSV, "defaults", f"algos/{name}.py", "default", 0, summary, f"python algos/{name}.py")
+
+
+def report() -> None:
+    latest = {}
+    for r in read_rows(CSV):
+        latest.setdefault(r["script"], {})[r["metric"]] = r
+    lines = ["| command | held-out acc start | end | gain (points) | wall s | generated tokens/s |",
+             "|---|---|---|---|---|---|"]
+    meta = None
+    for script, m in latest.items():
+        v = {k: float(r["value"]) for k, r in m.items()}
+        meta = next(iter(m.values()))
+        lines.append(f"| `python {script}` | {100 * v['eval_acc_start']:.1f} | {100 * v['eval_acc_end']:.1f} | "
+                     f"+{100 * (v['eval_acc_end'] - v['eval_acc_start']):.1f} | {v['wall_s']:.0f} | "
+                     f"{v.get('tokens_per_s', float('nan')):.0f} |")
+    if meta:
+        lines += ["", f"Seed 0, each script's defaults (tiny-0.6m on 2-digit `add`, 500 held-out prompts, greedy). "
+                      f"Hardware: {meta['hardware']} (other jobs at idle priority); {meta['versions']}; commit "
+                      f"{meta['commit']}. Rows: `benchmarks/results/{CSV}`; command: `python benchmarks/run_defaults.py`."]
+    (RESULTS / "defaults.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--record-only", action="store_true", help="record existing runs/defaults summaries")
+    ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
+    ap.add_argument("--scripts", nargs="+", default=SCRIPTS)
+    a = ap.parse_args()
+    if not (a.record_only or a.report_only):
+        run(a.scripts)
+    if not a.report_only:
+        record(a.scripts)
+    report()
