@@ -39,7 +39,9 @@ def test_prev_drafter_is_lossless_for_a_fresh_previous_rollout():
         emp[c[0], c[1]] += 1
     emp /= len(comp)
     assert 0.5 * (emp - joint).abs().sum() < 0.03
-    assert st.accepted > 0.2 * st.emitted  # old drafts do get reused
+    # old drafts are reused at the rate speculative sampling predicts: sum_v min(p_old(v), p_new(v))
+    alpha = torch.minimum(old.table[2].softmax(-1), p1).sum().item()
+    assert abs(st.accepted / st.drafted - alpha) < 0.02, (st.accepted / st.drafted, alpha)
 
 
 def test_fake_int8_copy_is_close_but_not_equal():
