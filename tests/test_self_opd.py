@@ -93,8 +93,8 @@ def test_privileged_context_never_reaches_the_students_forward_pass(tmp_path):
 
 
 def test_self_opd_learns(tmp_path):
-    s = so.main(so.Args(steps=30, eval_every=30, eval_examples=300, eval_hard=False, out_dir=str(tmp_path)))
-    # stated margin: +10 points in 30 steps (the privileged view is ~98% accurate)
+    s = so.main(so.Args(steps=40, eval_every=40, eval_examples=300, eval_hard=False, out_dir=str(tmp_path)))
+    # stated margin: +10 points in 40 steps (measured: 35.0% -> 53.0%; the privileged view is ~100% accurate)
     assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.10, s
     assert s["privileged_acc_start"] > 0.9
 
