@@ -1,6 +1,6 @@
 """Each LLM script's default command, once: does it learn within its time budget on this machine?
 
-    python benchmarks/run_defaults.py                    # runs the scripts below with no flags (about 10 min)
+    python benchmarks/run_defaults.py                    # runs the scripts below with no flags (about 20 min)
     python benchmarks/run_defaults.py --record-only      # only (re)record runs/defaults/*/summary.json
     python benchmarks/run_defaults.py --report-only      # only rebuild benchmarks/results/defaults.md
 
@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
 
-SCRIPTS = ["grpo", "ppo", "rloo", "dapo", "gspo"]
+SCRIPTS = ["grpo", "ppo", "rloo", "dapo", "gspo", "opd", "async_opd", "self_opd", "spec_rl"]
 OUT = ROOT / "runs" / "defaults"
 CSV = "defaults.csv"
 
