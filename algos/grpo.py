@@ -359,6 +359,9 @@ def main(args: Args) -> dict:
             micro = [torch.arange(s, min(s + args.micro_batch_size, B)) for s in range(0, B, args.micro_batch_size)]
             batch["old"] = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro])
             batch["ref"] = torch.cat([logprobs_of(ref_model, i) for i in micro]) if ref_model is not None else None
+        # Sampler-vs-trainer log-prob gap on the same weights (before any update of this batch).
+        mismatch = None if on_policy else common.masked_mean((batch["old"] - batch["logprobs"]).abs(),
+                                                             batch["completion_mask"].float()).item()
 
         # ---- update ----
         stats = {"pg": 0.0, "kl": 0.0, "clipfrac": 0.0, "entropy": 0.0, "mismatch": 0.0, "grad_norm": 0.0}
@@ -397,8 +400,9 @@ def main(args: Args) -> dict:
                         stats["pg"] += loss.item()
                         stats["clipfrac"] += common.masked_sum(clipped, m).item() / n_tokens
                         stats["entropy"] += common.masked_sum(ent.detach(), m).item() / n_tokens
-                        stats["mismatch"] += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
-                                                               m).item() / n_tokens
+                        if on_policy:  # one update: this forward still has the sampler's weights
+                            stats["mismatch"] += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
+                                                                   m).item() / n_tokens
                     if world > 1:  # the loss was normalised by global counts, so summed gradients are exact
                         for p in model.parameters():
                             if p.grad is not None:
@@ -421,7 +425,7 @@ def main(args: Args) -> dict:
             "rollout/truncated_frac": float(np.mean([f == "length" for f in ro.finish_reasons])),
             "rollout/zero_var_group_frac": (groups.std(1) == 0).float().mean().item(),
             "rollout/tokens_per_s": lengths.sum().item() / max(t.get("gen", 1e-9), 1e-9),
-            "rollout/logprob_mismatch": stats["mismatch"] / args.ppo_epochs,
+            "rollout/logprob_mismatch": stats["mismatch"] if on_policy else mismatch,
             "loss/pg": stats["pg"] / n_upd, "loss/kl": stats["kl"] / n_upd,
             "loss/clipfrac": stats["clipfrac"] / n_upd, "loss/entropy": stats["entropy"] / n_upd,
             "loss/grad_norm": stats["grad_norm"] / n_upd, "perf/lr": opt.param_groups[0]["lr"],

@@ -120,6 +120,7 @@ def test_resume_is_exact(tmp_path):
     resumed = grpo.main(replace(cfg, out_dir=str(tmp_path / "b"), resume=str(tmp_path / "b" / "t" / "checkpoint")))
     for k in ("eval_acc_end", "train_reward_last", "gen_tokens"):
         assert straight[k] == resumed[k], k
+    assert straight["logprob_mismatch"] < 1e-3  # recomputed pi_old vs the sampler, before any update
     rows = lambda d: [json.loads(x) for x in open(tmp_path / d / "t" / "metrics.jsonl")]  # noqa: E731
     a = {r["step"]: r for r in rows("a")}
     b = {r["step"]: r for r in rows("b")}
