@@ -221,7 +221,11 @@ def test_evaluate_pass_k_runs(tiny):
     model, tok = tiny
     task = common.ArithmeticTask("add", 2)
     res = common.evaluate(model, tok, task, task.sample("test", 10, np.random.default_rng(0)), 5, pass_k=4)
-    assert 0 <= res["acc"] <= 1 and res["acc"] <= res["pass@4"] + 1e-9 or res["pass@4"] >= 0
+    assert set(res) == {"acc", "pass@4"} and 0 <= res["acc"] <= 1 and 0 <= res["pass@4"] <= 1
+    # pass@k counts a prompt solved if any of k samples is right: with a perfect verifier stub it is 1
+    perfect = type("T", (), {"verify": staticmethod(lambda text, answer: (1.0, {}))})()
+    assert common.evaluate(model, tok, perfect, task.sample("test", 4, np.random.default_rng(1)), 3,
+                           pass_k=2)["pass@2"] == 1.0
 
 
 # ---- tracker, timer, checkpoints ----
