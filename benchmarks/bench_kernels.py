@@ -235,8 +235,8 @@ def main() -> int:
                             {"median_ms": ms, "peak_mb": mb, "floor_ms": floor_ms, "x_floor": ms / floor_ms},
                             command=COMMAND)
         table.append((kernel, shape, kind, floor_ms, res))
-    if not args.smoke:
-        write_markdown(table, prov, rates)
+        if not args.smoke:  # after every kernel, so a run cut short still leaves its finished rows
+            write_markdown(table, prov, rates)
     return 0
 
 
@@ -261,7 +261,7 @@ def write_markdown(table, prov, rates) -> None:
                      f"{f(ours and ours[0] / floor_ms)} | {f(ours and ours[1], 0)} / {f(eager and eager[1], 0)} |")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "kernels.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {RESULTS / 'kernels.md'}")
+    print(f"wrote {RESULTS / 'kernels.md'} ({len(table)} kernels)")
 
 
 if __name__ == "__main__":
