@@ -19,7 +19,8 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 } 2>&1 | tee "$OUT/env.log"
 
 echo "== kernel tests" | tee "$OUT/tests.log"
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_*.py 2>&1 | tail -40 | tee -a "$OUT/tests.log"
+timeout 240 python3 -m pytest -q -s -rfE --tb=short -p no:cacheprovider tests/test_kernels_*.py >> "$OUT/tests.log" 2>&1
+tail -30 "$OUT/tests.log"
 
 echo "== kernel benchmark" | tee "$OUT/bench.log"
 timeout 330 python3 benchmarks/bench_kernels.py 2>&1 | tee -a "$OUT/bench.log"
@@ -27,7 +28,7 @@ cp benchmarks/results/kernels.md benchmarks/results/kernels.csv "$OUT/" 2>/dev/n
 
 echo "== grpo on CUDA, eager then --kernels" | tee "$OUT/grpo.log"
 for k in --no-kernels --kernels; do
-  timeout 100 python3 algos/grpo.py --device cuda $k --steps 40 --eval-every 20 --eval-examples 300 \
+  timeout 120 python3 algos/grpo.py --device cuda $k --steps 40 --eval-every 20 --eval-examples 300 \
     --pass-k 0 --no-eval-hard --out-dir runs/gpu_checks_grpo --exp-name "grpo$k" > "$OUT/grpo_run.log" 2>&1
   echo "grpo $k: exit $?" | tee -a "$OUT/grpo.log"
   tail -5 "$OUT/grpo_run.log" >> "$OUT/grpo.log"

@@ -43,6 +43,9 @@ of N (P + R): rho = N (P + R) / (P + N R). Attention flops (forward) ~ 4 D H B [
 against 4 D H B N (P + R)^2 / 2 replicated; backward 2.5x the forward. Bytes: Q, K, V, O of P + N R tokens.
 The floor is max(flops / matmul rate, bytes / bandwidth) for the shape.
 
+Precision: every tl.dot asks for input_precision="ieee": with fp32 operands (the fp32 path and the tests) a GPU
+would otherwise round them to TF32; bf16/fp16 operands ignore the flag.
+
 Deviations: one prompt length P and one response length R per call (pad ragged responses and mask them
 out in the loss; a varlen version would take offsets); the preprocessing delta = rowsum(dO * O) is done in torch.
 """
@@ -93,7 +96,7 @@ def _fwd_region(acc, m, l, q, q_pos, K, V, Lk, hi, D, scale, CAUSAL: tl.constexp
         k_pos = n0 + tl.arange(0, BLOCK_N)
         k = _load_rows(K, k_pos, Lk, D, BLOCK_D, UPCAST)
         v = _load_rows(V, k_pos, Lk, D, BLOCK_D, UPCAST)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         valid = (k_pos < Lk)[None, :]
         if CAUSAL:
             valid = valid & (k_pos[None, :] <= q_pos[:, None])
@@ -102,7 +105,7 @@ def _fwd_region(acc, m, l, q, q_pos, K, V, Lk, hi, D, scale, CAUSAL: tl.constexp
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
     return acc, m, l
 
@@ -155,10 +158,11 @@ def _dq_region(dq, q, do, lse, delta, q_pos, K, V, Lk, hi, D, scale, CAUSAL: tl.
         valid = (k_pos < Lk)[None, :]
         if CAUSAL:
             valid = valid & (k_pos[None, :] <= q_pos[:, None])
-        p = tl.where(valid, tl.exp(tl.dot(q, tl.trans(k)) * scale - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v))
+        s_qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        p = tl.where(valid, tl.exp(s_qk * scale - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
     return dq
 
 
@@ -214,11 +218,12 @@ def _dkdv_region(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, Lq, lo, D, scale, CAUSA
         valid = qmask[:, None]
         if CAUSAL:
             valid = valid & (k_pos[None, :] <= q_pos[:, None])
-        p = tl.where(valid, tl.exp(tl.dot(q, tl.trans(k)) * scale - lse[:, None]), 0.0)  # [BLOCK_M, BLOCK_N]
-        dv += tl.dot(tl.trans(p).to(do.dtype), do)
-        dp = tl.dot(do, tl.trans(v))
+        s_qk = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+        p = tl.where(valid, tl.exp(s_qk * scale - lse[:, None]), 0.0)
+        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision="ieee")
+        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision="ieee")
     return dk, dv
 
 

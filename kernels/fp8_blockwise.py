@@ -20,7 +20,8 @@ reference is exact up to fp32 summation order (products of two e4m3 numbers are 
 Interpreter trap (DESIGN.md section 9): Triton's CPU interpreter rounds fp32 -> fp8 casts wrongly for a few
 percent of values, so the kernel first rounds onto the e4m3 grid in fp32 (`_round_e4m3`: exponent from the
 bits, spacing 2^(e-3), round half to even) and only then casts, which is exact everywhere. On a GPU the same
-code runs; the cast is then a no-op rounding. Division uses div_rn so the GPU matches torch's x / scale.
+code runs; the cast is then a no-op rounding. Both divisions (amax / 448 and x / scale) use div_rn: Triton's
+plain fp32 `/` is an approximate division on NVIDIA GPUs, torch's is IEEE, and the tests demand equal bits.
 
 Memory layout: row-major [M, K] and [N, K] (K contiguous, as nn.Linear's weight); scales row-major.
 Quantisation programs own [BLOCK_R, 128] tiles (activations: one scale per row; weights: BLOCK_R = 128,
@@ -91,11 +92,14 @@ def _quant_kernel(X, XQ, S, R, C, n_col_blocks, stride_x, BLOCK_R: tl.constexpr,
     mask = (rows < R)[:, None] & (cols < C)[None, :]
     x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if PER_ROW:
-        scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 448.0          # [BLOCK_R]
+        amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-12)                    # [BLOCK_R]
+        scale = tl.div_rn(amax, tl.zeros_like(amax) + 448.0)               # IEEE, as torch (see the header)
         tl.store(S + rows * n_col_blocks + pid_c, scale, mask=rows < R)
         y = tl.div_rn(x, scale[:, None])
     else:
-        scale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-12) / 448.0  # scalar
+        amax = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-12)          # scalar
+        scale = tl.div_rn(amax + tl.zeros((1,), tl.float32), tl.zeros((1,), tl.float32) + 448.0)
+        scale = tl.sum(scale, 0)                                            # back to a scalar
         tl.store(S + pid_r * n_col_blocks + pid_c, scale)
         y = tl.div_rn(x, tl.zeros_like(x) + scale)
     q = _round_e4m3(y)
@@ -118,7 +122,10 @@ def _fp8_mm_kernel(A, AS, B, BS, Cout, M, N, K, KB, BLOCK_M: tl.constexpr, BLOCK
         if UPCAST:  # interpreter: no fp8 arithmetic; the fp8 -> fp32 conversion itself is exact
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        part = tl.dot(a, tl.trans(b))                    # fp8 x fp8 -> fp32 on the tensor cores
+        # fp8 x fp8 on the tensor cores. Hopper accumulates fp8 products in a reduced-precision adder (about
+        # 14 bits, DeepSeek-V3 section 3.3.2), so one dot covers one 128-wide K block and the block's partial
+        # sum is promoted to the fp32 accumulator below, which is DeepSeek-V3's promotion interval.
+        part = tl.dot(a, tl.trans(b))
         sa = tl.load(AS + rm * KB + kb, mask=mmask, other=0.0)
         sb = tl.load(BS + (rn // 128) * KB + kb, mask=nmask, other=0.0)
         acc += part * sa[:, None] * sb[None, :]

@@ -19,14 +19,33 @@ def _inputs(B, Kd, V, dtype, device, seed=0):
     return [t.to(device) for t in (drafts, q.to(dtype), p.to(dtype), u)]
 
 
-def _check(shape, dtype, device):
+def _check(shape, dtype, device, exact=True):
     d, q, p, u = _inputs(*shape, dtype, device)
     assert K._use_triton(d), "the kernel path must run in this test"
     tok, n = K.spec_rejection_sample(d, q, p, u)
     tok_ref, n_ref = K.spec_rejection_sample_ref(d, q, p, u)
     assert torch.equal(n.cpu(), n_ref.cpu()), "accepted counts differ"
-    assert torch.equal(tok.cpu(), tok_ref.cpu()), "emitted tokens differ"
     assert (n == shape[1]).any() and (n < shape[1]).any(), "test should cover both bonus and resample rows"
+    if exact:
+        assert torch.equal(tok.cpu(), tok_ref.cpu()), "emitted tokens differ"
+        return
+    # Large vocabularies: the kernel's tiled running sum and torch's cumsum add in different orders, so a
+    # uniform that lands within rounding of a CDF boundary may pick the neighbouring token. Every draw must
+    # still be the right inverse-CDF draw up to that rounding (checked in float64), and such rows must be rare.
+    ar = torch.arange(len(n), device=n.device)
+    not_final = torch.arange(shape[1] + 1, device=n.device)[None, :] != n[:, None]
+    assert torch.equal(tok[not_final], tok_ref[not_final]), "accepted drafts or -1 padding differ"
+    p64, q64 = p.double()[ar, n], q.double()[ar, n.clamp(max=shape[1] - 1)]
+    resid = torch.where((n < shape[1])[:, None], (p64 - q64).clamp(min=0), p64)
+    w = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p64)
+    cdf = torch.cumsum(w, -1)
+    thr = u.double()[:, shape[1]] * cdf[:, -1]
+    y = tok[ar, n]
+    lo = torch.where(y > 0, cdf[ar, (y - 1).clamp(min=0)], torch.zeros_like(thr))
+    tol = 1e-4 * cdf[:, -1]
+    assert ((lo <= thr + tol) & (thr <= cdf[ar, y] + tol)).all(), "a final draw is not the inverse-CDF draw"
+    differ = (tok != tok_ref).any(-1).float().mean().item()
+    assert differ <= 0.02, f"{differ:.1%} of rows differ from the reference"
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -92,4 +111,4 @@ def test_bad_shapes_raise_clear_errors():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_on_gpu(shape, dtype, monkeypatch):
     poison(K, monkeypatch)
-    _check(shape, dtype, "cuda")
+    _check(shape, dtype, "cuda", exact=shape[2] <= 300)
