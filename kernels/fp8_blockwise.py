@@ -11,7 +11,7 @@ Each has an `_ref` twin in pure torch. Triton kernels run when the tensors are o
 feeds real fp8 operands to the tensor cores: Hopper or newer) or on CPU with TRITON_INTERPRET=1 (the tests).
 
 Maths:
-    scale = max(amax(tile), 1e-12) / 448            (448 = largest e4m3 value; one scale per tile/block)
+    scale = max(amax(tile), 1e-12) * fp32(1/448)    (448 = largest e4m3 value; one scale per tile/block)
     q     = round_to_e4m3(x / scale)                 (round to nearest, ties to even, saturate at +-448)
     y[m, n] = sum_kb  scale_x[m, kb] * scale_w[n // 128, kb] * sum_{k in kb} q_x[m, k] q_w[n, k]
 The matmul accumulates each 128-wide K block in fp32 and applies the two scales per block, so the
@@ -20,8 +20,10 @@ reference is exact up to fp32 summation order (products of two e4m3 numbers are 
 Interpreter trap (DESIGN.md section 9): Triton's CPU interpreter rounds fp32 -> fp8 casts wrongly for a few
 percent of values, so the kernel first rounds onto the e4m3 grid in fp32 (`_round_e4m3`: exponent from the
 bits, spacing 2^(e-3), round half to even) and only then casts, which is exact everywhere. On a GPU the same
-code runs; the cast is then a no-op rounding. Both divisions (amax / 448 and x / scale) use div_rn: Triton's
-plain fp32 `/` is an approximate division on NVIDIA GPUs, torch's is IEEE, and the tests demand equal bits.
+code runs; the cast is then a no-op rounding. The scale multiplies by the fp32 reciprocal of 448 (torch on a GPU
+turns a division by a Python number into exactly that multiplication, torch on a CPU does not, so the reference
+spells it out), and x / scale uses div_rn: Triton's plain fp32 `/` is an approximate division on NVIDIA GPUs,
+torch's tensor / tensor is IEEE, and the tests demand equal bits.
 
 Memory layout: row-major [M, K] and [N, K] (K contiguous, as nn.Linear's weight); scales row-major.
 Quantisation programs own [BLOCK_R, 128] tiles (activations: one scale per row; weights: BLOCK_R = 128,
@@ -92,14 +94,11 @@ def _quant_kernel(X, XQ, S, R, C, n_col_blocks, stride_x, BLOCK_R: tl.constexpr,
     mask = (rows < R)[:, None] & (cols < C)[None, :]
     x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if PER_ROW:
-        amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-12)                    # [BLOCK_R]
-        scale = tl.div_rn(amax, tl.zeros_like(amax) + 448.0)               # IEEE, as torch (see the header)
+        scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) * 0.002232142857142857  # [BLOCK_R]; * fp32(1/448)
         tl.store(S + rows * n_col_blocks + pid_c, scale, mask=rows < R)
         y = tl.div_rn(x, scale[:, None])
     else:
-        amax = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-12)          # scalar
-        scale = tl.div_rn(amax + tl.zeros((1,), tl.float32), tl.zeros((1,), tl.float32) + 448.0)
-        scale = tl.sum(scale, 0)                                            # back to a scalar
+        scale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), 1e-12) * 0.002232142857142857  # scalar
         tl.store(S + pid_r * n_col_blocks + pid_c, scale)
         y = tl.div_rn(x, tl.zeros_like(x) + scale)
     q = _round_e4m3(y)
@@ -207,7 +206,7 @@ def _quantize_ref(x, rows_per_scale: int):
     R, C = x.shape
     t = _tiles(x, rows_per_scale)                               # [Rb, r, Cb, 128]
     amax = t.abs().amax(dim=(1, 3), keepdim=True)               # one value per (row block, column block)
-    scale = amax.clamp(min=1e-12) / E4M3_MAX
+    scale = amax.clamp(min=1e-12) * torch.tensor(1 / E4M3_MAX, dtype=torch.float32, device=x.device)
     q = (t / scale).to(torch.float8_e4m3fn)                     # from fp32: ties to even, saturating
     q = q.view(t.shape[0] * rows_per_scale, t.shape[2] * TILE)[:R, :C].contiguous()
     return q, scale[:, 0, :, 0]
