@@ -28,8 +28,8 @@ def provenance() -> dict:
                                 cwd=RESULTS.parent.parent).stdout.strip() or "unknown"
     except OSError:
         commit = "unknown"
-    # a copy of the tree without .git (a rented GPU box) can be told its commit
-    commit = os.environ.get("PROVENANCE_COMMIT", commit) if commit == "unknown" else commit
+    # a copy of the tree sent to another machine (a rented GPU box) is told its commit: its own .git may be stale
+    commit = os.environ.get("PROVENANCE_COMMIT") or commit
     if torch.cuda.is_available():
         hw = torch.cuda.get_device_name(0)
     else:

@@ -81,7 +81,8 @@ def _round_e4m3(y):
     odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
     r = f + tl.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
     q = r * _pow2(e - 3)
-    return tl.where(y.to(tl.int32, bitcast=True) < 0, -q, q)  # sign bit: -0.0 and tiny negatives stay -0.0
+    # sign from the bit, applied by a multiply: Triton lowers -q to 0 - q, which turns -0.0 into +0.0 on a GPU
+    return q * tl.where(y.to(tl.int32, bitcast=True) < 0, -1.0, 1.0)
 
 
 @triton.jit
