@@ -3,15 +3,17 @@
 Runs every configuration for --seeds seeds at one torch thread, appends one row per (run, metric) to
 benchmarks/results/offline_rl.csv (with provenance, through benchmarks/_results.append_rows) and writes
 the markdown tables that benchmarks/report.py pastes into the README:
-    benchmarks/results/offline_rl.md       TD3+BC and IQL on pendulum-medium (add sets with --datasets)
+    benchmarks/results/offline_rl.md       TD3+BC and IQL on pendulum-medium, halfcheetah-medium and
+                                           halfcheetah-medium-replay (other sets with --datasets)
     benchmarks/results/offline_ravl.md     true vs learned dynamics x pessimism none / penalty / ravl
     benchmarks/results/offline_driftql.md  drift vs MSE-BC regulariser on the toy, rho = 0 and 0.5
-Budget: about 15 minutes at one uncontended thread, so the default dataset list is reduced to
-pendulum-medium (pass --datasets pendulum-medium-replay pendulum-expert ... to add more) and runs are
-shorter than the scripts' defaults (steps listed in each table). Runs go seed-major (seed 0 of every
-table first) and a rerun skips runs already in the CSV, so an interrupted benchmark resumes.
+Budget: about 40 minutes at one uncontended thread (the first halfcheetah run also trains the CEM behaviour
+policies, about 2 minutes), so the default dataset list is the medium sets (pass --datasets
+pendulum-medium-replay pendulum-expert ... to add more) and pendulum runs are shorter than the scripts'
+defaults (steps listed in each table). Runs go seed-major (seed 0 of every table first) and a rerun skips
+runs already in the CSV, so an interrupted benchmark resumes.
 
-    python benchmarks/offline_rl_table.py                 # everything (~25 min)
+    python benchmarks/offline_rl_table.py                 # everything (~40 min)
     python benchmarks/offline_rl_table.py --only ravl     # one table
     python benchmarks/offline_rl_table.py --report-only   # rebuild the .md files from the CSV
 """
@@ -31,6 +33,12 @@ from benchmarks._results import RESULTS, append_rows, read_rows
 
 CSV = "offline_rl.csv"
 CORL_STEPS, RAVL_STEPS, DRIFT_STEPS = 2000, 2000, 1500
+CORL_STEPS_BY_ENV = {"pendulum": CORL_STEPS, "halfcheetah": 10_000}  # halfcheetah: 17-d states, 1000-step episodes
+DEFAULT_DATASETS = ["pendulum-medium", "halfcheetah-medium", "halfcheetah-medium-replay"]
+
+
+def corl_steps(ds):
+    return CORL_STEPS_BY_ENV.get(ds.split("-")[0], CORL_STEPS)
 
 
 def done_runs():
@@ -42,11 +50,12 @@ def corl_jobs(seed, datasets):
     from algos import iql, td3_bc
 
     for ds in datasets:
+        steps = corl_steps(ds)
         for name, mod in (("td3_bc", td3_bc), ("iql", iql)):
-            args = mod.Args(dataset=ds, seed=seed, total_steps=CORL_STEPS, eval_every=500,
+            args = mod.Args(dataset=ds, seed=seed, total_steps=steps, eval_every=steps // 4,
                             out_dir=f"runs/bench/{name}-{ds}-s{seed}")
             yield ("corl", name, ds, seed), mod.main, args, \
-                f"python algos/{name}.py --dataset {ds} --seed {seed} --total-steps {CORL_STEPS}"
+                f"python algos/{name}.py --dataset {ds} --seed {seed} --total-steps {steps}"
 
 
 def ravl_jobs(seed):
@@ -121,12 +130,18 @@ def report():
     out = {}
     corl = {k: v for k, v in table.items() if k[0] == "corl"}
     if corl:
-        lines = [f"Offline RL baselines ({CORL_STEPS} gradient steps, 20k-transition datasets):", "",
-                 "| dataset | script | behaviour score | score last | score best | return last | D4RL score | seeds |",
-                 "|---|---|---|---|---|---|---|---|"]
+        lines = ["Offline RL baselines. Pendulum: 2,000 gradient steps on 20k transitions; halfcheetah: 10,000 "
+                 "steps on 50k (medium) or 115k (medium-replay) transitions. Score = this project's normalised "
+                 "score (0 = uniform random actions, 100 = its own expert); D4RL score = the same return on "
+                 "D4RL's halfcheetah scale (random -280, expert 12,135), *indicative only*: our expert is a "
+                 "linear CEM policy far below D4RL's, and the data are not D4RL's.", "",
+                 "| dataset | script | steps | behaviour score | score last | score best | return last | "
+                 "D4RL score (indicative) | seeds |",
+                 "|---|---|---|---|---|---|---|---|---|"]
         for (_, s, c), m in sorted(corl.items(), key=lambda kv: (kv[0][2], kv[0][1])):
-            lines.append(f"| {c} | {s} | {ms(m['behaviour_score'])} | {ms(m['score_last'])} | "
-                         f"{ms(m['score_best'])} | {ms(m['return_last'], '{:.0f}')} | n/a (no D4RL pendulum) | "
+            d4rl = ms(m["return_d4rl_last"]) if m.get("return_d4rl_last") else "n/a (no D4RL pendulum)"
+            lines.append(f"| {c} | {s} | {corl_steps(c)} | {ms(m['behaviour_score'])} | {ms(m['score_last'])} | "
+                         f"{ms(m['score_best'])} | {ms(m['return_last'], '{:.0f}')} | {d4rl} | "
                          f"{len(m['score_last'])} |")
         out["offline_rl"] = "\n".join(lines) + "\n" + footer({k: meta[k] for k in corl})
     rv = {k: v for k, v in table.items() if k[0] == "ravl"}
@@ -176,7 +191,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=["corl", "ravl", "driftql"], help="run one table only")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per configuration (>= 1)")
-    ap.add_argument("--datasets", nargs="+", default=["pendulum-medium"],
+    ap.add_argument("--datasets", nargs="+", default=DEFAULT_DATASETS,
                     help="datasets of the CORL-style table")
     ap.add_argument("--report-only", action="store_true", help="rebuild the .md files from the CSV")
     args = ap.parse_args()

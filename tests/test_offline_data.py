@@ -17,11 +17,25 @@ def test_generator_is_deterministic_per_seed(name):
     assert not np.array_equal(a["actions"][:10], c["actions"][:10])
 
 
-@pytest.mark.parametrize("name", D.DATASETS)
-def test_layout_shapes_dtypes_and_continuity(name):
-    d = D.generate(name, seed=0, n_episodes=8)
+# A CEM search small enough for a test (the real one: D.HC_CEM, about 100 s).
+# init_std is small so that its search mean stays near the zero-action policy, which beats random actions.
+TINY_CEM = {"generations": 3, "pop": 6, "elites": 2, "keep": 2, "eval_episodes": 2, "init_std": 0.05}
+DIMS = {"pendulum": (3, 1), "toy": (2, 2), "halfcheetah": (17, 6)}
+
+
+@pytest.fixture
+def tiny_cem(tmp_path, monkeypatch):
+    """Point the halfcheetah behaviour policies at a tiny CEM search cached in a temporary folder."""
+    monkeypatch.setattr(D, "HC_CEM", TINY_CEM)
+    monkeypatch.setattr(D, "_REF_CACHE", {})
+    monkeypatch.setenv("OFFLINE_DATA_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _layout(name, n_episodes):
+    d = D.generate(name, seed=0, n_episodes=n_episodes)
     n = len(d["rewards"])
-    obs_dim, act_dim = (3, 1) if name.startswith("pendulum") else (2, 2)
+    obs_dim, act_dim = DIMS[D.env_of(name)]
     assert d["observations"].shape == d["next_observations"].shape == (n, obs_dim)
     assert d["actions"].shape == (n, act_dim) and np.abs(d["actions"]).max() <= 1
     for k in D.KEYS:
@@ -30,9 +44,57 @@ def test_layout_shapes_dtypes_and_continuity(name):
     ends = (d["terminals"] + d["timeouts"]) > 0
     cont = ~ends[:-1]  # inside an episode, the next row starts where this one ended
     np.testing.assert_array_equal(d["next_observations"][:-1][cont], d["observations"][1:][cont])
-    assert ends[-1] and ends.sum() == 8  # exactly one end per episode
+    assert ends[-1] and ends.sum() == n_episodes  # exactly one end per episode
     meta = d["meta"]
     assert meta["ref_expert_return"] > meta["ref_random_return"] and meta["n_transitions"] == n
+    return d
+
+
+@pytest.mark.parametrize("name", [n for n in D.DATASETS if not n.startswith("halfcheetah")])
+def test_layout_shapes_dtypes_and_continuity(name):
+    _layout(name, 8)
+
+
+@pytest.mark.parametrize("name", [n for n in D.DATASETS if n.startswith("halfcheetah")])
+def test_halfcheetah_layout(name, tiny_cem):
+    d = _layout(name, 2)
+    assert d["terminals"].sum() == 0 and np.flatnonzero(d["timeouts"]).tolist() == [999, 1999]
+    if name.endswith("medium-replay"):  # recorded CEM episodes, all from generations up to the medium one
+        assert d["meta"]["medium_generation"] < TINY_CEM["generations"]
+
+
+def test_halfcheetah_matches_gymnasium():
+    """Same dynamics, observation and reward as gymnasium's HalfCheetah-v5 (started from its reset state)."""
+    import mujoco
+
+    env = gym.make("HalfCheetah-v5").unwrapped
+    obs, _ = env.reset(seed=0)
+    ours = D.HalfCheetahBatch(1)
+    d = ours.data[0]
+    d.qpos[:], d.qvel[:] = env.data.qpos, env.data.qvel
+    mujoco.mj_forward(ours.model, d)
+    np.testing.assert_allclose(ours.obs()[0], obs, atol=1e-6)
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        a = rng.uniform(-1, 1, 6).astype(np.float32)
+        nxt, r, term, _, _ = env.step(a)
+        mnxt, mr = ours.step(a[None])
+        np.testing.assert_allclose(mnxt[0], nxt, atol=1e-5)
+        np.testing.assert_allclose(mr[0], r, atol=1e-4)
+        assert not term
+
+
+def test_cem_policies_are_cached_and_ordered(tiny_cem):
+    pol = D.halfcheetah_policies()
+    cem = pol["cem"]
+    assert cem["means"].shape == (3, 108) and len(cem["eval_returns"]) == 3
+    assert pol["medium_generation"] <= pol["expert_generation"]
+    assert np.array_equal(pol["expert"], cem["means"][np.argmax(cem["eval_returns"])])
+    assert len(cem["replay_rewards"]) == 3 * TINY_CEM["keep"] * D.HC_HORIZON
+    assert len(list(tiny_cem.glob("halfcheetah-cem-*.npz"))) == 1
+    again = D.halfcheetah_policies()  # from the cache: same arrays, no second search
+    np.testing.assert_array_equal(again["expert"], pol["expert"])
+    assert len(list(tiny_cem.glob("halfcheetah-cem-*.npz"))) == 1
 
 
 def test_terminals_vs_timeouts():
