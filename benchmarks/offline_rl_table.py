@@ -34,6 +34,7 @@ from benchmarks._results import RESULTS, append_rows, read_rows
 CSV = "offline_rl.csv"
 CORL_STEPS, RAVL_STEPS, DRIFT_STEPS = 2000, 2000, 1500
 CORL_STEPS_BY_ENV = {"pendulum": CORL_STEPS, "halfcheetah": 10_000}  # halfcheetah: 17-d states, 1000-step episodes
+CORL_HIDDEN_BY_ENV = {"pendulum": 128, "halfcheetah": 256}  # halfcheetah: the papers' 2 x 256 networks
 DEFAULT_DATASETS = ["pendulum-medium", "halfcheetah-medium", "halfcheetah-medium-replay"]
 
 
@@ -52,10 +53,11 @@ def corl_jobs(seed, datasets):
     for ds in datasets:
         steps = corl_steps(ds)
         for name, mod in (("td3_bc", td3_bc), ("iql", iql)):
-            args = mod.Args(dataset=ds, seed=seed, total_steps=steps, eval_every=steps // 4,
+            hidden = CORL_HIDDEN_BY_ENV.get(ds.split("-")[0], 128)
+            args = mod.Args(dataset=ds, seed=seed, total_steps=steps, eval_every=steps // 4, hidden=hidden,
                             out_dir=f"runs/bench/{name}-{ds}-s{seed}")
             yield ("corl", name, ds, seed), mod.main, args, \
-                f"python algos/{name}.py --dataset {ds} --seed {seed} --total-steps {steps}"
+                f"python algos/{name}.py --dataset {ds} --seed {seed} --total-steps {steps} --hidden {hidden}"
 
 
 def ravl_jobs(seed):
@@ -130,8 +132,9 @@ def report():
     out = {}
     corl = {k: v for k, v in table.items() if k[0] == "corl"}
     if corl:
-        lines = ["Offline RL baselines. Pendulum: 2,000 gradient steps on 20k transitions; halfcheetah: 10,000 "
-                 "steps on 50k (medium) or 115k (medium-replay) transitions. Score = this project's normalised "
+        lines = ["Offline RL baselines. Pendulum: 2,000 gradient steps, 2 x 128 networks, 20k transitions; "
+                 "halfcheetah: 10,000 steps, 2 x 256 networks, 50k (medium) or 115k (medium-replay) transitions. "
+                 "Score = this project's normalised "
                  "score (0 = uniform random actions, 100 = its own expert); D4RL score = the same return on "
                  "D4RL's halfcheetah scale (random -280, expert 12,135), *indicative only*: our expert is a "
                  "linear CEM policy far below D4RL's, and the data are not D4RL's.", "",
