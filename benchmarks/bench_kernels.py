@@ -36,6 +36,7 @@ from kernels import fused_logprob as FL  # noqa: E402
 from kernels import spec_rejection as SR  # noqa: E402
 
 COMMAND = "python benchmarks/bench_kernels.py"
+KERNEL_ORDER = ["fused_logprob", "dualkv_attention", "clipped_pg_loss", "fp8_blockwise", "spec_rejection"]
 
 
 # ---- timing and memory ----
@@ -204,6 +205,9 @@ def cases(device, smoke: bool):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU: run each code path once on tiny shapes, write nothing")
+    ap.add_argument("--only", nargs="+", metavar="KERNEL",
+                    help="measure only these kernels (e.g. fused_logprob); their rows replace the old ones in "
+                         "kernels.md, the other rows stay")
     args = ap.parse_args()
     if not torch.cuda.is_available() and not args.smoke:
         print("bench_kernels.py needs a CUDA GPU (none found): GPU figures are still to be measured.\n"
@@ -220,6 +224,8 @@ def main() -> int:
           f"fp8 {rates['mm_fp8'] / 1e12:.0f} TFLOP/s")
     table = []
     for kernel, shape, kind, impls, flops, nbytes, rate in cases(device, args.smoke):
+        if args.only and kernel not in args.only:
+            continue
         floor_ms = max(flops / rates[rate], nbytes / rates["bw"]) * 1e3
         res = {}
         for impl, fn in impls.items():
@@ -236,11 +242,11 @@ def main() -> int:
                             command=COMMAND)
         table.append((kernel, shape, kind, floor_ms, res))
         if not args.smoke:  # after every kernel, so a run cut short still leaves its finished rows
-            write_markdown(table, prov, rates)
+            write_markdown(table, prov, rates, keep_others=bool(args.only))
     return 0
 
 
-def write_markdown(table, prov, rates) -> None:
+def write_markdown(table, prov, rates, keep_others: bool = False) -> None:
     def f(x, nd=2):
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
@@ -259,8 +265,19 @@ def write_markdown(table, prov, rates) -> None:
         lines.append(f"| {kernel} | {shape} | {kind} | {f(ours and ours[0], 3)} | {f(eager and eager[0], 3)} | "
                      f"{f(comp and comp[0], 3)} | {f(base and base[0], 3)} | {f(speed)}x | {f(floor_ms, 3)} | "
                      f"{f(ours and ours[0] / floor_ms)} | {f(ours and ours[1], 0)} / {f(eager and eager[1], 0)} |")
+    path = RESULTS / "kernels.md"
+    if keep_others and path.exists():  # --only: keep the other kernels' rows and header, say what was redone
+        old = path.read_text().splitlines()
+        redone = {row[0] for row in table}
+        kept = [ln for ln in old[1:] if ln.startswith("| ") and ln.split(" | ")[0][2:] not in redone
+                and not ln.startswith("| kernel |")]
+        note = (f" Rows for {', '.join(sorted(redone))} re-measured with `{COMMAND} --only ...` on "
+                f"{prov['hardware']} at commit {prov['commit']} (bf16 {rates['mm_bf16'] / 1e12:.0f} TFLOP/s, "
+                f"copy {rates['bw'] / 1e9:.0f} GB/s).")
+        lines = [old[0].split(" Rows for ")[0] + note, ""] + lines[2:4] + \
+            sorted(lines[4:] + kept, key=lambda ln: KERNEL_ORDER.index(ln.split(" | ")[0][2:]))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "kernels.md").write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n")
     print(f"wrote {RESULTS / 'kernels.md'} ({len(table)} kernels)")
 
 

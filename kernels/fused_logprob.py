@@ -1,4 +1,4 @@
-"""Fused linear -> selected-token log-prob and entropy, forward and backward, without the [N x V] logits.
+"""Fused linear -> selected-token log-prob and entropy, forward and backward, one chunk of logits at a time.
 
 Public function (what `algos/grpo.py --kernels` calls):
 
@@ -21,26 +21,28 @@ Maths (one row n; z = W h_n / T are the logits at temperature T; p = softmax(z))
     dz_v = g_logprob [v == target] - g_logprob p_v - g_entropy p_v (z_v - lse + entropy)
     d hidden = (dz / T) W,   d weight = (dz / T)^T hidden
 
-Memory layout and schedule:
-    forward : one program per BLOCK_N rows; it walks the vocabulary in BLOCK_V chunks, computes the
-              [BLOCK_N, BLOCK_V] logit tile with a K-loop over H (tl.dot), and folds it into the online
-              (m, s, t, z_target) statistics. Writes logprob, entropy and lse (4 bytes each per row).
-    backward: one program per (row block, vocab block) tile: it recomputes the logit tile (one extra matmul,
-              as FlashAttention does), forms dz in registers, then loops over H again and atomically adds
-              dz @ W_tile into d_hidden and dz^T @ h_tile into d_weight (fp32 buffers). Nothing of size
-              N x V ever reaches memory; peak extra memory is the fp32 gradient buffers.
+Memory layout and schedule (Liger-Kernel's chunking): rows are processed in chunks of CHUNK_ELEMENTS / V.
+    forward : the chunk's logits z = h W^T come from the matmul library (cuBLAS on a GPU) in the input dtype,
+              exactly as eager torch computes them; a Triton program per row folds them into the online
+              (max, sum exp, sum exp * z, z_target) statistics and writes logprob, entropy and lse.
+    backward: the chunk's logits are recomputed (one extra matmul, as FlashAttention does); a Triton kernel
+              turns them into dz / T in place; d_hidden = dz W and d_weight += dz^T h are two more library
+              matmuls (d_weight summed over chunks in fp32).
+    Only one chunk of logits is ever alive: 2^27 elements (256 MB in bf16) instead of N x V (and eager's
+    several N x V fp32 copies for log-softmax and its gradient).
 
 Roofline floor (N rows, V vocab, H hidden, b bytes per element):
-    flops: forward 2 N V H; backward 6 N V H (recompute + two gradient matmuls) -> matmul-bound for any
-    realistic H, so the floor is 2NVH / matmul_rate forward and 6NVH / matmul_rate backward.
-    bytes: forward (N H + V H) b + 16 N; eager torch additionally writes and reads the N x V logits (and
-    log-softmax) several times, which is the memory the fused kernel saves.
+    flops: forward 2 N V H; backward 6 N V H (recompute + two gradient matmuls): matmul-bound for any
+    realistic H, so the floor is 8 N V H / matmul_rate for forward + backward.
+    bytes: (N H + V H) b per matmul, plus each chunk's logits written and read twice.
 
 Deviations / notes:
-    * Atomic fp32 accumulation makes the backward order-nondeterministic in the last bits (as CCE).
-    * CCE also skips gradient tiles whose softmax mass is negligible; we do not (exactness first).
-    * Tensor-core dots use the input dtype (bf16) with fp32 accumulation; the interpreter on CPU upcasts to
-      fp32 first (bf16 arithmetic is wrong in Triton's interpreter), controlled by the UPCAST constexpr.
+    * The first version fused the matmuls into the Triton kernels too (no logits in memory at all, as Apple's
+      Cut Cross-Entropy); its backward added every tile's d_weight with fp32 atomics and measured 10x slower
+      than eager torch on an H200 (benchmarks/results/gpu_checks.md). Chunking keeps the memory saving and
+      leaves the matmuls to the library that is best at them.
+    * d_weight's per-chunk products are rounded to the input dtype before the fp32 sum (one rounding per chunk).
+    * The interpreter on CPU runs the same Triton kernels; the matmuls are torch's on either device.
 """
 from __future__ import annotations
 
@@ -68,122 +70,77 @@ def _use_triton(*tensors) -> bool:
     return False
 
 
-# ---- Triton kernels ----
+# ---- Triton kernels: the softmax statistics and the logit gradient of one chunk of rows ----
 @triton.jit
-def _logit_tile(H, W, rows, cols, rmask, cmask, Hdim, stride_h, stride_w, inv_temp,
-                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-                UPCAST: tl.constexpr, PREC: tl.constexpr):
-    """z[BLOCK_N, BLOCK_V] = H[rows] @ W[cols]^T / T, K-loop over the hidden size."""
-    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    for h0 in range(0, Hdim, BLOCK_H):
-        hk = h0 + tl.arange(0, BLOCK_H)
-        hmask = hk < Hdim
-        a = tl.load(H + rows[:, None] * stride_h + hk[None, :], mask=rmask[:, None] & hmask[None, :], other=0.0)
-        b = tl.load(W + cols[:, None] * stride_w + hk[None, :], mask=cmask[:, None] & hmask[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
-    return acc * inv_temp
-
-
-@triton.jit
-def _flp_fwd_kernel(H, W, TGT, LP, ENT, LSE, N, V, Hdim, stride_h, stride_w, inv_temp,
-                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-                    UPCAST: tl.constexpr, PREC: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    tgt = tl.load(TGT + rows, mask=rmask, other=0)
-    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)  # running max of z
-    s = tl.zeros((BLOCK_N,), tl.float32)                 # running sum exp(z - m)
-    t = tl.zeros((BLOCK_N,), tl.float32)                 # running sum exp(z - m) * z
-    zt = tl.zeros((BLOCK_N,), tl.float32)                # logit of the target token
+def _row_stats_kernel(Z, TGT, LP, ENT, LSE, V, stride_z, inv_temp, BLOCK_V: tl.constexpr):
+    """One program per row of the chunk's logits: online (max, sum exp, sum exp * z) over the vocabulary."""
+    row = tl.program_id(0)
+    z_row = Z + row.to(tl.int64) * stride_z
+    tgt = tl.load(TGT + row)
+    m = tl.full((BLOCK_V,), float("-inf"), tl.float32)   # per-lane running max, sums and target logit
+    s = tl.zeros((BLOCK_V,), tl.float32)
+    t = tl.zeros((BLOCK_V,), tl.float32)
+    zt = tl.zeros((BLOCK_V,), tl.float32)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         cmask = cols < V
-        z = _logit_tile(H, W, rows, cols, rmask, cmask, Hdim, stride_h, stride_w, inv_temp,
-                        BLOCK_N, BLOCK_V, BLOCK_H, UPCAST, PREC)
-        z_or_ninf = tl.where(cmask[None, :], z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z_or_ninf, 1))
-        alpha = tl.exp(m - m_new)                        # rescales the old sums to the new max
-        e = tl.exp(z_or_ninf - m_new[:, None])           # 0 on padded columns
-        s = s * alpha + tl.sum(e, 1)
-        t = t * alpha + tl.sum(e * tl.where(cmask[None, :], z, 0.0), 1)
-        zt += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), 1)
+        z = tl.load(z_row + cols, mask=cmask, other=float("-inf")).to(tl.float32) * inv_temp
+        m_new = tl.maximum(m, z)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # lanes that have seen only padding
+        alpha = tl.exp(m - m_safe)                               # rescales the old sums to the new max
+        e = tl.exp(z - m_safe)                                   # 0 on padded columns
+        s = s * alpha + e
+        t = t * alpha + e * tl.where(cmask, z, 0.0)             # (0 * -inf would be NaN on padding)
+        zt += tl.where(cols == tgt, z, 0.0)
         m = m_new
-    lse = m + tl.log(s)
-    tl.store(LSE + rows, lse, mask=rmask)
-    tl.store(LP + rows, zt - lse, mask=rmask)
-    tl.store(ENT + rows, lse - t / s, mask=rmask)
+    m_row = tl.max(m, 0)                                         # combine the lanes
+    scale = tl.exp(tl.where(m == float("-inf"), float("-inf"), m - m_row))
+    s_row = tl.sum(s * scale, 0)
+    lse = m_row + tl.log(s_row)
+    tl.store(LSE + row, lse)
+    tl.store(LP + row, tl.sum(zt, 0) - lse)
+    tl.store(ENT + row, lse - tl.sum(t * scale, 0) / s_row)
 
 
 @triton.jit
-def _flp_bwd_kernel(H, W, TGT, LSE, ENT, G_LP, G_ENT, DH, DW, N, V, Hdim, stride_h, stride_w, inv_temp,
-                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-                    UPCAST: tl.constexpr, PREC: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _dz_kernel(Z, TGT, LSE, ENT, G_LP, G_ENT, V, stride_z, inv_temp, BLOCK_V: tl.constexpr):
+    """In place: logits z -> dz / T = (g_lp ([v == target] - p) - g_ent p (z - lse + entropy)) / T."""
+    row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    rmask = rows < N
     cmask = cols < V
-    valid = rmask[:, None] & cmask[None, :]
-    tgt = tl.load(TGT + rows, mask=rmask, other=0)
-    lse = tl.load(LSE + rows, mask=rmask, other=0.0)
-    ent = tl.load(ENT + rows, mask=rmask, other=0.0)
-    g_lp = tl.load(G_LP + rows, mask=rmask, other=0.0)
-    g_ent = tl.load(G_ENT + rows, mask=rmask, other=0.0)
-
-    z = _logit_tile(H, W, rows, cols, rmask, cmask, Hdim, stride_h, stride_w, inv_temp,
-                    BLOCK_N, BLOCK_V, BLOCK_H, UPCAST, PREC)
-    p = tl.exp(z - lse[:, None])
-    onehot = tl.where(cols[None, :] == tgt[:, None], 1.0, 0.0)
-    dz = g_lp[:, None] * (onehot - p) - g_ent[:, None] * p * (z - lse[:, None] + ent[:, None])
-    dz = tl.where(valid, dz, 0.0) * inv_temp             # chain rule through z = W h / T
-
-    for h0 in range(0, Hdim, BLOCK_H):
-        hk = h0 + tl.arange(0, BLOCK_H)
-        hmask = hk < Hdim
-        w = tl.load(W + cols[:, None] * stride_w + hk[None, :], mask=cmask[:, None] & hmask[None, :], other=0.0)
-        h = tl.load(H + rows[:, None] * stride_h + hk[None, :], mask=rmask[:, None] & hmask[None, :], other=0.0)
-        if UPCAST:
-            w = w.to(tl.float32)
-            h = h.to(tl.float32)
-            dz_in = dz
-        else:
-            dz_in = dz.to(w.dtype)                       # tensor-core dot in the input dtype, fp32 accumulate
-        dh = tl.dot(dz_in, w, input_precision=PREC)                 # [BLOCK_N, BLOCK_H]
-        dw = tl.dot(tl.trans(dz_in), h, input_precision=PREC)       # [BLOCK_V, BLOCK_H]
-        tl.atomic_add(DH + rows[:, None] * Hdim + hk[None, :], dh, mask=rmask[:, None] & hmask[None, :])
-        tl.atomic_add(DW + cols[:, None] * Hdim + hk[None, :], dw, mask=cmask[:, None] & hmask[None, :])
+    ptr = Z + row.to(tl.int64) * stride_z + cols
+    z = tl.load(ptr, mask=cmask, other=0.0).to(tl.float32) * inv_temp
+    lse, ent = tl.load(LSE + row), tl.load(ENT + row)
+    g_lp, g_ent = tl.load(G_LP + row), tl.load(G_ENT + row)
+    p = tl.exp(z - lse)
+    onehot = tl.where(cols == tl.load(TGT + row), 1.0, 0.0)
+    dz = (g_lp * (onehot - p) - g_ent * p * (z - lse + ent)) * inv_temp  # chain rule through z = W h / T
+    tl.store(ptr, dz.to(Z.dtype.element_ty), mask=cmask)
 
 
-# ---- launch configuration ----
-def _config(N, V, Hdim, interpreted: bool):
-    if interpreted:
-        # The interpreter's cost grows with programs x loop steps: few, large tiles.
-        return dict(BLOCK_N=max(16, min(64, triton.next_power_of_2(N))),
-                    BLOCK_V=max(16, min(128, triton.next_power_of_2(V))),
-                    BLOCK_H=max(16, min(64, triton.next_power_of_2(Hdim))), num_warps=4)
-    return dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, num_warps=8)
+# ---- the autograd function: chunks of rows, logits by the matmul library, statistics by Triton ----
+CHUNK_ELEMENTS = 2 ** 27  # logits alive at once (rows x V): 256 MB in bf16; tests lower it to force chunks
 
 
-def _meta(hidden, interpreted):
-    upcast = interpreted or hidden.dtype == torch.float32
-    prec = "ieee" if hidden.dtype == torch.float32 else "tf32"  # fp32 inputs: no TF32 rounding
-    return upcast, prec
+def _chunks(N, V):
+    rows = max(1, min(N, CHUNK_ELEMENTS // V))
+    return [(i, min(N, i + rows)) for i in range(0, N, rows)]
+
+
+def _block_v(V, interpreted):
+    return min(1024 if interpreted else 4096, triton.next_power_of_2(V))
 
 
 class _FusedLinearLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature):
-        N, Hdim = hidden.shape
-        V = weight.shape[0]
-        interpreted = not hidden.is_cuda
-        cfg = _config(N, V, Hdim, interpreted)
-        upcast, prec = _meta(hidden, interpreted)
+        N, V = hidden.shape[0], weight.shape[0]
+        bv, inv_t = _block_v(V, not hidden.is_cuda), 1.0 / temperature
         lp, ent, lse = (_new((N,), hidden.device) for _ in range(3))
-        grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
-        _flp_fwd_kernel[grid](hidden, weight, targets, lp, ent, lse, N, V, Hdim, hidden.stride(0),
-                              weight.stride(0), 1.0 / temperature, UPCAST=upcast, PREC=prec, **cfg)
+        for a, b in _chunks(N, V):
+            z = hidden[a:b] @ weight.T                          # [rows, V] in the input dtype, like eager
+            _row_stats_kernel[(b - a,)](z, targets[a:b], lp[a:], ent[a:], lse[a:], V, z.stride(0), inv_t,
+                                        BLOCK_V=bv, num_warps=8)
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.temperature = temperature
         return lp, ent
@@ -191,21 +148,19 @@ class _FusedLinearLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
-        N, Hdim = hidden.shape
-        V = weight.shape[0]
-        interpreted = not hidden.is_cuda
-        cfg = _config(N, V, Hdim, interpreted)
-        upcast, prec = _meta(hidden, interpreted)
+        N, V = hidden.shape[0], weight.shape[0]
+        bv, inv_t = _block_v(V, not hidden.is_cuda), 1.0 / ctx.temperature
         g_lp = torch.zeros(N, device=hidden.device) if g_lp is None else g_lp.float().contiguous()
         g_ent = torch.zeros(N, device=hidden.device) if g_ent is None else g_ent.float().contiguous()
-        # fp32 accumulators that the tiles add into atomically: they must start at zero.
-        dh = torch.zeros(N, Hdim, device=hidden.device, dtype=torch.float32)
-        dw = torch.zeros(V, Hdim, device=hidden.device, dtype=torch.float32)
-        grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(V, cfg["BLOCK_V"]))
-        _flp_bwd_kernel[grid](hidden, weight, targets, lse, ent, g_lp, g_ent, dh, dw, N, V, Hdim,
-                              hidden.stride(0), weight.stride(0), 1.0 / ctx.temperature,
-                              UPCAST=upcast, PREC=prec, **cfg)
-        return dh.to(hidden.dtype), dw.to(weight.dtype), None, None
+        dh = torch.empty_like(hidden)
+        dw = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)  # summed over chunks
+        for a, b in _chunks(N, V):
+            dz = hidden[a:b] @ weight.T                         # recompute the chunk's logits ...
+            _dz_kernel[(b - a, triton.cdiv(V, bv))](dz, targets[a:b], lse[a:], ent[a:], g_lp[a:], g_ent[a:],
+                                                    V, dz.stride(0), inv_t, BLOCK_V=bv, num_warps=8)
+            dh[a:b] = dz @ weight                               # ... turned into dz / T in place
+            dw += (dz.T @ hidden[a:b]).float()
+        return dh, dw.to(weight.dtype), None, None
 
 
 # ---- public function and reference ----

@@ -11,7 +11,7 @@ SHAPES = [(5, 16, 17), (37, 24, 50), (70, 72, 300)]
 
 def _inputs(N, H, V, dtype, device, seed=0):
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(N, H, generator=g) 
+    hidden = torch.randn(N, H, generator=g)
     weight = torch.randn(V, H, generator=g) / H ** 0.5
     targets = torch.randint(0, V, (N,), generator=g)
     g_lp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
@@ -45,6 +45,15 @@ def test_fp32_matches_reference(shape, temperature, interpret, monkeypatch):
     _check(shape, torch.float32, temperature, DEV)
 
 
+@pytest.mark.parametrize("rows_per_chunk", [1, 16])
+def test_chunked_rows_match_reference(rows_per_chunk, interpret, monkeypatch):
+    """Several chunks (one row each, or 16 with a ragged last one) give the same values and gradients."""
+    poison(K, monkeypatch)
+    monkeypatch.setattr(K, "CHUNK_ELEMENTS", rows_per_chunk * SHAPES[1][2])
+    assert len(K._chunks(SHAPES[1][0], SHAPES[1][2])) == -(-SHAPES[1][0] // rows_per_chunk)
+    _check(SHAPES[1], torch.float32, 0.7, DEV)
+
+
 def test_ref_path_without_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     hidden, weight, targets, _, _ = _inputs(4, 8, 11, torch.float32, "cpu")
@@ -67,4 +76,5 @@ def test_bad_shapes_raise_clear_errors():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_on_gpu(shape, dtype, monkeypatch):
     poison(K, monkeypatch)
+    monkeypatch.setattr(K, "CHUNK_ELEMENTS", 256 * shape[2])  # the (1000, 512, 5000) case runs 4 chunks
     _check(shape, dtype, 1.0, "cuda")
