@@ -26,8 +26,11 @@ returns, reference returns). Names:
                          noise 0.1 (D4RL's medium policy is a SAC agent stopped at about a third of expert)
 - halfcheetah-medium-replay  the CEM population's episodes up to that generation (the search's replay)
 - halfcheetah-expert     the best CEM search mean, action noise 0.1
-The halfcheetah behaviour policies are linear (108 parameters) and trained by `train_cem` (about 90 s on one
-core, cached); their "expert" is far weaker than D4RL's (a few thousand return vs 12,135).
+The halfcheetah behaviour policies are linear (108 parameters) and trained by `train_cem` (about 2 minutes on
+one core, cached); their "expert" is far weaker than D4RL's. `MujocoBatch` also steps Hopper-v5 (checked
+against gymnasium like HalfCheetah), but no hopper datasets are built: within a few minutes the linear CEM
+search either learns to stand still (the survival bonus alone gives return 1,000) or, with the bonus left out
+of its fitness as ARS does, to dive forward and fall (return about 400), neither a locomotion behaviour.
 `rho > 0` replaces that fraction of episodes with bad behaviour (random actions on pendulum, the bad mode
 on the toy): the degraded variants.
 
@@ -48,16 +51,16 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: locomotion caches keep per-row episode ids
 ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = ROOT / ".cache" / "offline_data"
 KEYS = ("observations", "actions", "rewards", "next_observations", "terminals", "timeouts")
 PENDULUM_SETS = ("random", "medium", "expert", "medium-replay", "mixed")
-HALFCHEETAH_SETS = ("random", "medium", "medium-replay", "expert")
+LOCOMOTION_SETS = ("random", "medium", "medium-replay", "expert")
 DATASETS = tuple(f"pendulum-{s}" for s in PENDULUM_SETS) + ("toy-multimodal",) + \
-    tuple(f"halfcheetah-{s}" for s in HALFCHEETAH_SETS)
+    tuple(f"halfcheetah-{s}" for s in LOCOMOTION_SETS)
 # D4RL reference returns (random, expert) for environments with a D4RL counterpart; indicative only.
-D4RL_REF = {"halfcheetah": (-280.178953, 12135.0)}
+D4RL_REF = {"halfcheetah": (-280.178953, 12135.0), "hopper": (-20.272305, 3234.3)}
 MEDIUM_EPS = 0.45
 
 # ---- pendulum: exact gymnasium Pendulum-v1 dynamics, batched ----
@@ -120,138 +123,179 @@ def toy_behaviour(obs, mode, rng, noise=0.2):
     return np.clip(a + noise * rng.standard_normal(a.shape), -1, 1).astype(np.float32)
 
 
-# ---- halfcheetah: gymnasium's HalfCheetah-v5 on raw MuJoCo, n episodes stepped in one loop ----
-# Same model file, frame skip, reset noise, observation and reward as HalfCheetah-v5 (defaults), without
-# gymnasium's wrapper (which imports its renderer's dependencies) and its per-step overhead.
-HC_HORIZON, HC_FRAME_SKIP, HC_CTRL_COST, HC_RESET_NOISE = 1000, 5, 0.1, 0.1
-_HC_MODEL = []
+# ---- MuJoCo locomotion: gymnasium's HalfCheetah-v5 and Hopper-v5 on raw MuJoCo, n episodes in one loop ----
+# Same model files, frame skips, reset noise, observations, rewards and (Hopper) termination as the v5
+# environments with their default arguments, without gymnasium's wrapper (which imports its renderer's
+# dependencies) and its per-step overhead. tests/test_offline_data.py checks both step for step against gym.make.
+LOCO_HORIZON = 1000
+LOCOMOTION = {
+    "halfcheetah": {"xml": "half_cheetah.xml", "frame_skip": 5, "obs_dim": 17, "act_dim": 6, "ctrl_cost": 0.1,
+                    "healthy_reward": 0.0, "reset_noise": 0.1},
+    "hopper": {"xml": "hopper.xml", "frame_skip": 4, "obs_dim": 11, "act_dim": 3, "ctrl_cost": 1e-3,
+               "healthy_reward": 1.0, "reset_noise": 5e-3},
+}
+_MODELS: dict = {}
 
 
-def halfcheetah_model():
-    if not _HC_MODEL:
+def mujoco_model(env_name: str):
+    if env_name not in _MODELS:
         import gymnasium
         import mujoco
 
-        xml = Path(gymnasium.__file__).parent / "envs" / "mujoco" / "assets" / "half_cheetah.xml"
+        xml = Path(gymnasium.__file__).parent / "envs" / "mujoco" / "assets" / LOCOMOTION[env_name]["xml"]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _HC_MODEL.append(mujoco.MjModel.from_xml_path(str(xml)))
-    return _HC_MODEL[0]
+            _MODELS[env_name] = mujoco.MjModel.from_xml_path(str(xml))
+    return _MODELS[env_name]
 
 
-class HalfCheetahBatch:
-    """obs (17,) = qpos[1:] ++ qvel; reward = forward velocity - 0.1 |a|^2; actions clipped to [-1, 1]."""
+class MujocoBatch:
+    """n copies of one locomotion environment. step(act) -> (obs, reward, terminal); act clipped to [-1, 1].
+    halfcheetah: obs = qpos[1:] ++ qvel, reward = x velocity - 0.1 |a|^2, never terminal.
+    hopper: obs = qpos[1:] ++ clip(qvel, -10, 10), reward = x velocity + 1 (while healthy) - 1e-3 |a|^2,
+            terminal when unhealthy (height <= 0.7, |torso angle| >= 0.2, or any |state| >= 100)."""
 
-    obs_dim, act_dim = 17, 6
-
-    def __init__(self, n: int):
+    def __init__(self, env_name: str, n: int):
         import mujoco
 
-        self.mj, self.model = mujoco, halfcheetah_model()
+        self.name, self.spec = env_name, LOCOMOTION[env_name]
+        self.mj, self.model = mujoco, mujoco_model(env_name)
         self.data = [mujoco.MjData(self.model) for _ in range(n)]
-        self.dt = self.model.opt.timestep * HC_FRAME_SKIP
+        self.dt = self.model.opt.timestep * self.spec["frame_skip"]
+        self.obs_dim, self.act_dim = self.spec["obs_dim"], self.spec["act_dim"]
 
     def reset(self, rng):
-        m = self.model
+        m, noise = self.model, self.spec["reset_noise"]
         for d in self.data:
             self.mj.mj_resetData(m, d)
-            d.qpos[:] = m.qpos0 + rng.uniform(-HC_RESET_NOISE, HC_RESET_NOISE, m.nq)
-            d.qvel[:] = HC_RESET_NOISE * rng.standard_normal(m.nv)
+            d.qpos[:] = m.qpos0 + rng.uniform(-noise, noise, m.nq)
+            d.qvel[:] = noise * rng.standard_normal(m.nv) if self.name == "halfcheetah" else \
+                rng.uniform(-noise, noise, m.nv)
             self.mj.mj_forward(m, d)
         return self.obs()
 
     def obs(self):
-        return np.stack([np.concatenate([d.qpos[1:], d.qvel]) for d in self.data]).astype(np.float32)
+        clip = 10.0 if self.name == "hopper" else np.inf
+        return np.stack([np.concatenate([d.qpos[1:], np.clip(d.qvel, -clip, clip)]) for d in self.data]) \
+            .astype(np.float32)
+
+    def healthy(self, d) -> bool:
+        if self.name != "hopper":
+            return True
+        state = np.concatenate([d.qpos, d.qvel])[2:]
+        return bool(np.all(np.abs(state) < 100.0) and d.qpos[1] > 0.7 and -0.2 < d.qpos[2] < 0.2)
 
     def step(self, act):
         act = np.clip(np.asarray(act, np.float64), -1, 1)
-        reward = np.empty(len(self.data), np.float32)
+        reward, terminal = np.empty(len(self.data), np.float32), np.zeros(len(self.data), bool)
         for i, d in enumerate(self.data):
             x0 = d.qpos[0]
             d.ctrl[:] = act[i]
-            self.mj.mj_step(self.model, d, HC_FRAME_SKIP)
-            reward[i] = (d.qpos[0] - x0) / self.dt - HC_CTRL_COST * float(act[i] @ act[i])
-        return self.obs(), reward
+            self.mj.mj_step(self.model, d, self.spec["frame_skip"])
+            ok = self.healthy(d)
+            reward[i] = (d.qpos[0] - x0) / self.dt + self.spec["healthy_reward"] * ok \
+                - self.spec["ctrl_cost"] * float(act[i] @ act[i])
+            terminal[i] = not ok
+        return self.obs(), reward, terminal
 
 
-# ---- halfcheetah behaviour policies: a linear policy trained by the cross-entropy method ----
-# a = tanh(W (obs * obs_scale) + b): 6 x 17 + 6 = 108 parameters. Each generation samples `pop` parameter
-# vectors from a diagonal Gaussian, runs one 1000-step episode each, and refits the Gaussian to the `elites`
-# best (plus a decaying extra variance so the search does not collapse early). The search mean of every
-# generation is evaluated; the best one is the expert, the first to reach MEDIUM_FRACTION of the
-# random-to-expert gap is the medium policy, and the first `keep` episodes of every generation up to the
-# medium one (plain samples of the search distribution) form medium-replay.
+# ---- locomotion behaviour policies: a linear policy trained by the cross-entropy method ----
+# a = tanh(W (obs * obs_scale) + b): act_dim x obs_dim + act_dim parameters (108 for halfcheetah, 36 for
+# hopper). Each generation samples `pop` parameter vectors from a diagonal Gaussian, runs one episode each
+# (up to 1000 steps), and refits the Gaussian to the `elites` best (plus a decaying extra variance so the
+# search does not collapse early). The search mean of every generation is evaluated; the best one is the
+# expert, the first to reach MEDIUM_FRACTION of the random-to-expert gap is the medium policy, and the first
+# `keep` episodes of every generation up to the medium one (plain samples of the search distribution) form
+# medium-replay.
 HC_CEM = {"generations": 40, "pop": 40, "elites": 8, "keep": 5, "eval_episodes": 5, "init_std": 0.5}
 MEDIUM_FRACTION = 0.4  # D4RL's halfcheetah-medium scores about 40 on its own scale
-HC_ACTION_NOISE = 0.1  # Gaussian noise on the medium and expert policies' actions while collecting data
+ACTION_NOISE = 0.1  # Gaussian noise on the medium and expert policies' actions while collecting data
+
+
+def cem_config(env_name: str) -> dict:
+    if env_name != "halfcheetah":
+        raise ValueError(f"no behaviour policies for {env_name!r}: only halfcheetah has CEM-trained ones")
+    return HC_CEM  # looked up at call time (tests patch it)
 
 
 def linear_policy(params, obs_scale):
-    """params (108,) -> policy(obs (n, 17)) -> act (n, 6)."""
-    W, b = params[:102].reshape(6, 17), params[102:]
+    """params (act_dim * (obs_dim + 1),) -> policy(obs (n, obs_dim)) -> act (n, act_dim)."""
+    obs_dim = len(obs_scale)
+    act_dim = len(params) // (obs_dim + 1)
+    W, b = params[:act_dim * obs_dim].reshape(act_dim, obs_dim), params[act_dim * obs_dim:]
     return lambda obs: np.tanh((obs * obs_scale) @ W.T + b).astype(np.float32)
 
 
-def _run_population(params, obs_scale, rng, record: int = 0):
-    """One 1000-step episode per parameter vector. Returns (returns (P,), D4RL arrays of the first `record`)."""
-    P = len(params)
-    W, b = params[:, :102].reshape(P, 6, 17), params[:, 102:]
-    env = HalfCheetahBatch(P)
-    obs, ret, cols = env.reset(rng), np.zeros(P), {k: [] for k in KEYS}
-    for t in range(HC_HORIZON):
+def _run_population(env_name, params, obs_scale, rng, record: int = 0):
+    """One episode per parameter vector. Returns (returns (P,), D4RL arrays of the first `record` episodes with
+    an "episode" column numbering them 0..record-1, episode-major)."""
+    P, obs_dim = len(params), len(obs_scale)
+    act_dim = params.shape[1] // (obs_dim + 1)
+    W, b = params[:, :act_dim * obs_dim].reshape(P, act_dim, obs_dim), params[:, act_dim * obs_dim:]
+    env = MujocoBatch(env_name, P)
+    obs, ret, alive = env.reset(rng), np.zeros(P), np.ones(P, bool)
+    cols, valid = {k: [] for k in KEYS}, []
+    for t in range(LOCO_HORIZON):
         act = np.tanh(np.einsum("pij,pj->pi", W, obs * obs_scale) + b).astype(np.float32)
-        nxt, r = env.step(act)
-        ret += r
+        nxt, r, term = env.step(act)
+        ret += r * alive
         if record:
-            last = np.full(record, t == HC_HORIZON - 1)
-            for k, v in zip(KEYS, (obs, act, r, nxt, np.zeros(record, bool), last)):
+            timeout = np.full(P, t == LOCO_HORIZON - 1) & ~term
+            for k, v in zip(KEYS, (obs, act, r, nxt, term, timeout)):
                 cols[k].append(v[:record])
+            valid.append(alive[:record].copy())
+        alive &= ~term
         obs = nxt
+        if not alive.any():
+            break
     if not record:
         return ret, None
-    # (T, record, ...) -> episode-major rows (record * T, ...), as in D4RL
-    data = {k: np.stack(v, 1).reshape(record * HC_HORIZON, *np.shape(v[0])[1:]).astype(np.float32)
-            for k, v in cols.items()}
+    m = np.stack(valid, 1)  # (record, T): each episode's steps in order, none after its end
+    data = {k: np.stack(v, 1)[m].astype(np.float32) for k, v in cols.items()}
+    data["episode"] = np.broadcast_to(np.arange(record)[:, None], m.shape)[m]
     return ret, data
 
 
-def train_cem(seed: int = 0, cfg: dict | None = None):
-    """Run the CEM search. Returns arrays: means (G, 108), eval_returns (G,), obs_scale, replay_* (D4RL keys,
-    episodes in generation order) and replay_generation (one entry per episode)."""
-    cfg = {**HC_CEM, **(cfg or {})}
+def train_cem(env_name: str, seed: int = 0, cfg: dict | None = None):
+    """Run the CEM search. Returns arrays: means (G, n_params), eval_returns (G,), obs_scale, replay_* (D4RL
+    keys, episodes in generation order), replay_episode (per row) and replay_generation (per episode)."""
+    cfg = {**cem_config(env_name), **(cfg or {})}
+    spec = LOCOMOTION[env_name]
     rng = np.random.default_rng(seed)
-    env = HalfCheetahBatch(8)  # observation scale from random-action rollouts
+    env = MujocoBatch(env_name, 8)  # observation scale from random-action rollouts
     obs, seen = env.reset(rng), []
     for _ in range(200):
-        obs, _ = env.step(rng.uniform(-1, 1, (8, 6)))
+        obs, _, _ = env.step(rng.uniform(-1, 1, (8, spec["act_dim"])))
         seen.append(obs)
     obs_scale = (1.0 / np.maximum(np.concatenate(seen).std(0), 1e-2)).astype(np.float32)
-    mu, sd = np.zeros(108), np.full(108, cfg["init_std"])
+    n_params = spec["act_dim"] * (spec["obs_dim"] + 1)
+    mu, sd = np.zeros(n_params), np.full(n_params, cfg["init_std"])
     means, evals, replay, replay_gen = [], [], [], []
-    bar = tqdm(range(cfg["generations"]), desc="CEM behaviour policy (halfcheetah)", leave=False)
+    bar = tqdm(range(cfg["generations"]), desc=f"CEM behaviour policy ({env_name})", leave=False)
     for g in bar:
-        pop = mu + sd * rng.standard_normal((cfg["pop"], 108))
-        ret, data = _run_population(pop, obs_scale, rng, record=cfg["keep"])
+        pop = mu + sd * rng.standard_normal((cfg["pop"], n_params))
+        ret, data = _run_population(env_name, pop, obs_scale, rng, record=cfg["keep"])
+        data["episode"] = data["episode"] + g * cfg["keep"]
         replay.append(data)
         replay_gen += [g] * cfg["keep"]
         elite = pop[np.argsort(ret)[-cfg["elites"]:]]
         mu, sd = elite.mean(0), np.sqrt(elite.var(0) + 0.01 * 0.95 ** g)
-        ev = _run_population(np.tile(mu, (cfg["eval_episodes"], 1)), obs_scale, rng)[0].mean()
+        ev = _run_population(env_name, np.tile(mu, (cfg["eval_episodes"], 1)), obs_scale, rng)[0].mean()
         means.append(mu.copy())
         evals.append(ev)
         bar.set_postfix(population=f"{ret.mean():.0f}", mean_policy=f"{ev:.0f}")
     out = {"means": np.array(means), "eval_returns": np.array(evals), "obs_scale": obs_scale,
            "replay_generation": np.array(replay_gen)}
-    out.update({f"replay_{k}": np.concatenate([d[k] for d in replay]) for k in KEYS})
+    out.update({f"replay_{k}": np.concatenate([d[k] for d in replay]) for k in KEYS + ("episode",)})
     return out
 
 
-def halfcheetah_policies(cfg: dict | None = None, cache_dir=None):
-    """The reference behaviour policies of the halfcheetah sets (CEM seed 0, cached like a dataset).
-    Returns dict: expert, medium (parameter vectors), obs_scale, medium_generation, ref_random_return,
-    ref_expert_return, cem (the raw arrays of train_cem)."""
-    cfg = {**HC_CEM, **(cfg or {})}
-    cem = _cached("halfcheetah-cem", {"cem": cfg, "seed": 0}, lambda: _cem_with_refs(cfg), cache_dir)
+def locomotion_policies(env_name: str, cfg: dict | None = None, cache_dir=None):
+    """The reference behaviour policies of a locomotion environment (CEM seed 0, cached like a dataset).
+    Returns dict: expert, medium (parameter vectors), obs_scale, medium_generation, expert_generation,
+    ref_random_return, ref_expert_return, cem (the raw arrays of train_cem)."""
+    cfg = {**cem_config(env_name), **(cfg or {})}
+    cem = _cached(f"{env_name}-cem", {"cem": cfg, "seed": 0}, lambda: _cem_with_refs(env_name, cfg), cache_dir)
     means, evals = cem["means"], cem["eval_returns"]
     lo, hi = float(cem["ref_random_return"]), float(cem["ref_expert_return"])
     if hi <= lo:
@@ -264,18 +308,23 @@ def halfcheetah_policies(cfg: dict | None = None, cache_dir=None):
             "ref_expert_return": hi, "cem": cem}
 
 
-def _cem_with_refs(cfg):
-    cem = train_cem(0, cfg)
+def halfcheetah_policies(cfg: dict | None = None, cache_dir=None):
+    return locomotion_policies("halfcheetah", cfg, cache_dir)
+
+
+def _cem_with_refs(env_name, cfg):
+    cem = train_cem(env_name, 0, cfg)
     best = cem["means"][int(np.argmax(cem["eval_returns"]))]
     # reference returns over 20 fixed episodes: uniform random actions (0) and the expert, noise-free (100)
-    r_rand = evaluate("halfcheetah", random_policy(6, 1), 20, seed=777)[0].mean()
-    r_exp = evaluate("halfcheetah", linear_policy(best, cem["obs_scale"]), 20, seed=777)[0].mean()
+    act_dim = LOCOMOTION[env_name]["act_dim"]
+    r_rand = evaluate(env_name, random_policy(act_dim, 1), 20, seed=777)[0].mean()
+    r_exp = evaluate(env_name, linear_policy(best, cem["obs_scale"]), 20, seed=777)[0].mean()
     cem["ref_random_return"], cem["ref_expert_return"] = np.array(r_rand), np.array(r_exp)
     return cem
 
 
 # ---- batched environments and evaluation ----
-ENVS = ("pendulum", "toy", "halfcheetah")
+ENVS = ("pendulum", "toy", "halfcheetah", "hopper")
 
 
 class BatchEnv:
@@ -285,9 +334,12 @@ class BatchEnv:
         if name not in ENVS:
             raise ValueError(f"unknown environment {name!r}: expected one of {', '.join(ENVS)}")
         self.name, self.n = name, n
-        self.obs_dim, self.act_dim = {"pendulum": (3, 1), "toy": (2, 2), "halfcheetah": (17, 6)}[name]
-        self.horizon = {"pendulum": P_HORIZON, "toy": T_HORIZON, "halfcheetah": HC_HORIZON}[name]
-        self.cheetah = HalfCheetahBatch(n) if name == "halfcheetah" else None
+        self.mujoco = MujocoBatch(name, n) if name in LOCOMOTION else None
+        if self.mujoco:
+            self.obs_dim, self.act_dim, self.horizon = self.mujoco.obs_dim, self.mujoco.act_dim, LOCO_HORIZON
+        else:
+            self.obs_dim, self.act_dim = {"pendulum": (3, 1), "toy": (2, 2)}[name]
+            self.horizon = P_HORIZON if name == "pendulum" else T_HORIZON
 
     def reset(self, seed: int):
         rng = np.random.default_rng(seed)
@@ -295,8 +347,8 @@ class BatchEnv:
         if self.name == "pendulum":
             state = rng.uniform([-np.pi, -1.0], [np.pi, 1.0], size=(self.n, 2))
             self.obs = pendulum_obs(state)
-        elif self.name == "halfcheetah":
-            self.obs = self.cheetah.reset(rng)
+        elif self.mujoco:
+            self.obs = self.mujoco.reset(rng)
         else:
             self.obs = (0.05 * rng.standard_normal((self.n, 2))).astype(np.float32)
         return self.obs
@@ -306,9 +358,9 @@ class BatchEnv:
         if self.name == "pendulum":
             nxt, r = pendulum_model(self.obs, act)
             term, info = np.zeros(self.n, bool), {}
-        elif self.name == "halfcheetah":  # never terminates: episodes end by timeout only (as in D4RL)
-            nxt, r = self.cheetah.step(act)
-            term, info = np.zeros(self.n, bool), {}
+        elif self.mujoco:  # halfcheetah never terminates (timeouts only, as in D4RL); hopper falls
+            nxt, r, term = self.mujoco.step(act)
+            info = {}
         else:
             nxt, r, term, goal = toy_step(self.obs, act)
             info = {"goal": goal}
@@ -346,8 +398,8 @@ def random_policy(act_dim: int, seed: int = 0):
 
 def reference_returns(env_name: str) -> tuple[float, float]:
     """(random, expert) mean returns of this project's reference policies over 100 fixed episodes."""
-    if env_name == "halfcheetah":  # computed once with the CEM search and cached with it
-        pol = halfcheetah_policies()
+    if env_name in LOCOMOTION:  # computed once with the CEM search and cached with it
+        pol = locomotion_policies(env_name)
         return pol["ref_random_return"], pol["ref_expert_return"]
     if env_name == "pendulum":
         expert = pendulum_expert
@@ -434,18 +486,18 @@ def generate(name: str, seed: int = 0, n_episodes: int | None = None, rho: float
                "mixed": np.where(np.arange(n) < n // 2, 1.0, 0.0)}[kind]
         eps = np.where(rng.random(n) < rho, 1.0, eps)  # degraded: whole episodes of random actions
         act_fn = _episode_policy(eps.astype(np.float32), lambda o, r: expert(o, r).astype(np.float32), 1)
-    elif env_name == "halfcheetah":
-        kind = name.split("-", 1)[1]
-        pol = halfcheetah_policies()
+    elif env_name in LOCOMOTION:
+        kind, act_dim = name.split("-", 1)[1], LOCOMOTION[env_name]["act_dim"]
+        pol = locomotion_policies(env_name)
         if kind == "medium-replay":  # the CEM population's episodes up to the medium generation
-            return _medium_replay(name, pol, seed, n_episodes, rho)
+            return _medium_replay(name, env_name, pol, seed, n_episodes, rho)
         n = n_episodes or 50
-        base = {"random": lambda o, r: r.uniform(-1, 1, (len(o), 6)).astype(np.float32)}.get(kind)
+        base = {"random": lambda o, r: r.uniform(-1, 1, (len(o), act_dim)).astype(np.float32)}.get(kind)
         if base is None:
             lin = linear_policy(pol[kind], pol["obs_scale"])
-            base = lambda o, r: np.clip(lin(o) + HC_ACTION_NOISE * r.standard_normal((len(o), 6)), -1, 1)
+            base = lambda o, r: np.clip(lin(o) + ACTION_NOISE * r.standard_normal((len(o), act_dim)), -1, 1)
         eps = np.where(rng.random(n) < rho, 1.0, 0.0)  # degraded: whole episodes of random actions
-        act_fn = _episode_policy(eps.astype(np.float32), lambda o, r: base(o, r).astype(np.float32), 6)
+        act_fn = _episode_policy(eps.astype(np.float32), lambda o, r: base(o, r).astype(np.float32), act_dim)
     else:
         n = n_episodes or 200
         mode = rng.integers(0, 2, n)
@@ -457,22 +509,24 @@ def generate(name: str, seed: int = 0, n_episodes: int | None = None, rho: float
     return data
 
 
-def _medium_replay(name, pol, seed, n_episodes, rho):
-    """halfcheetah-medium-replay: the recorded CEM episodes of generations 0..medium (n_episodes of them, drawn
+def _medium_replay(name, env_name, pol, seed, n_episodes, rho):
+    """<env>-medium-replay: the recorded CEM episodes of generations 0..medium (n_episodes of them, drawn
     without replacement by `seed` when given); rho replaces that fraction with fresh random-action episodes."""
     cem, rng = pol["cem"], np.random.default_rng(seed)
     eps_ids = np.flatnonzero(cem["replay_generation"] <= pol["medium_generation"])
     if n_episodes:
         eps_ids = np.sort(rng.choice(eps_ids, min(n_episodes, len(eps_ids)), replace=False))
     bad = rng.random(len(eps_ids)) < rho
-    rows = (eps_ids[~bad, None] * HC_HORIZON + np.arange(HC_HORIZON)[None]).ravel()
+    rows = np.isin(cem["replay_episode"], eps_ids[~bad])
     data = {k: cem[f"replay_{k}"][rows].astype(np.float32) for k in KEYS}
+    ep_ret = np.bincount(cem["replay_episode"][rows], weights=data["rewards"])[eps_ids[~bad]]
     if bad.any():
-        rand, _ = _rollout_dataset("halfcheetah", int(bad.sum()), lambda o, t, r: r.uniform(-1, 1, (len(o), 6))
-                                   .astype(np.float32), int(rng.integers(2 ** 31)), f"generating {name}")
+        act_dim = LOCOMOTION[env_name]["act_dim"]
+        rand, rand_ret = _rollout_dataset(env_name, int(bad.sum()), lambda o, t, r: r.uniform(
+            -1, 1, (len(o), act_dim)).astype(np.float32), int(rng.integers(2 ** 31)), f"generating {name}")
         data = {k: np.concatenate([data[k], rand[k]]) for k in KEYS}
-    ep_ret = data["rewards"].reshape(-1, HC_HORIZON).sum(1)
-    data["meta"] = _meta(name, "halfcheetah", seed, len(ep_ret), rho, None, data, ep_ret)
+        ep_ret = np.concatenate([ep_ret, rand_ret])
+    data["meta"] = _meta(name, env_name, seed, len(ep_ret), rho, None, data, ep_ret)
     data["meta"]["medium_generation"] = pol["medium_generation"]
     return data
 
@@ -531,8 +585,8 @@ def get_dataset(name: str, seed: int = 0, n_episodes: int | None = None, rho: fl
                 bad_frac: float = 0.1, cache_dir: str | Path | None = None, verbose: bool = False):
     """Load the dataset from the cache, or generate and cache it. A corrupt cache entry is regenerated."""
     cfg = {"name": name, "seed": seed, "n_episodes": n_episodes, "rho": rho, "bad_frac": bad_frac}
-    if env_of(name) == "halfcheetah":  # the behaviour policies are part of what the data depends on
-        cfg["cem"] = HC_CEM
+    if env_of(name) in LOCOMOTION:  # the behaviour policies are part of what the data depends on
+        cfg["cem"] = cem_config(env_of(name))
 
     def build():
         data = generate(name, seed, n_episodes, rho, bad_frac)

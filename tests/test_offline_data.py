@@ -20,12 +20,13 @@ def test_generator_is_deterministic_per_seed(name):
 # A CEM search small enough for a test (the real one: D.HC_CEM, about 100 s).
 # init_std is small so that its search mean stays near the zero-action policy, which beats random actions.
 TINY_CEM = {"generations": 3, "pop": 6, "elites": 2, "keep": 2, "eval_episodes": 2, "init_std": 0.05}
-DIMS = {"pendulum": (3, 1), "toy": (2, 2), "halfcheetah": (17, 6)}
+DIMS = {"pendulum": (3, 1), "toy": (2, 2), "halfcheetah": (17, 6), "hopper": (11, 3)}
+LOCOMOTION_SETS = [n for n in D.DATASETS if D.env_of(n) in D.LOCOMOTION]
 
 
 @pytest.fixture
 def tiny_cem(tmp_path, monkeypatch):
-    """Point the halfcheetah behaviour policies at a tiny CEM search cached in a temporary folder."""
+    """Point the locomotion behaviour policies at a tiny CEM search cached in a temporary folder."""
     monkeypatch.setattr(D, "HC_CEM", TINY_CEM)
     monkeypatch.setattr(D, "_REF_CACHE", {})
     monkeypatch.setenv("OFFLINE_DATA_DIR", str(tmp_path))
@@ -50,38 +51,54 @@ def _layout(name, n_episodes):
     return d
 
 
-@pytest.mark.parametrize("name", [n for n in D.DATASETS if not n.startswith("halfcheetah")])
+@pytest.mark.parametrize("name", [n for n in D.DATASETS if n not in LOCOMOTION_SETS])
 def test_layout_shapes_dtypes_and_continuity(name):
     _layout(name, 8)
 
 
-@pytest.mark.parametrize("name", [n for n in D.DATASETS if n.startswith("halfcheetah")])
-def test_halfcheetah_layout(name, tiny_cem):
+@pytest.mark.parametrize("name", LOCOMOTION_SETS)
+def test_locomotion_layout(name, tiny_cem):
     d = _layout(name, 2)
+    # halfcheetah never falls: two full-length episodes ending in timeouts
     assert d["terminals"].sum() == 0 and np.flatnonzero(d["timeouts"]).tolist() == [999, 1999]
     if name.endswith("medium-replay"):  # recorded CEM episodes, all from generations up to the medium one
         assert d["meta"]["medium_generation"] < TINY_CEM["generations"]
 
 
-def test_halfcheetah_matches_gymnasium():
-    """Same dynamics, observation and reward as gymnasium's HalfCheetah-v5 (started from its reset state)."""
+def test_halfcheetah_degraded_episodes_are_random(tiny_cem):
+    """rho = 1 replaces every episode of a locomotion set with random actions: its return drops to random's."""
+    clean = D.generate("halfcheetah-expert", seed=0, n_episodes=4)["meta"]
+    bad = D.generate("halfcheetah-expert", seed=0, n_episodes=4, rho=1.0)["meta"]
+    assert bad["behaviour_return_mean"] < clean["behaviour_return_mean"] - 100
+    assert abs(bad["behaviour_return_mean"] - bad["ref_random_return"]) < 150  # random episodes vary by ~100
+
+
+@pytest.mark.parametrize("env_name,gym_id", [("halfcheetah", "HalfCheetah-v5"), ("hopper", "Hopper-v5")])
+def test_locomotion_matches_gymnasium(env_name, gym_id):
+    """Same dynamics, observation, reward and termination as gymnasium's v5 environment (from its reset state),
+    over several episodes of random actions (a random hopper falls within a few dozen steps)."""
     import mujoco
 
-    env = gym.make("HalfCheetah-v5").unwrapped
-    obs, _ = env.reset(seed=0)
-    ours = D.HalfCheetahBatch(1)
-    d = ours.data[0]
-    d.qpos[:], d.qvel[:] = env.data.qpos, env.data.qvel
-    mujoco.mj_forward(ours.model, d)
-    np.testing.assert_allclose(ours.obs()[0], obs, atol=1e-6)
-    rng = np.random.default_rng(0)
-    for _ in range(100):
-        a = rng.uniform(-1, 1, 6).astype(np.float32)
-        nxt, r, term, _, _ = env.step(a)
-        mnxt, mr = ours.step(a[None])
-        np.testing.assert_allclose(mnxt[0], nxt, atol=1e-5)
-        np.testing.assert_allclose(mr[0], r, atol=1e-4)
-        assert not term
+    env = gym.make(gym_id).unwrapped
+    ours = D.MujocoBatch(env_name, 1)
+    rng, falls = np.random.default_rng(0), 0
+    for episode in range(5):
+        obs, _ = env.reset(seed=episode)
+        d = ours.data[0]
+        d.qpos[:], d.qvel[:] = env.data.qpos, env.data.qvel
+        mujoco.mj_forward(ours.model, d)
+        np.testing.assert_allclose(ours.obs()[0], obs, atol=1e-6)
+        for _ in range(100):
+            a = rng.uniform(-1, 1, ours.act_dim).astype(np.float32)
+            nxt, r, term, _, _ = env.step(a)
+            mnxt, mr, mterm = ours.step(a[None])
+            np.testing.assert_allclose(mnxt[0], nxt, atol=1e-5)
+            np.testing.assert_allclose(mr[0], r, atol=1e-4)
+            assert mterm[0] == term
+            if term:
+                falls += 1
+                break
+    assert falls == (5 if env_name == "hopper" else 0)
 
 
 def test_cem_policies_are_cached_and_ordered(tiny_cem):
@@ -90,7 +107,7 @@ def test_cem_policies_are_cached_and_ordered(tiny_cem):
     assert cem["means"].shape == (3, 108) and len(cem["eval_returns"]) == 3
     assert pol["medium_generation"] <= pol["expert_generation"]
     assert np.array_equal(pol["expert"], cem["means"][np.argmax(cem["eval_returns"])])
-    assert len(cem["replay_rewards"]) == 3 * TINY_CEM["keep"] * D.HC_HORIZON
+    assert len(cem["replay_rewards"]) == 3 * TINY_CEM["keep"] * D.LOCO_HORIZON
     assert len(list(tiny_cem.glob("halfcheetah-cem-*.npz"))) == 1
     again = D.halfcheetah_policies()  # from the cache: same arrays, no second search
     np.testing.assert_array_equal(again["expert"], pol["expert"])
