@@ -1,10 +1,11 @@
-"""Each LLM script's default command, once: does it learn within its time budget on this machine?
+"""Each script's default command, once: does it learn within its time budget on this machine?
 
-    python benchmarks/run_defaults.py                    # runs the scripts below with no flags (about 20 min)
+    python benchmarks/run_defaults.py                    # runs the scripts below with no flags (about 30 min)
     python benchmarks/run_defaults.py --record-only      # only (re)record runs/defaults/*/summary.json
     python benchmarks/run_defaults.py --report-only      # only rebuild benchmarks/results/defaults.md
 
-Rows go to benchmarks/results/defaults.csv (seed 0, the default), the table to benchmarks/results/defaults.md.
+Rows go to benchmarks/results/defaults.csv (seed 0, the default), the tables to benchmarks/results/defaults.md
+(LLM scripts: held-out accuracy) and benchmarks/results/offline_defaults.md (offline RL: normalised score).
 """
 from __future__ import annotations
 
@@ -20,13 +21,15 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
 
 SCRIPTS = ["grpo", "ppo", "rloo", "dapo", "gspo", "opd", "async_opd", "self_opd", "spec_rl"]
+OFFLINE = ["td3_bc", "iql", "ravl", "driftql"]  # their --out-dir is the run folder itself
 OUT = ROOT / "runs" / "defaults"
 CSV = "defaults.csv"
 
 
 def run(names) -> None:
     for name in names:
-        subprocess.run([sys.executable, f"algos/{name}.py", "--out-dir", str(OUT)], cwd=ROOT, check=True)
+        out = OUT / name if name in OFFLINE else OUT
+        subprocess.run([sys.executable, f"algos/{name}.py", "--out-dir", str(out)], cwd=ROOT, check=True)
 
 
 def record(names) -> None:
@@ -36,9 +39,11 @@ def record(names) -> None:
 
 
 def report() -> None:
-    latest = {}
+    latest, offline = {}, {}
     for r in read_rows(CSV):
-        latest.setdefault(r["script"], {})[r["metric"]] = r
+        name = Path(r["script"]).stem
+        (offline if name in OFFLINE else latest).setdefault(r["script"], {})[r["metric"]] = r
+    report_offline(offline)
     lines = ["| command | held-out acc start | end | gain (points) | wall s | generated tokens/s |",
              "|---|---|---|---|---|---|"]
     meta = None
@@ -54,6 +59,23 @@ def report() -> None:
                       f"{meta['commit']}. Rows: `benchmarks/results/{CSV}`; command: `python benchmarks/run_defaults.py`."]
     (RESULTS / "defaults.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def report_offline(latest) -> None:
+    lines = ["| command | dataset | score at step 0 | last | best | behaviour | wall s |", "|---|---|---|---|---|---|---|"]
+    meta = None
+    for script, m in latest.items():
+        v = {k: float(r["value"]) for k, r in m.items()}
+        meta = next(iter(m.values()))
+        dataset = {"ravl": "pendulum-expert", "driftql": "toy-multimodal"}.get(Path(script).stem, "pendulum-medium")
+        lines.append(f"| `python {script}` | {dataset} | {v['score_first']:.1f} | {v['score_last']:.1f} | "
+                     f"{v['score_best']:.1f} | {v['behaviour_score']:.1f} | {v['wall_s']:.0f} |")
+    if meta:
+        lines += ["", f"Seed 0, each script's defaults, one torch thread. Hardware: {meta['hardware']}; "
+                      f"{meta['versions']}; commit {meta['commit']}. Rows: `benchmarks/results/{CSV}`; command: "
+                      f"`python benchmarks/run_defaults.py --scripts {' '.join(OFFLINE)}`."]
+        (RESULTS / "offline_defaults.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":
