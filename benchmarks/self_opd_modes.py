@@ -1,6 +1,6 @@
 """A-15 / A-17: self-distillation modes side by side (algos/self_opd.py, every other setting at its default).
 
-    python benchmarks/self_opd_modes.py                  # 4 modes x 3 seeds, about 8 minutes on 2 cores
+    python benchmarks/self_opd_modes.py                  # 6 configurations x 3 seeds, about 12 minutes
     python benchmarks/self_opd_modes.py --report-only    # rebuild the table from the committed CSV
     python benchmarks/report.py                          # paste it into README.md
 
@@ -23,9 +23,18 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
 
 CSV = "self_opd.csv"
-MODES = ("opsd", "pw-opsd", "trace", "grpo")
+# (config name, --mode, overrides): the four modes at the script's defaults, then TRACE and GRPO at the GRPO
+# settings of algos/grpo.py (lr 1e-4, 8 samples per prompt), since the defaults are chosen for distillation.
+CONFIGS = [("opsd", "opsd", {}), ("pw-opsd", "pw-opsd", {}), ("trace", "trace", {}), ("grpo", "grpo", {}),
+           ("trace-grpo-settings", "trace", {"lr": 1e-4, "group_size": 8}),
+           ("grpo-grpo-settings", "grpo", {"lr": 1e-4, "group_size": 8})]
 LABELS = {"opsd": "all-token OPSD", "pw-opsd": "position-weighted OPSD (A-15)",
-          "trace": "TRACE span routing (A-17)", "grpo": "GRPO (no distillation)"}
+          "trace": "TRACE span routing (A-17)", "grpo": "GRPO (no distillation)",
+          "trace-grpo-settings": "TRACE, lr 1e-4, 8 samples", "grpo-grpo-settings": "GRPO, lr 1e-4, 8 samples"}
+
+
+def flags(mode, over):
+    return f"--mode {mode}" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in over.items())
 
 
 def run(seeds) -> None:
@@ -33,12 +42,13 @@ def run(seeds) -> None:
 
     done = {(r["config"], int(r["seed"])) for r in read_rows(CSV)}  # resumable
     for seed in seeds:
-        for mode in MODES:
-            if (mode, seed) in done:
+        for name, mode, over in CONFIGS:
+            if (name, seed) in done:
                 continue
-            s = self_opd.main(self_opd.Args(mode=mode, seed=seed, out_dir=f"runs/bench_self_opd/{mode}_s{seed}"))
-            append_rows(CSV, "self_opd", "algos/self_opd.py", mode, seed, s,
-                        f"python algos/self_opd.py --mode {mode} --seed {seed}")
+            s = self_opd.main(self_opd.Args(mode=mode, seed=seed, out_dir=f"runs/bench_self_opd/{name}_s{seed}",
+                                            **over))
+            append_rows(CSV, "self_opd", "algos/self_opd.py", name, seed, s,
+                        f"python algos/self_opd.py {flags(mode, over)} --seed {seed}")
 
 
 def fmt(vals, scale=1.0, nd=1):
@@ -57,28 +67,28 @@ def report() -> None:
     lines = ["| mode | held-out acc end (%) | gain (points) | 3-digit OOD acc end (%) | OOD change (points) | "
              "entropy first -> last | length first -> last | seeds |",
              "|---|---|---|---|---|---|---|---|"]
-    for mode in MODES:
-        m = by.get(mode)
+    for name, mode, over in CONFIGS:
+        m = by.get(name)
         if not m:
             continue
         gain = [e - s for s, e in zip(m["eval_acc_start"], m["eval_acc_end"])]
         ood = [e - s for s, e in zip(m.get("eval_acc_hard_start", []), m.get("eval_acc_hard_end", []))]
-        lines.append(f"| {LABELS[mode]} (`--mode {mode}`) | {fmt(m['eval_acc_end'], 100)} | {fmt(gain, 100)} | "
+        lines.append(f"| {LABELS[name]} (`{flags(mode, over)}`) | {fmt(m['eval_acc_end'], 100)} | {fmt(gain, 100)} | "
                      f"{fmt(m.get('eval_acc_hard_end', []), 100)} | {fmt(ood, 100)} | "
                      f"{fmt(m['entropy_first'], nd=3)} -> {fmt(m['entropy_last'], nd=3)} | "
                      f"{fmt(m['length_first'])} -> {fmt(m['length_last'])} | {len(m['eval_acc_end'])} |")
     if meta:
-        start = by[MODES[0]]["eval_acc_start"] if by.get(MODES[0]) else []
+        start = by["opsd"]["eval_acc_start"] if by.get("opsd") else []
         lines += ["", f"`algos/self_opd.py` defaults (tiny-0.6m, 2-digit `add`, the model is its own teacher with "
-                      f"the answer in its prompt), one run per mode and seed; held-out greedy accuracy starts at "
+                      f"the answer in its prompt), one run per configuration and seed; held-out greedy accuracy starts at "
                       f"{fmt(start, 100)}%. Entropy and length: mean over the first and last 5 rollout batches. "
                       f"Mean ± std over seeds. Hardware: {meta['hardware']}; {meta['versions']}; commit "
                       f"{meta['commit']}. Rows: `benchmarks/results/{CSV}`; command: "
                       f"`python benchmarks/self_opd_modes.py`.",
-                  "", "Reading it: the GRPO row and TRACE's GRPO channel run at this script's lr 2e-4 with 4 samples "
-                      "per prompt, settings chosen for distillation; `algos/grpo.py`'s own defaults (lr 1e-4, 8 "
-                      "samples, 400 batches) gain +27 points (defaults table), so the GRPO row is not a tuned GRPO "
-                      "baseline and TRACE inherits its instability. 2-digit answers are 3-4 tokens, so length cannot "
+                  "", "Reading it: the first four rows run at this script's lr 2e-4 with 4 samples per prompt, settings "
+                      "chosen for distillation, at which GRPO (and TRACE's GRPO channel) is unstable; the last two "
+                      "rows use `algos/grpo.py`'s lr 1e-4 and 8 samples (its own 400-batch default gains +27 points, "
+                      "defaults table). 2-digit answers are 3-4 tokens, so length cannot "
                       "shrink, and 3-digit accuracy is near zero for every mode: the entropy column is the only one of "
                       "A-17's three symptoms this task can show."]
     (RESULTS / "self_opd.md").write_text("\n".join(lines) + "\n")
