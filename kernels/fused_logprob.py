@@ -10,7 +10,7 @@ Public function (what `algos/grpo.py --kernels` calls):
 
 It runs the Triton kernels when the tensors are on CUDA, or on CPU when TRITON_INTERPRET=1 (the tests), and
 the pure-torch `fused_linear_logprob_ref` otherwise. Anchor: Liger-Kernel's fused linear cross-entropy and
-Apple's Cut Cross-Entropy (same idea: never write the logits to memory).
+Apple's Cut Cross-Entropy (same goal: never hold all N x V logits; CCE does not even write a chunk).
 
 Maths (one row n; z = W h_n / T are the logits at temperature T; p = softmax(z)):
     lse      = log sum_v exp(z_v)                          (online: running max m, running sum s)
