@@ -143,9 +143,13 @@ def mujoco_model(env_name: str):
         import mujoco
 
         xml = Path(gymnasium.__file__).parent / "envs" / "mujoco" / "assets" / LOCOMOTION[env_name]["xml"]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        # gymnasium's model files use an attribute MuJoCo 3.x deprecates; its warning would go to stderr and to
+        # a MUJOCO_LOG.TXT in the working directory on every load
+        mujoco.set_mju_user_warning(lambda msg: None)
+        try:
             _MODELS[env_name] = mujoco.MjModel.from_xml_path(str(xml))
+        finally:
+            mujoco.set_mju_user_warning(None)
     return _MODELS[env_name]
 
 
