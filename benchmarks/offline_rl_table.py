@@ -60,6 +60,23 @@ def corl_jobs(seed, datasets):
                 f"python algos/{name}.py --dataset {ds} --seed {seed} --total-steps {steps} --hidden {hidden}"
 
 
+DATASET_METRICS = ("n_transitions", "n_episodes", "behaviour_return_mean", "behaviour_score", "behaviour_d4rl_score",
+                   "ref_random_return", "ref_expert_return")
+
+
+def record_datasets(datasets, done):
+    """One row set per dataset of the CORL table: size, behaviour return and score, reference returns."""
+    from algos import _offline_data as D
+
+    for ds in datasets:
+        if ("dataset", "algos/_offline_data.py", ds, 0) in done:
+            continue
+        meta = D.get_dataset(ds)["meta"]
+        append_rows(CSV, "dataset", "algos/_offline_data.py", ds, 0,
+                    {k: meta[k] for k in DATASET_METRICS if meta.get(k) is not None},
+                    command=f"python -c \"from algos import _offline_data as D; print(D.get_dataset('{ds}')['meta'])\"")
+
+
 def ravl_jobs(seed):
     from algos import ravl
 
@@ -85,6 +102,8 @@ def driftql_jobs(seed):
 def run(only, seeds, datasets):
     """Seed-major order (every table's seed 0 first), skipping runs already in the CSV."""
     done = done_runs()
+    if only in (None, "corl"):
+        record_datasets(datasets, done)
     for seed in seeds:
         gens = {"corl": corl_jobs(seed, datasets), "ravl": ravl_jobs(seed), "driftql": driftql_jobs(seed)}
         for table, jobs in gens.items():
@@ -146,6 +165,16 @@ def report():
             lines.append(f"| {c} | {s} | {corl_steps(c)} | {ms(m['behaviour_score'])} | {ms(m['score_last'])} | "
                          f"{ms(m['score_best'])} | {ms(m['return_last'], '{:.0f}')} | {d4rl} | "
                          f"{len(m['score_last'])} |")
+        data = {k: v for k, v in table.items() if k[0] == "dataset"}
+        if data:
+            lines += ["", "The datasets (`algos/_offline_data.py`, generator seed 0):", "",
+                      "| dataset | transitions | episodes | behaviour return | behaviour score | D4RL score "
+                      "(indicative) | reference returns: random / expert |", "|---|---|---|---|---|---|---|"]
+            for (_, _, c), m in sorted(data.items()):
+                d4rl = ms(m["behaviour_d4rl_score"]) if m.get("behaviour_d4rl_score") else "n/a"
+                lines.append(f"| {c} | {ms(m['n_transitions'], '{:.0f}')} | {ms(m['n_episodes'], '{:.0f}')} | "
+                             f"{ms(m['behaviour_return_mean'], '{:.0f}')} | {ms(m['behaviour_score'])} | {d4rl} | "
+                             f"{ms(m['ref_random_return'], '{:.0f}')} / {ms(m['ref_expert_return'], '{:.0f}')} |")
         out["offline_rl"] = "\n".join(lines) + "\n" + footer({k: meta[k] for k in corl})
     rv = {k: v for k, v in table.items() if k[0] == "ravl"}
     if rv:

@@ -102,14 +102,14 @@ def test_locomotion_matches_gymnasium(env_name, gym_id):
 
 
 def test_cem_policies_are_cached_and_ordered(tiny_cem):
-    pol = D.halfcheetah_policies()
+    pol = D.locomotion_policies("halfcheetah")
     cem = pol["cem"]
     assert cem["means"].shape == (3, 108) and len(cem["eval_returns"]) == 3
     assert pol["medium_generation"] <= pol["expert_generation"]
     assert np.array_equal(pol["expert"], cem["means"][np.argmax(cem["eval_returns"])])
     assert len(cem["replay_rewards"]) == 3 * TINY_CEM["keep"] * D.LOCO_HORIZON
     assert len(list(tiny_cem.glob("halfcheetah-cem-*.npz"))) == 1
-    again = D.halfcheetah_policies()  # from the cache: same arrays, no second search
+    again = D.locomotion_policies("halfcheetah")  # from the cache: same arrays, no second search
     np.testing.assert_array_equal(again["expert"], pol["expert"])
     assert len(list(tiny_cem.glob("halfcheetah-cem-*.npz"))) == 1
 
