@@ -1,8 +1,9 @@
 """DriftQL: a drift-based behavioural regulariser plus critic-driven improvement, one forward pass per action.
 
-Paper: DriftQL, abstract A-63 in ../shared/papers/000_*.txt (line 127); PAPERS.md section 1.12 and
-section 3, row 26. Project page: driftql.github.io. Baseline: algos/td3_bc.py (`--reg mse` here is
-TD3+BC with a noise input, so `diff` of the two losses is the idea).
+Paper: "Drift Q-Learning" (DriftQL), arXiv:2606.00350. Project page: driftql.github.io.
+Parent: none
+Baseline: algos/td3_bc.py (`--reg mse` here is TD3+BC with a noise input, so `diff` of the two losses is
+the idea).
 
 The idea. The actor is a generator a = pi(s, z), z ~ N(0, I): one forward pass per action, no denoising
 loop. Its behavioural regulariser is a *drift field* on generated actions: each generated action is
@@ -23,8 +24,8 @@ Equations (function that implements each):
 - critic: TD3's clipped double-Q with a' = pi'(s', z') + clipped noise                          -> critic_loss
 
 Deviations:
-- The abstract gives no formula. The drift field here follows drifting generative models (attraction to
-  data, repulsion between samples, stop-gradient target) with a multi-bandwidth Gaussian kernel, whose
+- The paper's abstract gives no formula. The drift field here follows drifting generative models (attraction
+  to data, repulsion between samples, stop-gradient target) with a multi-bandwidth Gaussian kernel, whose
   field is the gradient of the MMD witness; the paper's kernel, normalisation and weights may differ.
 - One dataset action per state is the only positive (an unbiased one-sample estimate of the
   attraction); no nearest-neighbour positives.

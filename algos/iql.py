@@ -1,7 +1,8 @@
 """IQL: offline RL with implicit Q-learning (baseline).
 
 Paper: Kostrikov, Nair & Levine, "Offline Reinforcement Learning with Implicit Q-Learning", arXiv:2110.06169.
-PAPERS.md section 3, row 8.
+Parent: none
+The second model-free baseline of the offline RL table (benchmarks/README.md).
 
 Equations (function that implements each):
 - (5) value: L_V = E[ L2^tau(min_i Q'_i(s, a) - V(s)) ],  L2^tau(u) = |tau - 1(u < 0)| u^2   -> expectile_loss, value_loss

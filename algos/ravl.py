@@ -1,8 +1,9 @@
 """RAVL: model-based offline RL and the edge-of-reach problem (MBPO / MOPO / RAVL in one file).
 
 Paper: Sims, Lu, Foerster & Teh, "The Edge-of-Reach Problem in Offline Model-Based Reinforcement
-Learning" (RAVL, Reach-Aware Value Learning); abstract A-62 in ../shared/papers/000_*.txt (line 125).
-PAPERS.md section 1.12 and section 3, row 25. Code of the paper: github.com/anyasims/edge-of-reach.
+Learning", arXiv:2402.12527 (RAVL, Reach-Aware Value Learning; NeurIPS 2024). Code of the paper:
+github.com/anyasims/edge-of-reach.
+Parent: none
 
 The idea. Offline model-based RL trains an agent on short k-step rollouts of a dynamics model started
 from dataset states. The last state of each truncated rollout, s_k, appears only as a *target* (in
@@ -39,7 +40,7 @@ Commands:
     python algos/ravl.py                                        # true dynamics, RAVL pessimism
     python algos/ravl.py --pessimism none                       # true dynamics, MBPO-like: collapses
     python algos/ravl.py --model learned --pessimism penalty    # MOPO-like with a learned ensemble
-    python benchmarks/offline_rl_table.py --only ravl           # the README's RAVL table
+    python benchmarks/offline_rl_table.py --only ravl           # the RAVL table of benchmarks/README.md
 
 Expected (benchmarks/results/offline_ravl.md): with the true dynamics, pessimism none/penalty shows
 Q(edge) far above the Monte-Carlo return and a low score; RAVL keeps Q(edge) - MC small and scores well.

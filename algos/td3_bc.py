@@ -1,7 +1,8 @@
 """TD3+BC: a minimalist approach to offline RL (baseline).
 
 Paper: Fujimoto & Gu, "A Minimalist Approach to Offline Reinforcement Learning", arXiv:2106.06860.
-Comparator for algos/ravl.py and algos/driftql.py (PAPERS.md section 3, row 9).
+Parent: none
+The model-free baseline that algos/ravl.py and algos/driftql.py are compared with.
 
 Equations (function that implements each):
 - (1) critic: y = r + gamma (1 - d) min_i Q'_i(s', clip(pi'(s') + clip(eps, -c, c), -1, 1)),
@@ -20,7 +21,7 @@ Commands:
     python algos/td3_bc.py                                   # pendulum-medium, ~1 min on 1 CPU thread
     python algos/td3_bc.py --dataset pendulum-expert --alpha 0   # pure BC
     python algos/td3_bc.py --dataset halfcheetah-medium --total-steps 10000 --hidden 256   # ~2 min (+2 min CEM once)
-    python benchmarks/offline_rl_table.py                    # the table in the README
+    python benchmarks/offline_rl_table.py                    # the table in benchmarks/README.md
 
 Expected: on pendulum-medium (behaviour 62) and halfcheetah-medium (behaviour 43) the normalised score ends
 at or above the behaviour policy's; see benchmarks/results/offline_rl.md.
