@@ -11,16 +11,27 @@ Triton early (`import transformers` does), so in one pytest process the variable
 swaps every compiled-only `JITFunction` in `triton.language.standard` and in the caller's module for an
 interpreted copy (once; cheap afterwards). It never runs unless the interpreter was asked for, so GPU runs
 are untouched.
+
+It also holds the two helpers every kernel file shares:
+- `use_triton(module_globals, *tensors)`: whether to launch the Triton kernels (all tensors on CUDA, or the
+  interpreter asked for; then the caller's kernels are made interpretable first) or fall back to the
+  pure-torch reference;
+- `new_output(shape, device, dtype)`: an output buffer for a kernel to fill. When `POISON_OUTPUTS` is set
+  (the tests set it) the buffer starts as NaN (floating dtypes) or -7 (integer dtypes, a value no kernel
+  here writes), so an element a kernel forgets to write fails the comparison with the reference.
 """
 from __future__ import annotations
 
 import os
 
+import torch
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-__all__ = ["interpreter_requested", "use_interpreter"]
+__all__ = ["POISON_OUTPUTS", "interpreter_requested", "new_output", "use_interpreter", "use_triton"]
+
+POISON_OUTPUTS = False  # tests set True: outputs start as NaN / -7, so an element a kernel forgets to write fails
 
 
 def interpreter_requested() -> bool:
@@ -45,3 +56,24 @@ def use_interpreter(module_globals: dict) -> None:
             if isinstance(obj, InterpretedFunction) and isinstance(getattr(tl, name, None), JITFunction):
                 setattr(tl, name, obj)
     _swap(module_globals)
+
+
+def use_triton(module_globals: dict, *tensors: torch.Tensor) -> bool:
+    """True when the kernels of the module with these globals should run on these tensors (see the docstring)."""
+    if all(t.is_cuda for t in tensors):
+        return True
+    if interpreter_requested():
+        use_interpreter(module_globals)
+        return True
+    return False
+
+
+def new_output(shape, device, dtype: torch.dtype = torch.float32, fill: float | int | None = None) -> torch.Tensor:
+    """An output buffer: uninitialised (or `fill`), or poisoned when POISON_OUTPUTS is set."""
+    if POISON_OUTPUTS:
+        if dtype.is_floating_point:  # made in fp32 and cast, so that fp8 buffers get NaN too
+            return torch.full(shape, float("nan"), device=device, dtype=torch.float32).to(dtype)
+        return torch.full(shape, -7, device=device, dtype=dtype)
+    if fill is None:
+        return torch.empty(shape, device=device, dtype=dtype)
+    return torch.full(shape, fill, device=device, dtype=dtype)

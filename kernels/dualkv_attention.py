@@ -1,4 +1,7 @@
-"""Shared-prompt attention (DualKV, papers A-4): N responses attend to one prompt stored once, forward and backward.
+"""Shared-prompt attention (DualKV): N responses attend to one prompt stored once, forward and backward.
+
+Paper: "DualKV: Shared-Prompt Flash Attention for Efficient RL Training with Large Rollouts and Long Contexts"
+(arXiv:2605.15422).
 
 Public functions:
 
@@ -57,24 +60,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._interpret import interpreter_requested, use_interpreter
-
-POISON_OUTPUTS = False  # tests set True: outputs start as NaN, so an element the kernel forgets to write fails
-
-
-def _new(shape, device, dtype=torch.float32):
-    if POISON_OUTPUTS:
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-    return torch.empty(shape, device=device, dtype=dtype)
+from kernels._interpret import new_output, use_triton
 
 
 def _use_triton(*tensors) -> bool:
-    if all(t.is_cuda for t in tensors):
-        return True
-    if interpreter_requested():
-        use_interpreter(globals())
-        return True
-    return False
+    return use_triton(globals(), *tensors)  # this module's kernels, made interpretable when asked
 
 
 # ---- Triton kernels ----
@@ -283,8 +273,8 @@ class _DualKVAttention(torch.autograd.Function):
         interpreted = not qp.is_cuda
         cfg = _config(D, interpreted)
         upcast = interpreted or qp.dtype == torch.float32
-        op, orr = _new(qp.shape, qp.device, qp.dtype), _new(qr.shape, qr.device, qr.dtype)
-        lsep, lser = _new((B, H, P), qp.device), _new((B, N, H, R), qp.device)
+        op, orr = new_output(qp.shape, qp.device, qp.dtype), new_output(qr.shape, qr.device, qr.dtype)
+        lsep, lser = new_output((B, H, P), qp.device), new_output((B, N, H, R), qp.device)
         common = (qp, kp, vp, qr, kr, vr)
         _dualkv_fwd_kernel[(triton.cdiv(P, cfg["BLOCK_M"]), B * H, 1)](
             *common, op, lsep, H, N, P, R, D, scale, IS_PROMPT=True, UPCAST=upcast, **cfg)
@@ -304,8 +294,8 @@ class _DualKVAttention(torch.autograd.Function):
         dor = torch.zeros_like(orr) if dor is None else dor.contiguous()
         deltap = (dop.float() * op.float()).sum(-1)      # rowsum(dO * O), the FlashAttention-2 preprocessing
         deltar = (dor.float() * orr.float()).sum(-1)
-        dqp, dkp, dvp = (_new(qp.shape, qp.device, qp.dtype) for _ in range(3))
-        dqr, dkr, dvr = (_new(qr.shape, qr.device, qr.dtype) for _ in range(3))
+        dqp, dkp, dvp = (new_output(qp.shape, qp.device, qp.dtype) for _ in range(3))
+        dqr, dkr, dvr = (new_output(qr.shape, qr.device, qr.dtype) for _ in range(3))
         common = (qp, kp, vp, qr, kr, vr)
         _dualkv_bwd_dq_kernel[(triton.cdiv(P, cfg["BLOCK_M"]), B * H, 1)](
             *common, dop, lsep, deltap, dqp, H, N, P, R, D, scale, IS_PROMPT=True, UPCAST=upcast, **cfg)

@@ -39,18 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._interpret import interpreter_requested, use_interpreter
-
-POISON_OUTPUTS = False  # tests set True: outputs start as NaN/garbage, so an unwritten element fails
+from kernels._interpret import new_output, use_triton
 
 
 def _use_triton(*tensors) -> bool:
-    if all(t.is_cuda for t in tensors):
-        return True
-    if interpreter_requested():
-        use_interpreter(globals())
-        return True
-    return False
+    return use_triton(globals(), *tensors)  # this module's kernels, made interpretable when asked
 
 
 # ---- Triton kernel ----
@@ -136,9 +129,8 @@ def spec_rejection_sample(draft_tokens, draft_probs, target_probs, uniforms):
         raise ValueError("draft_probs and target_probs must be contiguous along the vocabulary")
     d = draft_tokens.to(torch.int64).contiguous()
     u = uniforms.to(torch.float32).contiguous()
-    fill = -7 if POISON_OUTPUTS else 0  # a value the kernel never writes
-    out = torch.full((B, K + 1), fill, dtype=torch.int64, device=d.device)
-    n_acc = torch.full((B,), fill, dtype=torch.int64, device=d.device)
+    out = new_output((B, K + 1), d.device, torch.int64, fill=0)  # poisoned with -7, a value it never writes
+    n_acc = new_output((B,), d.device, torch.int64, fill=0)
     if d.is_cuda:
         block_b, block_v = 4, 1024
     else:  # interpreter: few programs, one large tile

@@ -47,13 +47,13 @@ def _check(shape, dtype, per_token_adv, beta, reduction, device):
 @pytest.mark.parametrize("per_token_adv,beta,reduction", [(False, 0.0, "token_mean"), (True, 0.05, "seq_mean"),
                                                           (False, 0.1, "seq_mean")])
 def test_fp32_matches_reference(shape, per_token_adv, beta, reduction, interpret, monkeypatch):
-    poison(K, monkeypatch)
+    poison(monkeypatch)
     _check(shape, torch.float32, per_token_adv, beta, reduction, DEV)
 
 
 def test_ratio_one_gives_reinforce_gradient(interpret, monkeypatch):
     """Degeneracy: on-policy (ratio 1) the clipped loss's gradient is REINFORCE's: -A w."""
-    poison(K, monkeypatch)
+    poison(monkeypatch)
     logp, _, adv, mask, _ = _inputs(4, 9, torch.float32, DEV, per_token_adv=False)
     logp = logp.masked_fill(~mask, 0.0).requires_grad_()
     loss, _ = K.clipped_pg_loss(logp, logp.detach(), adv, mask)
@@ -73,5 +73,5 @@ def test_bad_inputs_raise_clear_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES + [(64, 4096)])
 def test_bf16_on_gpu(shape, monkeypatch):
-    poison(K, monkeypatch)
+    poison(monkeypatch)
     _check(shape, torch.bfloat16, True, 0.05, "token_mean", "cuda")

@@ -41,7 +41,7 @@ def _check(shape, dtype, device):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fp32_matches_replicated_attention(shape, interpret, monkeypatch):
-    poison(K, monkeypatch)
+    poison(monkeypatch)
     _check(shape, torch.float32, DEV)
 
 
@@ -83,5 +83,5 @@ def test_bad_shapes_raise_clear_errors():
 @pytest.mark.parametrize("shape", SHAPES + [(1, 8, 4, 1000, 300, 64), (2, 4, 2, 128, 64, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_on_gpu(shape, dtype, monkeypatch):
-    poison(K, monkeypatch)
+    poison(monkeypatch)
     _check(shape, dtype, "cuda")

@@ -48,7 +48,7 @@ def _check_blockwise_matmul(name, xq, xs, wq, ws):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_quantisation_is_bit_exact(shape, interpret, monkeypatch):
-    poison(K, monkeypatch)
+    poison(monkeypatch)
     x, w = _inputs(*shape, torch.float32, DEV)
     assert K._use_triton(x), "the kernel path must run in this test"
     for kern, ref, t in ((K.quantize_act, K.quantize_act_ref, x), (K.quantize_weight, K.quantize_weight_ref, w)):
@@ -77,7 +77,7 @@ def test_rounding_covers_every_e4m3_code_and_ties(interpret):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_blockwise_matmul_matches_exact_reference(shape, interpret, monkeypatch):
-    poison(K, monkeypatch)
+    poison(monkeypatch)
     x, w = _inputs(*shape, torch.float32, DEV)
     xq, xs = K.quantize_act_ref(x)
     wq, ws = K.quantize_weight_ref(w)
@@ -107,7 +107,7 @@ def test_bad_shapes_raise_clear_errors():
 @pytest.mark.parametrize("shape", SHAPES + [(1024, 4096, 4096), (77, 3000, 1000)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_real_fp8_path_on_gpu(shape, dtype, monkeypatch):
-    poison(K, monkeypatch)
+    poison(monkeypatch)
     x, w = _inputs(*shape, dtype, "cuda")
     q, s = K.quantize_act(x)
     q_ref, s_ref = K.quantize_act_ref(x)

@@ -41,14 +41,14 @@ def _check(shape, dtype, temperature, device):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_fp32_matches_reference(shape, temperature, interpret, monkeypatch):
-    poison(K, monkeypatch)
+    poison(monkeypatch)
     _check(shape, torch.float32, temperature, DEV)
 
 
 @pytest.mark.parametrize("rows_per_chunk", [1, 16])
 def test_chunked_rows_match_reference(rows_per_chunk, interpret, monkeypatch):
     """Several chunks (one row each, or 16 with a ragged last one) give the same values and gradients."""
-    poison(K, monkeypatch)
+    poison(monkeypatch)
     monkeypatch.setattr(K, "CHUNK_ELEMENTS", rows_per_chunk * SHAPES[1][2])
     assert len(K._chunks(SHAPES[1][0], SHAPES[1][2])) == -(-SHAPES[1][0] // rows_per_chunk)
     _check(SHAPES[1], torch.float32, 0.7, DEV)
@@ -75,6 +75,6 @@ def test_bad_shapes_raise_clear_errors():
 @pytest.mark.parametrize("shape", SHAPES + [(1000, 512, 5000)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_on_gpu(shape, dtype, monkeypatch):
-    poison(K, monkeypatch)
+    poison(monkeypatch)
     monkeypatch.setattr(K, "CHUNK_ELEMENTS", 256 * shape[2])  # the (1000, 512, 5000) case runs 4 chunks
     _check(shape, dtype, 1.0, "cuda")
