@@ -125,13 +125,18 @@ def addition_scratchpad(a: int, b: int) -> str:
     return ";".join(steps) + f";={a + b}"
 
 
+def _held_out_hash(operands) -> bool:
+    """True for about 1 in 10 operand multisets (order does not matter): the held-out split."""
+    return int(hashlib.md5(",".join(map(str, sorted(operands))).encode()).hexdigest(), 16) % 10 == 0
+
+
 class ArithmeticTask:
     """Synthetic verifiable addition with a held-out split.
 
     kind 'add': answer only ('23+45=' -> '68'). kind 'addsteps': a scratchpad first ('23+45:' ->
     '3+5=8;2+4=6;=68'), so response length grows with `digits`. Operands are uniform in [0, 10^digits).
-    A pair (a, b) belongs to the held-out split when a hash of it is 0 mod 10, so train never sees a
-    held-out pair; raising `digits` is the out-of-distribution knob.
+    A pair belongs to the held-out split when a hash of the unordered pair is 0 mod 10, so train never sees a
+    held-out pair nor its commuted twin (b, a); raising `digits` is the out-of-distribution knob.
     """
 
     def __init__(self, kind: str = "add", digits: int = 2):
@@ -143,7 +148,7 @@ class ArithmeticTask:
 
     @staticmethod
     def is_held_out(a: int, b: int) -> bool:
-        return int(hashlib.md5(f"{a},{b}".encode()).hexdigest(), 16) % 10 == 0
+        return _held_out_hash((a, b))
 
     def make(self, a: int, b: int) -> Example:
         sep = "=" if self.kind == "add" else ":"
@@ -189,22 +194,26 @@ class DatasetTask:
 
 
 def load_jsonl_task(path: str, test_frac: float = 0.1) -> DatasetTask:
-    import datasets
-
+    """One JSON object per line with 'prompt', 'answer' (and optionally 'solution'); blank lines are skipped.
+    The first `test_frac` of the records are held out. Errors name the file and the line."""
     if not Path(path).is_file():
         raise SystemExit(f"--task jsonl:{path}: no such file")
-    try:
-        ds = datasets.load_dataset("json", data_files=path, split="train")
-    except Exception as e:
-        raise SystemExit(f"--task jsonl:{path}: not valid JSONL ({type(e).__name__}: {e})")
-    missing = {"prompt", "answer"} - set(ds.column_names)
-    if missing:
-        raise SystemExit(f"--task jsonl:{path}: records lack field(s) {sorted(missing)}; each line needs "
-                         f"'prompt' and 'answer' (found {ds.column_names})")
-    rows = [Example(str(r["prompt"]), str(r["answer"]), str(r.get("solution") or "")) for r in ds]
-    n_test = max(1, int(len(rows) * test_frac))
+    rows = []
+    for i, line in enumerate(open(path, encoding="utf-8"), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--task jsonl:{path}: line {i} is not valid JSON ({e.msg})")
+        missing = {"prompt", "answer"} - set(r if isinstance(r, dict) else {})
+        if missing:
+            raise SystemExit(f"--task jsonl:{path}: line {i} lacks field(s) {sorted(missing)}; each line needs "
+                             f"'prompt' and 'answer' (found {sorted(r) if isinstance(r, dict) else type(r).__name__})")
+        rows.append(Example(str(r["prompt"]), str(r["answer"]), str(r.get("solution") or "")))
     if len(rows) < 2:
         raise SystemExit(f"--task jsonl:{path}: need at least 2 records, found {len(rows)}")
+    n_test = max(1, int(len(rows) * test_frac))
     return DatasetTask(f"jsonl:{Path(path).name}", rows[n_test:], rows[:n_test])
 
 
@@ -348,14 +357,22 @@ def generate(model, tok, prompts: list[list[int]], group_size: int = 1, max_new_
     """
     if engine is not None:
         return engine.generate(tok, prompts, group_size, max_new_tokens, temperature, top_p, greedy)
+    from transformers import GenerationConfig
+
     device = next(model.parameters()).device
     ids, mask = left_pad([p for p in prompts for _ in range(group_size)], tok.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p,
                                                          top_k=0)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                         return_dict_in_generate=True, output_scores=True, **sampling)
+    # A neutral config holding only what we set: generate() fills every unset field from the model's own
+    # generation_config (a checkpoint's repetition_penalty, top_k, min_length...), so swap that out meanwhile.
+    gc = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                          return_dict_in_generate=True, output_scores=True, **sampling)
+    own, model.generation_config = model.generation_config, gc
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+    finally:
+        model.generation_config = own
     comp = out.sequences[:, ids.shape[1]:]
     scores = torch.stack(out.scores, 1).float()  # [B, C, V] processed logits the sampler drew from
     logprobs = torch.log_softmax(scores, -1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)

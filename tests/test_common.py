@@ -85,6 +85,21 @@ def test_jsonl_bad_input(tmp_path):
         common.make_task(f"jsonl:{tmp_path / 'broken.jsonl'}")
 
 
+def test_add_split_keeps_commuted_pairs_together():
+    task = common.ArithmeticTask("add", 2)  # b+a must not leak into train when a+b is held out
+    assert all(task.is_held_out(a, b) == task.is_held_out(b, a) for a in range(100) for b in range(100))
+
+
+def test_jsonl_empty_and_malformed_line_are_named(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(SystemExit, match=r"empty\.jsonl: need at least 2 records, found 0"):
+        common.make_task(f"jsonl:{tmp_path / 'empty.jsonl'}")
+    good = json.dumps({"prompt": "q", "answer": "1"})
+    (tmp_path / "bad3.jsonl").write_text(f"{good}\n{good}\n{{'prompt': 1}}\n{good}\n")
+    with pytest.raises(SystemExit, match=r"bad3\.jsonl: line 3 is not valid JSON"):
+        common.make_task(f"jsonl:{tmp_path / 'bad3.jsonl'}")
+
+
 def test_gsm8k_offline_is_a_clear_message(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -167,6 +182,22 @@ def test_behaviour_logprobs_equal_trainer_logprobs(tiny, temperature):
                                     temperature=temperature, chunk_tokens=5, with_entropy=True)
     assert torch.allclose(lp, ro.logprobs, atol=1e-4)
     assert (ent >= 0).all() and (ent[ro.completion_mask == 0] == 0).all()
+
+
+def test_generate_ignores_the_models_generation_config(tiny):
+    import copy
+
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    model.generation_config.repetition_penalty = 5.0  # must change neither sampling nor behaviour log-probs
+    prompts = common.encode_prompts(tok, ["12+34:", "5+6:", "99+1:"])
+    torch.manual_seed(3)
+    ro = common.generate(model, tok, prompts, group_size=4, max_new_tokens=12, temperature=0.7)
+    ids = torch.cat([ro.prompt_ids, ro.completion_ids], 1)
+    mask = torch.cat([ro.prompt_mask, ro.completion_mask], 1)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    P = ro.prompt_ids.shape[1]
+    ref = torch.log_softmax(logits[:, P - 1:-1] / 0.7, -1).gather(-1, ro.completion_ids[..., None]).squeeze(-1)
+    assert torch.allclose(ref * ro.completion_mask, ro.logprobs, atol=1e-4)
 
 
 def test_token_logprobs_matches_full_forward_and_fused_hook(tiny):
