@@ -7,6 +7,7 @@ A helper lives here only when at least three scripts need it as is. Budget: abou
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 import os
@@ -173,6 +174,48 @@ class ArithmeticTask:
         return float(correct), {"format": float(fmt), "correct": float(correct)}
 
 
+class SumsTask:
+    """Multi-operand sums with running totals, the long-response task: '17+5+30:' -> '17+5=22;22+30=52;=52'.
+
+    `operands` (2..16) and `digits` (operands uniform in [0, 10^digits)) set length and difficulty: a reference
+    response has on average (within 5%) (operands - 1) * (3 * digits + 5) + digits characters (9 for 2 one-digit
+    operands, 165 for 16 two-digit ones). operands='mix' draws the count per prompt from a truncated Zipf law,
+    P(n) ~ (n - 1)^-1.5 on 2..16 (P(2) = 0.48, P(n >= 9) = 0.11): a batch holds a few very long responses.
+    Held out: a hash of the sorted operands is 0 mod 10. Reward: 1 for the exact final answer in the format;
+    components 'format' and 'partial' (the fraction of steps whose total equals the running sum of the operands
+    the response wrote; 0 when malformed)."""
+
+    MIX = np.arange(1, 16) ** -1.5 / (np.arange(1, 16) ** -1.5).sum()  # P(n) for n = 2..16
+
+    def __init__(self, operands: int | str = 4, digits: int = 2):
+        if not (operands == "mix" or isinstance(operands, int) and 2 <= operands <= 16) or not 1 <= digits <= 9:
+            raise ValueError(f"sums needs operands in 2..16 or 'mix' and digits in 1..9, got {operands!r}, {digits}")
+        self.kind, self.operands, self.digits, self.name = "sums", operands, digits, f"sums{operands}d{digits}"
+
+    def make(self, xs: list[int]) -> Example:
+        t = list(itertools.accumulate(xs))
+        sol = ";".join(f"{a}+{x}={b}" for a, x, b in zip(t, xs[1:], t[1:])) + f";={t[-1]}"
+        return Example(prompt="+".join(map(str, xs)) + ":", answer=str(t[-1]), solution=sol)
+
+    def sample(self, split: str, n: int, rng: np.random.Generator) -> list[Example]:
+        out = []
+        while len(out) < n:
+            k = int(rng.choice(np.arange(2, 17), p=self.MIX)) if self.operands == "mix" else self.operands
+            xs = [int(x) for x in rng.integers(0, 10 ** self.digits, size=k)]
+            if _held_out_hash(xs) == (split == "test"):
+                out.append(self.make(xs))
+        return out
+
+    def verify(self, response: str, answer: str) -> tuple[float, dict]:
+        r = response.strip()
+        fmt = re.fullmatch(r"(\d+\+\d+=\d+;)+=\d+", r) is not None
+        steps = [tuple(map(int, m)) for m in re.findall(r"(\d+)\+(\d+)=(\d+);", r)] if fmt else []
+        sums = list(itertools.accumulate([steps[0][0]] + [x for _, x, _ in steps]))[1:] if steps else []
+        partial = np.mean([t == s for (_, _, t), s in zip(steps, sums)]) if steps else 0.0
+        correct = fmt and r.rsplit("=", 1)[-1] == answer
+        return float(correct), {"format": float(fmt), "partial": float(partial), "correct": float(correct)}
+
+
 class DatasetTask:
     """Prompt/answer records (a local JSONL file or GSM8K via `datasets`), checked with math-verify."""
 
@@ -206,10 +249,9 @@ def load_jsonl_task(path: str, test_frac: float = 0.1) -> DatasetTask:
             r = json.loads(line)
         except json.JSONDecodeError as e:
             raise SystemExit(f"--task jsonl:{path}: line {i} is not valid JSON ({e.msg})")
-        missing = {"prompt", "answer"} - set(r if isinstance(r, dict) else {})
-        if missing:
-            raise SystemExit(f"--task jsonl:{path}: line {i} lacks field(s) {sorted(missing)}; each line needs "
-                             f"'prompt' and 'answer' (found {sorted(r) if isinstance(r, dict) else type(r).__name__})")
+        if not isinstance(r, dict) or {"prompt", "answer"} - set(r):
+            raise SystemExit(f"--task jsonl:{path}: line {i} needs fields 'prompt' and 'answer' (found "
+                             f"{sorted(r) if isinstance(r, dict) else type(r).__name__})")
         rows.append(Example(str(r["prompt"]), str(r["answer"]), str(r.get("solution") or "")))
     if len(rows) < 2:
         raise SystemExit(f"--task jsonl:{path}: need at least 2 records, found {len(rows)}")
@@ -230,14 +272,18 @@ def load_gsm8k() -> DatasetTask:
 
 
 def make_task(name: str, digits: int = 2):
-    """'add', 'addsteps', 'jsonl:PATH' or 'gsm8k'. `digits` only applies to the arithmetic tasks."""
+    """'add', 'addsteps', 'sums<N>' (N operands, 2..16), 'sumsmix' (heavy-tailed N), 'sums' (= sums4), 'jsonl:PATH'
+    or 'gsm8k'. `digits` only applies to the arithmetic tasks."""
     if name in ("add", "addsteps"):
         return ArithmeticTask(name, digits)
+    if re.fullmatch(r"sums(\d+|mix)?", name):
+        ops = name[4:] or "4"
+        return SumsTask(ops if ops == "mix" else int(ops), digits)
     if name.startswith("jsonl:"):
         return load_jsonl_task(name[len("jsonl:"):])
     if name == "gsm8k":
         return load_gsm8k()
-    raise SystemExit(f"unknown task {name!r}: choose add, addsteps, jsonl:PATH or gsm8k")
+    raise SystemExit(f"unknown task {name!r}: choose add, addsteps, sums, sums<N>, sumsmix, jsonl:PATH or gsm8k")
 
 
 # ---- models and tokenizers ----
@@ -364,8 +410,7 @@ def generate(model, tok, prompts: list[list[int]], group_size: int = 1, max_new_
     ids, mask = ids.to(device), mask.to(device)
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p,
                                                          top_k=0)
-    # A neutral config holding only what we set: generate() fills every unset field from the model's own
-    # generation_config (a checkpoint's repetition_penalty, top_k, min_length...), so swap that out meanwhile.
+    # only what we set: generate() would fill unset fields (repetition_penalty...) from the model's own config
     gc = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                           return_dict_in_generate=True, output_scores=True, **sampling)
     own, model.generation_config = model.generation_config, gc

@@ -100,6 +100,51 @@ def test_jsonl_empty_and_malformed_line_are_named(tmp_path):
         common.make_task(f"jsonl:{tmp_path / 'bad3.jsonl'}")
 
 
+def test_sums_verifier_hand_made_cases():
+    task = common.make_task("sums3", 2)
+    ex = task.make([17, 5, 30])
+    assert (ex.prompt, ex.solution, ex.answer) == ("17+5+30:", "17+5=22;22+30=52;=52", "52")
+    cases = {ex.solution: (1, 1, 1), "17+5=22;22+30=53;=53": (0, 1, 0.5),  # wrong intermediate total
+             "17+5=23;23+30=52;=52": (1, 1, 0.5),  # a correct answer after a wrong step: exact-answer reward
+             "17+5=23;23+30=53;=53": (0, 1, 0.0),  # an early error carries: later totals are off too
+             "17+5=2222+30=52;=52": (0, 0, 0.0), "17+5=22;22+30=52;": (0, 0, 0.0), "=52": (0, 0, 0.0), "": (0, 0, 0)}
+    for response, (reward, fmt, partial) in cases.items():
+        r, comp = task.verify(response, ex.answer)
+        assert (r, comp["format"], comp["partial"]) == (reward, fmt, partial), response
+
+
+def test_sums_length_knob_and_bad_settings():
+    for digits in (1, 2, 3):
+        for n in range(2, 17):
+            sols = [e.solution for e in common.SumsTask(n, digits).sample("train", 200, np.random.default_rng(n))]
+            promised = (n - 1) * (3 * digits + 5) + digits  # the docstring's formula
+            assert abs(np.mean([len(s) for s in sols]) - promised) <= 0.05 * promised, (n, digits)
+            assert all(s.count(";") == n - 1 for s in sols)
+    assert common.make_task("sums").name == "sums4d2" and common.make_task("sumsmix", 1).name == "sumsmixd1"
+    for bad in [("sums1", 2), ("sums17", 2), ("sums4", 0)]:
+        with pytest.raises(ValueError, match="operands in 2..16"):
+            common.make_task(*bad)
+
+
+@pytest.mark.parametrize("operands", [2, 3, "mix"])
+def test_sums_split_never_shares_a_multiset(operands):
+    task = common.SumsTask(operands, 1)  # 1 digit: few multisets, so any leak would show
+    key = lambda e: tuple(sorted(map(int, e.prompt[:-1].split("+"))))  # noqa: E731
+    train = {key(e) for e in task.sample("train", 3000, np.random.default_rng(0))}
+    test = {key(e) for e in task.sample("test", 300, np.random.default_rng(1))}
+    assert train.isdisjoint(test) and len(test) >= 3
+
+
+def test_sums_mix_is_heavy_tailed():
+    exs = common.make_task("sumsmix", 2).sample("train", 4096, np.random.default_rng(0))
+    n = np.array([e.prompt.count("+") + 1 for e in exs])
+    freq = np.bincount(n, minlength=17)[2:] / len(n)
+    assert np.abs(freq - common.SumsTask.MIX).sum() < 0.06  # the stated law (about twice its sampling noise)
+    assert 0.44 < freq[0] < 0.51 and 0.09 < (n >= 9).mean() < 0.12 and n.max() == 16
+    lengths = np.array([len(e.solution) for e in exs]).reshape(-1, 64)  # batches of 64 responses
+    assert np.median(lengths.max(1) / np.median(lengths, 1)) > 5  # a few responses far longer than the typical one
+
+
 def test_gsm8k_offline_is_a_clear_message(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
