@@ -184,21 +184,21 @@ def test_smollm2_two_steps(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["seq-mean", "token-mean", "const"])
-def test_kernel_loss_share_matches_reference_path(mode):
-    """--kernels swaps in kernels/clipped_pg_loss.py; its rescaled share must equal aggregate_loss's."""
-    from kernels.clipped_pg_loss import clipped_pg_loss as fused
-
+def test_kernel_loss_matches_reference_path(mode):
+    """--kernels swaps grpo_loss for kernel_grpo_loss (kernels/clipped_pg_loss.py): same value and gradient."""
     torch.manual_seed(3)
     B, C = 6, 5
     mask = (torch.arange(C)[None] < torch.randint(1, C + 1, (B,))[:, None]).float()
     logp = (torch.randn(B, C) * 0.1).requires_grad_()
-    old, ref, adv = logp.detach() + torch.randn(B, C) * 0.1, logp.detach() + torch.randn(B, C) * 0.1, torch.randn(B)
-    args = replace(SMALL, loss_agg=mode, kl_coef=0.1, clip_eps_high=0.28)
+    mb = {"old": logp.detach() + torch.randn(B, C) * 0.1, "ref": logp.detach() + torch.randn(B, C) * 0.1,
+          "adv": torch.randn(B), "mask": mask}
+    args = replace(SMALL, loss_agg=mode, kl_coef=0.1, clip_eps_high=0.28, agg_const=8)
     n_seqs, n_tok = 2 * B, int(mask.sum()) + 7  # this micro-batch is part of a larger step
-    share, _ = grpo.kernel_loss_share(fused, logp, old, adv, mask, ref, args, n_seqs, n_tok, 8)
-    tok_loss, _ = grpo.clipped_pg_loss(logp, old, adv, 0.2, 0.28)
-    want = grpo.aggregate_loss(tok_loss + 0.1 * grpo.k3_kl(logp, ref), mask, mode, n_seqs, n_tok, 8)
-    assert torch.allclose(share, want, atol=1e-6)
+    share, _ = grpo.kernel_grpo_loss(logp, mb, n_seqs, n_tok, args)
+    want, _ = grpo.grpo_loss(logp, mb, n_seqs, n_tok, args)
+    tok_loss, _ = grpo.clipped_pg_loss(logp, mb["old"], mb["adv"], 0.2, 0.28)
+    naive = grpo.aggregate_loss(tok_loss + 0.1 * grpo.k3_kl(logp, mb["ref"]), mask, mode, n_seqs, n_tok, 8)
+    assert torch.allclose(want, naive, atol=1e-6) and torch.allclose(share, want, atol=1e-6)
     g1, = torch.autograd.grad(share, logp)
     g2, = torch.autograd.grad(want, logp)
     assert torch.allclose(g1, g2, atol=1e-6)
