@@ -24,7 +24,7 @@ Commands:
     python benchmarks/offline_rl_table.py
 
 Expected: on pendulum-medium (behaviour 62) and halfcheetah-medium (behaviour 43) the normalised score ends
-at or above the behaviour policy's; see benchmarks/results/offline_rl.md.
+at or above the behaviour policy's; see the offline RL table of benchmarks/README.md.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""Results rows with provenance: every number in the README comes from a CSV written through here.
+"""Results rows with provenance: every number in benchmarks/README.md comes from a CSV written through here.
 
 Long format, one row per (run, metric): bench, script, config, seed, metric, value, plus the command,
-git commit, hardware, library versions and a UTC timestamp. `benchmarks/report.py` turns these files
-into the README's tables.
+git commit, hardware, library versions and a UTC timestamp. Each benchmark script turns its CSV into a table
+(benchmarks/results/<name>.md); `benchmarks/report.py` puts the tables into benchmarks/README.md and the claims
+table (benchmarks/results/claims.csv, one row per paper claim, its figures read from these CSVs) beside them.
 """
 from __future__ import annotations
 

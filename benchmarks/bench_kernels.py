@@ -7,7 +7,7 @@ For each kernel and shape it measures, side by side in one run:
     the roofline floor of the shape: max(bytes moved / measured copy bandwidth, flops / measured matmul rate),
     so the table shows how far each kernel is from the limit (ours / floor = 1 means at the roofline).
 Rows go to benchmarks/results/kernels.csv (with GPU name, versions and commit, via _results.append_rows) and the
-table to benchmarks/results/kernels.md, which `python benchmarks/report.py` pastes into the README.
+table to benchmarks/results/kernels.md, which `python benchmarks/report.py` puts into benchmarks/README.md.
 
     python benchmarks/bench_kernels.py            # one CUDA GPU (Hopper or newer for the fp8 rows)
     python benchmarks/bench_kernels.py --smoke    # CPU: runs every code path once on tiny shapes, writes nothing

@@ -4,7 +4,7 @@ then short GRPO runs of algos/spec_rl.py per drafter (acceptance drift, reuse, t
 
     python benchmarks/bench_spec_rollout.py                 # runs everything (budget: 15 minutes on 2 cores)
     python benchmarks/bench_spec_rollout.py --report-only   # rebuilds the table and plot from the CSV
-    python benchmarks/report.py                             # pastes the table into README.md
+    python benchmarks/report.py                             # puts the table into benchmarks/README.md
 
 Writes benchmarks/results/spec_rollout.csv (rows with provenance), spec_rollout.md and spec_speedup.png.
 No GPU in the session that made the committed rows: wall-clock figures are CPU figures.

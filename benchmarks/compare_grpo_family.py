@@ -2,7 +2,7 @@
 
     python benchmarks/compare_grpo_family.py                 # every method x 3 seeds (see the caption's budget)
     python benchmarks/compare_grpo_family.py --report-only   # rebuilds the table and the plot from the CSV
-    python benchmarks/report.py                              # pastes the table into README.md
+    python benchmarks/report.py                              # puts the table into benchmarks/README.md
 
 Fairness: every method samples the same number of sequences. Each rollout batch is 32 prompts x 8 samples
 (PPO: 256 prompts x 1, its critic replaces the group); DAPO's dynamic sampling spends more sequences per
@@ -142,7 +142,7 @@ def report() -> None:
                   f"Hardware: {any_row['hardware']} shared with other jobs (wall times are not comparable across "
                   f"rows beyond a rough factor); {any_row['versions']}; commit {any_row['commit']}. Rows: "
                   f"`benchmarks/results/{CSV}`; command: `python benchmarks/compare_grpo_family.py`.",
-                  "", "![GRPO family curves](benchmarks/results/grpo_family.png)"]
+                  "", "![GRPO family curves](results/grpo_family.png)"]
     (RESULTS / "grpo_family.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(by)

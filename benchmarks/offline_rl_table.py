@@ -2,7 +2,7 @@
 
 Runs every configuration for --seeds seeds at one torch thread, appends one row per (run, metric) to
 benchmarks/results/offline_rl.csv (with provenance, through benchmarks/_results.append_rows) and writes
-the markdown tables that benchmarks/report.py pastes into the README:
+the markdown tables that benchmarks/report.py puts into benchmarks/README.md:
     benchmarks/results/offline_rl.md       TD3+BC and IQL on pendulum-medium, halfcheetah-medium and
                                            halfcheetah-medium-replay (other sets with --datasets)
     benchmarks/results/offline_ravl.md     true vs learned dynamics x pessimism none / penalty / ravl

@@ -2,7 +2,7 @@
 
     python benchmarks/run_foundation.py                 # runs everything (about 8 minutes on 2 cores)
     python benchmarks/run_foundation.py --report-only   # rebuilds the tables from the committed CSV
-    python benchmarks/report.py                         # pastes the tables into README.md
+    python benchmarks/report.py                         # puts the tables into benchmarks/README.md
 
 Writes benchmarks/results/foundation.csv (one row per run and figure, with provenance),
 benchmarks/results/grpo.md, benchmarks/results/sft.md and benchmarks/results/grpo_curve.png (seed 0).

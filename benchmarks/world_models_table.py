@@ -2,7 +2,7 @@
 
 Runs each configuration's `main(Args(...))` over seeds (default 0 1 2), appends every summary figure to
 benchmarks/results/world_models.csv (with provenance, through benchmarks/_results.py), and writes
-benchmarks/results/world_models.md (the README block `results:world_models`) and
+benchmarks/results/world_models.md (the block `results:world_models` of benchmarks/README.md) and
 benchmarks/results/world_models.png (mean error curves). The seed-0 frame strips are copied next to them.
 
     python benchmarks/world_models_table.py                 # everything, about 20-25 min at 1 thread

@@ -1,4 +1,4 @@
-"""Repository rules from DESIGN.md: self-contained scripts, complete headers, a small tested common.py."""
+"""Repository rules: self-contained scripts, complete headers, a small tested common.py, a README that stands alone."""
 import ast
 import re
 import subprocess
@@ -66,6 +66,33 @@ def test_common_budget_and_every_function_tested():
 def test_readme_results_are_current():
     out = subprocess.run([sys.executable, "benchmarks/report.py", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_readme_is_a_short_entry_point():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200, "README.md is over 200 lines: results belong in benchmarks/README.md"
+    assert "benchmarks/README.md" in readme, "README.md does not link to benchmarks/README.md"
+
+
+# The repository stands alone: no catalogue ids of the paper abstracts the project started from (a capital A or
+# B, a hyphen and a number), and no paths or documents outside it. The strings are split so that this file does
+# not match itself.
+OUTSIDE_REFERENCES = re.compile(r"\b[AB]-\d+\b|" + "|".join(re.escape(s) for s in
+                                ("paper" + "s/", "PAPERS" + ".md", "DESIGN" + ".md", "shar" + "ed/")))
+
+
+def test_no_references_outside_the_repository():
+    files = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.csv", "*.sh", "*.txt"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.splitlines()
+    hits = []
+    for name in files:
+        path = ROOT / name
+        if not path.exists():  # deleted in the working tree, not yet committed
+            continue
+        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for m in OUTSIDE_REFERENCES.finditer(line):
+                hits.append(f"{name}:{i}: {m.group(0)!r} in {line.strip()[:100]!r}")
+    assert not hits, "name papers by title and arXiv id, not by catalogue id or outside path:\n" + "\n".join(hits)
 
 
 def test_ci_runs_the_readme_test_command():

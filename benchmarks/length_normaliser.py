@@ -1,17 +1,19 @@
-"""A-56 (AsyncWebRL's loss normaliser): per-trajectory 1/|tau_i| (seq-mean) versus a constant 1/k (const).
+"""GRPO's loss normaliser: per-trajectory 1/|tau_i| (seq-mean) versus a constant 1/k (const).
 
-    python benchmarks/a56_length_normaliser.py                 # 2 normalisers x seeds on addsteps (3 digits)
-    python benchmarks/a56_length_normaliser.py --report-only   # rebuilds the table and the plot from the CSV
+    python benchmarks/length_normaliser.py                 # 2 normalisers x seeds on addsteps (3 digits)
+    python benchmarks/length_normaliser.py --report-only   # rebuilds the table and the plot from the CSV
 
-The claim (papers/ A-56): when failures are longer than successes, 1/|tau_i| gives each failed token a
-smaller share of the negative gradient, so verbose failures persist; a constant 1/k removes that coupling and
-contracts responses at equal success. The test bed is algos/grpo.py on `addsteps` with 3-digit operands (a
-scratchpad per column) and a generous max_new_tokens, so a response can ramble; everything except
---loss-agg is identical between the two arms (k = max_new_tokens). The script reports the measured length
+The claim (Bai et al., "AsyncWebRL: Efficient Multi-Step RL for Visual Web Agents", arXiv:2606.05597): when
+failures are longer than successes, 1/|tau_i| gives each failed token a smaller share of the negative gradient,
+so verbose failures persist; a constant 1/k removes that coupling and contracts responses at equal success.
+The test bed is algos/grpo.py on `addsteps` with 3-digit operands (a scratchpad per column) and a generous
+max_new_tokens, so a response can ramble; everything except --loss-agg is identical between the two arms
+(k = max_new_tokens). The script reports the measured length
 of successes and failures at the start, since the claim's premise (failures longer) has to be checked, not
 assumed.
 
-Writes benchmarks/results/a56.csv, benchmarks/results/a56.md and benchmarks/results/a56.png.
+Writes benchmarks/results/length_normaliser.csv, .md and .png; `python benchmarks/report.py` puts the table into
+benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
 
-CSV = "a56.csv"
+CSV = "length_normaliser.csv"
+NAME = "length_normaliser"
 ARMS = {"1/|tau| (seq-mean)": "seq-mean", "1/k (const)": "const"}
 
 
@@ -55,12 +58,12 @@ def run(seeds, steps: int, threads: int, max_new_tokens: int, prompts: int) -> N
 
     base = premise(max_new_tokens)
     print("starting policy:", base)
-    append_rows(CSV, "a56", "algos/grpo.py", "premise", 0, base, "python benchmarks/a56_length_normaliser.py")
+    append_rows(CSV, NAME, "algos/grpo.py", "premise", 0, base, "python benchmarks/length_normaliser.py")
     for seed in seeds:
         for label, agg in ARMS.items():
             args = grpo.Args(task="addsteps", digits=3, max_new_tokens=max_new_tokens, prompts_per_step=prompts,
                              loss_agg=agg, steps=steps, seed=seed, eval_every=max(steps // 4, 1), eval_examples=200,
-                             pass_k=0, eval_hard=False, threads=threads, out_dir=f"runs/bench_a56/s{seed}",
+                             pass_k=0, eval_hard=False, threads=threads, out_dir=f"runs/bench_length_normaliser/s{seed}",
                              exp_name=agg)
             s = grpo.main(args)
             rows = [json.loads(x) for x in open(Path(args.out_dir) / agg / "metrics.jsonl")]
@@ -76,7 +79,7 @@ def run(seeds, steps: int, threads: int, max_new_tokens: int, prompts: int) -> N
             s["truncated_last"] = statistics.mean(r["rollout/truncated_frac"] for r in train[-w:])
             cmd = (f"python algos/grpo.py --task addsteps --digits 3 --max-new-tokens {max_new_tokens} "
                    f"--prompts-per-step {prompts} --loss-agg {agg} --steps {steps} --seed {seed} --threads {threads}")
-            append_rows(CSV, "a56", "algos/grpo.py", label, seed, s, cmd)
+            append_rows(CSV, NAME, "algos/grpo.py", label, seed, s, cmd)
 
 
 def fmt(vals, scale=1.0, digits=1):
@@ -116,15 +119,15 @@ def report() -> None:
                   f"rewards were not all equal (the only ones that give GRPO a gradient). Each arm: `{cmd}` with `--loss-agg seq-mean` or "
                   f"`const` (k = max_new_tokens). Mean ± std over seeds; held-out = 200 prompts, greedy. "
                   f"Hardware: {any_row['hardware']} (shared); commit {any_row['commit']}. Rows: "
-                  f"`benchmarks/results/{CSV}`; command: `python benchmarks/a56_length_normaliser.py`.",
-                  "", "![A-56 length and reward curves](benchmarks/results/a56.png)"]
+                  f"`benchmarks/results/{CSV}`; command: `python benchmarks/length_normaliser.py`.",
+                  "", "![1/|tau| vs 1/k: length and reward curves](results/length_normaliser.png)"]
         signal = [1 - r["zero_var_group_frac"] for lab in ARMS for r in by.get(lab, {}).values()]
         if signal and max(signal) < 0.05:
             lines.insert(len(lines) - 2, f"\nInconclusive: at most {100 * max(signal):.1f}% of groups carried a "
                          "reward signal, so both normalisers applied (almost) no gradient and the arms stayed "
                          "together." + (" The premise also fails here: failures are shorter than successes."
                                         if p["start_len_failure"] < p["start_len_success"] else ""))
-    (RESULTS / "a56.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(by)
 
@@ -153,9 +156,9 @@ def plot(by) -> None:
     axes[0].set(xlabel="rollout batch", ylabel="mean response length (tokens)", title="length")
     axes[1].set(xlabel="rollout batch", ylabel="train reward", title="success (sampled)")
     axes[0].legend(fontsize=8)
-    fig.suptitle("A-56 on addsteps, 3 digits: 1/|tau| vs constant 1/k", fontsize=10)
+    fig.suptitle("addsteps, 3 digits: 1/|tau| vs constant 1/k", fontsize=10)
     fig.tight_layout()
-    fig.savefig(RESULTS / "a56.png", dpi=110)
+    fig.savefig(RESULTS / f"{NAME}.png", dpi=110)
     plt.close(fig)
 
 

@@ -1,15 +1,19 @@
-"""A-6 (reward-density principle): spend a fixed budget of labelled prompts on the student or on the teacher.
+"""The dense bridge: spend a fixed budget of labelled prompts on the student or on the teacher.
 
-    python benchmarks/a6_bridge.py                  # 3 seeds (about 15 minutes on 2 shared cores)
-    python benchmarks/a6_bridge.py --report-only    # rebuild the table from the committed CSV
-    python benchmarks/report.py                     # paste it into README.md
+Paper: Sang, Xu, Zhou et al., "Beyond GRPO and On-Policy Distillation: An Empirical Sparse-to-Dense Reward
+Principle for Language-Model Post-Training", arXiv:2605.12483 (the reward-density principle: sparse reward
+on the strongest model, then dense teacher supervision to compress it into the student).
+
+    python benchmarks/opd_bridge.py                  # 3 seeds (about 15 minutes on 2 shared cores)
+    python benchmarks/opd_bridge.py --report-only    # rebuild the table from the committed CSV
+    python benchmarks/report.py                      # put it into benchmarks/README.md
 
 Configurations, each with the same labelled budget (GRPO_STEPS x PROMPTS labelled prompts):
   (a) grpo-student          GRPO directly on the student tiny-0.6m
   (b) grpo-teacher+bridge   GRPO on the teacher tiny-5m, then the dense bridge to the student
                             (forward-KL warm-up on teacher rollouts, then reverse-KL OPD; unlabelled prompts)
   (c) bridge (pre-RL)       the same bridge from the teacher before its RL (no labels used at all)
-Rows: benchmarks/results/a6_bridge.csv; table: benchmarks/results/a6_bridge.md.
+Rows: benchmarks/results/opd_bridge.csv; table: benchmarks/results/opd_bridge.md.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
 
-CSV = "a6_bridge.csv"
+CSV = "opd_bridge.csv"
+NAME = "opd_bridge"
 SEEDS = (0, 1, 2)
 GRPO_STEPS, PROMPTS, GROUP = 40, 16, 8  # labelled budget: 640 prompts
 WARMUP, OPD_STEPS = 15, 45  # bridge: unlabelled prompts only
@@ -36,7 +41,7 @@ CONFIGS = ("grpo-student", "grpo-teacher+bridge", "bridge-pre-rl-teacher")
 def run(seeds) -> None:
     from algos import grpo, opd
 
-    base = Path("runs/bench_a6")
+    base = Path("runs/bench_opd_bridge")
     g_common = dict(steps=GRPO_STEPS, prompts_per_step=PROMPTS, group_size=GROUP, eval_every=GRPO_STEPS,
                     eval_examples=EVAL, pass_k=0, threads=1)
     b_common = dict(schedule="bridge", bridge_warmup=WARMUP, steps=OPD_STEPS, eval_every=WARMUP + OPD_STEPS,
@@ -44,18 +49,18 @@ def run(seeds) -> None:
     for seed in seeds:
         s = grpo.main(grpo.Args(seed=seed, out_dir=str(base / f"a_s{seed}"), **g_common))
         s["labelled_prompts"] = GRPO_STEPS * PROMPTS
-        append_rows(CSV, "a6_bridge", "algos/grpo.py", "grpo-student", seed, s,
+        append_rows(CSV, NAME, "algos/grpo.py", "grpo-student", seed, s,
                     f"python algos/grpo.py --seed {seed} --steps {GRPO_STEPS} --prompts-per-step {PROMPTS}")
         t = grpo.main(grpo.Args(seed=seed, model="tiny-5m", lr=TEACHER_LR, out_dir=str(base / f"t_s{seed}"), **g_common))
         ckpt = base / f"t_s{seed}" / "grpo" / "checkpoint"
         s = opd.main(opd.Args(seed=seed, teacher=str(ckpt), out_dir=str(base / f"b_s{seed}"), **b_common))
         s["labelled_prompts"] = GRPO_STEPS * PROMPTS
         s["teacher_rl_acc_start"], s["teacher_rl_acc_end"] = t["eval_acc_start"], t["eval_acc_end"]
-        append_rows(CSV, "a6_bridge", "algos/opd.py", "grpo-teacher+bridge", seed, s,
+        append_rows(CSV, NAME, "algos/opd.py", "grpo-teacher+bridge", seed, s,
                     f"python algos/grpo.py --model tiny-5m --lr {TEACHER_LR} --seed {seed} ...; python algos/opd.py --schedule bridge "
                     f"--teacher {ckpt}")
         s = opd.main(opd.Args(seed=seed, teacher="tiny-5m", out_dir=str(base / f"c_s{seed}"), **b_common))
-        append_rows(CSV, "a6_bridge", "algos/opd.py", "bridge-pre-rl-teacher", seed, s,
+        append_rows(CSV, NAME, "algos/opd.py", "bridge-pre-rl-teacher", seed, s,
                     f"python algos/opd.py --schedule bridge --seed {seed}")
 
 
@@ -99,8 +104,8 @@ def report() -> None:
                   f"uses lr {TEACHER_LR} (1e-4 made the 5M teacher worse: 71.7% -> 54%, seeds 0-1, discarded).{extra} "
                   f"Stage 3 (student GRPO after the bridge) was not run. Mean ± std over seeds; hardware: "
                   f"{meta['hardware']}; {meta['versions']}; commit {meta['commit']}. Rows: `benchmarks/results/{CSV}`; "
-                  f"command: `python benchmarks/a6_bridge.py`."]
-    (RESULTS / "a6_bridge.md").write_text("\n".join(lines) + "\n")
+                  f"command: `python benchmarks/opd_bridge.py`."]
+    (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
