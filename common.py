@@ -541,6 +541,83 @@ def evaluate(model, tok, task, examples: list[Example], max_new_tokens: int, pas
     return out
 
 
+def held_out_sets(task, n: int, hard_task=None) -> dict[str, list[Example]]:
+    """The fixed held-out prompts of every script: `n` from the task, min(n, 300) from the harder task."""
+    rng = np.random.default_rng(12345)  # the same prompts in every script and every run
+    sets = {"main": task.sample("test", n, rng)}
+    if hard_task is not None:
+        sets["hard"] = hard_task.sample("test", min(n, 300), rng)
+    return sets
+
+
+def run_eval(model, tok, task, sets: dict, max_new_tokens: int, pass_k: int = 0, temperature: float = 1.0,
+             hard_task=None, engine=None) -> dict:
+    """eval/acc (greedy), eval/pass@k (first 100 prompts) and eval/acc_hard (2 more tokens of budget)."""
+    out = {"eval/acc": evaluate(model, tok, task, sets["main"], max_new_tokens, engine=engine)["acc"]}
+    if pass_k:
+        res = evaluate(model, tok, task, sets["main"][:100], max_new_tokens, pass_k=pass_k, temperature=temperature,
+                       engine=engine)
+        out[f"eval/pass@{pass_k}"] = res[f"pass@{pass_k}"]
+    if hard_task is not None and "hard" in sets:
+        out["eval/acc_hard"] = evaluate(model, tok, hard_task, sets["hard"], max_new_tokens + 2, engine=engine)["acc"]
+    return out
+
+
+def rollout_metrics(rewards: torch.Tensor, completion_mask: torch.Tensor, finish_reasons: list[str],
+                    group_size: int, gen_s: float) -> dict:
+    """The rollout/ namespace of one batch: reward, length, truncation, zero-variance groups, tokens/s."""
+    lengths = completion_mask.sum(1).float()
+    return {"rollout/reward": rewards.float().mean().item(), "rollout/length": lengths.mean().item(),
+            "rollout/truncated_frac": float(np.mean([f == "length" for f in finish_reasons])),
+            "rollout/zero_var_group_frac": (rewards.view(-1, group_size).std(1) == 0).float().mean().item(),
+            "rollout/tokens_per_s": lengths.sum().item() / max(gen_s, 1e-9)}
+
+
+def summarize(history: list[dict], gen_tokens: int, gen_time: float, wall_s: float) -> dict:
+    """The standard summary keys of an LLM script, from the logged history (eval rows carry eval/acc)."""
+    evals = [h for h in history if "eval/acc" in h]
+    train = [h for h in history if "rollout/reward" in h]
+    out = {"eval_acc_start": evals[0]["eval/acc"], "eval_acc_end": evals[-1]["eval/acc"],
+           "eval_acc_best": max(h["eval/acc"] for h in evals),
+           "train_reward_first": train[0]["rollout/reward"] if train else float("nan"),
+           "train_reward_last": train[-1]["rollout/reward"] if train else float("nan"),
+           "gen_tokens": gen_tokens, "tokens_per_s": gen_tokens / max(gen_time, 1e-9), "wall_s": wall_s}
+    for key in ("logprob_mismatch", "zero_var_group_frac"):
+        vals = [h[f"rollout/{key}"] for h in train if h.get(f"rollout/{key}") is not None]
+        if vals:
+            out[key] = float(np.mean(vals))
+    for key in [k[len("eval/"):] for k in evals[-1] if k.startswith("eval/") and k != "eval/acc"]:
+        if f"eval/{key}" in evals[0]:
+            out[f"eval_{key}_start"], out[f"eval_{key}_end"] = evals[0][f"eval/{key}"], evals[-1][f"eval/{key}"]
+    print(f"held-out greedy accuracy {out['eval_acc_start']:.3f} -> {out['eval_acc_end']:.3f} "
+          f"({100 * (out['eval_acc_end'] - out['eval_acc_start']):+.1f} points) in {wall_s:.0f}s; "
+          f"{out['tokens_per_s']:.0f} generated tokens/s")
+    return out
+
+
+def save_curve(history: list[dict], path: str | Path, title: str, hlines: dict | None = None) -> None:
+    """PNG of train reward and held-out accuracy (greedy, and harder/OOD if logged) against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    train = [h for h in history if "rollout/reward" in h]
+    ax.plot([h["step"] for h in train], [h["rollout/reward"] for h in train], alpha=0.5, label="train reward")
+    for key, style, label in (("eval/acc", "o-", "held-out greedy acc"), ("eval/acc_hard", "s--", "harder (OOD) acc")):
+        ev = [h for h in history if key in h]
+        if ev:
+            ax.plot([h["step"] for h in ev], [h[key] for h in ev], style, label=label)
+    for label, y in (hlines or {}).items():
+        ax.axhline(y, color="gray", ls=":", label=label)
+    ax.set(xlabel="step", ylabel="accuracy / reward", ylim=(0, 1), title=title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 # ---- checkpoints ----
 def save_checkpoint(path: str | Path, model, tok, optimizer=None, state: dict | None = None) -> None:
     """Model in HF format (safetensors), optimizer tensors in safetensors, counters in JSON. No pickle."""

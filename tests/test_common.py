@@ -304,6 +304,50 @@ def test_evaluate_pass_k_runs(tiny):
                            pass_k=2)["pass@2"] == 1.0
 
 
+def test_held_out_sets_fixed_and_from_the_test_split():
+    task, hard = common.ArithmeticTask("add", 2), common.ArithmeticTask("add", 3)
+    a, b = common.held_out_sets(task, 40, hard), common.held_out_sets(task, 40, hard)
+    assert [e.prompt for e in a["main"]] == [e.prompt for e in b["main"]]  # every script sees the same prompts
+    assert len(a["main"]) == 40 and len(a["hard"]) == 40 and "hard" not in common.held_out_sets(task, 5)
+    for e in a["main"]:
+        x, y = (int(v) for v in e.prompt.rstrip("=").split("+"))
+        assert task.is_held_out(x, y)
+
+
+def test_run_eval_keys_and_budgets(tiny, monkeypatch):
+    model, tok = tiny
+    task, hard = common.ArithmeticTask("add", 2), common.ArithmeticTask("add", 3)
+    sets = common.held_out_sets(task, 6, hard)
+    calls = []
+    monkeypatch.setattr(common, "evaluate", lambda m, t, tk, exs, budget, pass_k=0, **kw: calls.append(
+        (tk.digits, len(exs), budget, pass_k)) or {"acc": 0.25, f"pass@{pass_k}": 0.5})
+    out = common.run_eval(model, tok, task, sets, 4, pass_k=3, hard_task=hard)
+    assert out == {"eval/acc": 0.25, "eval/pass@3": 0.5, "eval/acc_hard": 0.25}
+    assert calls == [(2, 6, 4, 0), (2, 6, 4, 3), (3, 6, 6, 0)]  # the harder task gets 2 more tokens
+
+
+def test_rollout_metrics():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])  # groups of 2: one mixed, one all-correct
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
+    m = common.rollout_metrics(rewards, mask, ["stop", "length", "stop", "stop"], 2, gen_s=0.5)
+    assert m["rollout/reward"] == 0.75 and m["rollout/length"] == 2.25 and m["rollout/truncated_frac"] == 0.25
+    assert m["rollout/zero_var_group_frac"] == 0.5 and m["rollout/tokens_per_s"] == 18.0
+
+
+def test_summarize_and_save_curve(tmp_path):
+    history = [{"step": 0, "eval/acc": 0.3, "eval/acc_hard": 0.1},
+               {"step": 1, "rollout/reward": 0.2, "rollout/logprob_mismatch": 0.0, "rollout/zero_var_group_frac": 0.5},
+               {"step": 2, "rollout/reward": 0.6, "rollout/logprob_mismatch": 0.2, "rollout/zero_var_group_frac": 0.0,
+                "eval/acc": 0.5, "eval/acc_hard": 0.2}]
+    s = common.summarize(history, gen_tokens=100, gen_time=4.0, wall_s=9.0)
+    assert s["eval_acc_start"] == 0.3 and s["eval_acc_end"] == 0.5 and s["eval_acc_best"] == 0.5
+    assert s["train_reward_first"] == 0.2 and s["train_reward_last"] == 0.6 and s["tokens_per_s"] == 25.0
+    assert s["logprob_mismatch"] == pytest.approx(0.1) and s["zero_var_group_frac"] == 0.25
+    assert (s["eval_acc_hard_start"], s["eval_acc_hard_end"]) == (0.1, 0.2) and s["wall_s"] == 9.0
+    common.save_curve(history, tmp_path / "c.png", "t", hlines={"teacher": 0.7})
+    assert (tmp_path / "c.png").stat().st_size > 1000
+
+
 # ---- tracker, timer, checkpoints ----
 def test_tracker_writes_metrics_and_summary(tmp_path):
     tr = common.Tracker(tmp_path / "run", {"a": 1})
