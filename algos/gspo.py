@@ -1,16 +1,18 @@
 """GSPO: Group Sequence Policy Optimization (GRPO with a sequence-level importance ratio).
 
 Paper: Zheng et al., "Group Sequence Policy Optimization", arXiv:2507.18071.
-Parent: algos/grpo.py (`diff algos/grpo.py algos/gspo.py` shows the ratio, the clip and little else).
+
+Parent: algos/grpo.py; changed: Args, main.
 
 Equations (each implemented by the function named on the right):
   group advantage   A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)       group_advantages
   sequence ratio    s_i = (pi_theta(o_i | q) / pi_old(o_i | q))^(1/|o_i|)
                         = exp( 1/|o_i| sum_t (log pi_theta(o_it|.) - log pi_old(o_it|.)) )  sequence_ratio
-  sequence clip     l_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)         gspo_loss
+  sequence clip     l_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)         sequence_clipped_loss
   objective         J = 1/N_seq sum_i l_i (every sequence weighs the same; the length normalisation lives
-                    inside s_i), N_seq counted once per optimiser step across micro-batches and ranks
+                    inside s_i), N_seq counted once per optimiser step across micro-batches and ranks  gspo_loss
   k3 KL to ref      (optional, per token, token-mean over the step, added to J)          k3_kl
+The loop is grpo.py's: rollout -> update(..., gspo_loss) -> log; only the loss_fn differs.
 
 Why it differs from GRPO only off-policy: with one epoch and one mini-batch pi_old = pi_theta.detach(),
 s_i = 1 and grad l_i = -A_i/|o_i| sum_t grad log pi(o_it): exactly GRPO with --loss-agg seq-mean. The
@@ -20,8 +22,12 @@ per rollout batch (--minibatches 4), as the paper does.
 Deviations from the paper:
 - Clip ranges: the paper uses eps_low = 3e-4, eps_high = 4e-4 on Qwen3 models with responses of thousands
   of tokens, where the 1/|o_i| mean averages the per-token drift down; on 2-4-token answers it averages
-  little, so the default here is wider, 0.02 / 0.02 (loss/clipfrac reports the clipped share of sequences).
+  little, so the default here is wider, 0.02 / 0.02.
+- loss/clipfrac is the share of response tokens whose sequence was clipped (they get no gradient), not the
+  share of sequences: update() averages every statistic over tokens.
 - The optional KL is a per-token k3 term (as algos/grpo.py), not part of the paper's objective.
+- --kernels uses the fused log-prob kernel only; the loss is per sequence, so grpo.py's fused token-level
+  loss kernel does not apply.
 - Everything else as algos/grpo.py (exact verifier reward, unbiased std, accelerate for several processes).
 
 Commands:
@@ -169,7 +175,7 @@ def sequence_ratio(logp, old_logp, mask):
     return torch.exp(common.masked_sum(logp - old_logp, mask, 1) / mask.sum(1).clamp(min=1))
 
 
-def gspo_loss(logp, old_logp, adv, mask, eps_low: float, eps_high: float):
+def sequence_clipped_loss(logp, old_logp, adv, mask, eps_low: float, eps_high: float):
     """Per-sequence GSPO loss -min(s A, clip(s, 1-eps_low, 1+eps_high) A); logp [B, C], adv [B].
 
     Returns (loss [B], clipped [B] as float: where the clipped branch was the active one).
@@ -185,7 +191,35 @@ def k3_kl(logp, ref_logp):
     return torch.exp(d) - d - 1
 
 
-# ---- helpers of the loop ----
+def gspo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """This micro-batch's share of J: sum_i l_i / N_seq + kl_coef * token-mean k3 KL over the step.
+
+    logp [b, C] (with grad); mb holds old, ref (or None), adv [b], mask [b, C]. Returns (loss, per-token stats).
+    """
+    mask = mb["mask"]
+    seq_loss, clipped = sequence_clipped_loss(logp, mb["old"], mb["adv"], mask, args.clip_eps_low, args.clip_eps_high)
+    loss, stats = seq_loss.sum() / n_seqs, {"clipfrac": clipped.unsqueeze(1).expand_as(mask)}
+    if mb["ref"] is not None:
+        kl = k3_kl(logp, mb["ref"])
+        loss, stats["kl"] = loss + args.kl_coef * common.masked_sum(kl, mask) / n_tokens, kl
+    return loss, stats
+
+
+# ---- rollout and update ----
+def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
+    """Sample G completions for each of prompts_per_step training prompts; reward them; A_i per group."""
+    examples = task.sample("train", args.prompts_per_step, rng)
+    ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
+                         args.max_new_tokens, args.temperature, args.top_p, engine=engine)
+    answers = [e.answer for e in examples for _ in range(args.group_size)]
+    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
+    batch = {k: getattr(ro, k).to(device) for k in
+             ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
+    batch.update(rewards=rewards, adv=group_advantages(rewards, args.group_size, args.adv_std_norm),
+                 finish_reasons=ro.finish_reasons)
+    return batch
+
+
 def lr_factor(step: int, total: int, args: Args) -> float:
     if step < args.warmup_steps:
         return (step + 1) / args.warmup_steps
@@ -195,47 +229,64 @@ def lr_factor(step: int, total: int, args: Args) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def pick_kernels(args: Args, device):
-    """The fused log-prob kernel from kernels/ on a GPU when --kernels is set (the loss is per sequence here)."""
-    if args.kernels and device.type == "cuda":
-        from kernels.fused_logprob import fused_linear_logprob
-
-        return fused_linear_logprob
-    return None
-
-
-def run_eval(model, tok, task, hard_task, eval_sets, args, engine=None) -> dict:
-    out = {}
-    res = common.evaluate(model, tok, task, eval_sets["main"], args.max_new_tokens, engine=engine)
-    out["eval/acc"] = res["acc"]
-    if args.pass_k:
-        res = common.evaluate(model, tok, task, eval_sets["main"][:100], args.max_new_tokens, pass_k=args.pass_k,
-                              temperature=args.temperature, engine=engine)
-        out[f"eval/pass@{args.pass_k}"] = res[f"pass@{args.pass_k}"]
-    if hard_task is not None:
-        res = common.evaluate(model, tok, hard_task, eval_sets["hard"], args.max_new_tokens + 2, engine=engine)
-        out["eval/acc_hard"] = res["acc"]
-    return out
+def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
+    """All-reduce (sum: the loss used global normalisers), clip, set the scheduled lr, step; returns the norm."""
+    if accel.num_processes > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad = accel.reduce(p.grad, "sum")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+    for group in opt.param_groups:
+        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
+    opt.step()
+    return grad_norm
 
 
-def save_curve(history: list[dict], path: Path, title: str) -> None:
-    import matplotlib
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+    """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    steps = [h["step"] for h in history if "rollout/reward" in h]
-    ax.plot(steps, [h["rollout/reward"] for h in history if "rollout/reward" in h], alpha=0.5, label="train reward")
-    ev = [h for h in history if "eval/acc" in h]
-    ax.plot([h["step"] for h in ev], [h["eval/acc"] for h in ev], "o-", label="held-out greedy acc")
-    if ev and "eval/acc_hard" in ev[0]:
-        ax.plot([h["step"] for h in ev], [h["eval/acc_hard"] for h in ev], "s--", label="harder (OOD) acc")
-    ax.set(xlabel="rollout batch", ylabel="accuracy / reward", ylim=(0, 1), title=title)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
+    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged.
+    """
+    B = batch["completion_ids"].shape[0]
+    micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
+    logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
+        batch["completion_mask"][idx], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+    on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
+    with torch.no_grad():
+        old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
+        ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
+    stats = {"pg": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
+    mismatch = 0.0 if on_policy else common.masked_mean((old - batch["logprobs"]).abs(),
+                                                        batch["completion_mask"].float()).item()
+    n_opt = 0
+    for _ in range(args.ppo_epochs):
+        for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
+            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
+                                  device=batch["adv"].device)
+            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            opt.zero_grad(set_to_none=True)
+            for idx in micro(mb_idx):
+                logp, ent = logprobs_of(model, idx, True)
+                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
+                      "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx]}
+                loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
+                if not torch.isfinite(loss):
+                    raise SystemExit(f"non-finite loss at step {step}; the last checkpoint is intact. "
+                                     "Lower --lr or check the rewards.")
+                loss.backward()
+                stats["pg"] += loss.item()
+                for k, v in {**token_stats, "entropy": ent}.items():
+                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / n_tokens
+                if on_policy:  # the only forward on the sampler's weights
+                    mismatch += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
+                                                  mb["mask"]).item() / n_tokens
+            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
+            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+            n_opt += 1
+    return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, "rollout/logprob_mismatch": mismatch}
 
 
 # ---- main ----
@@ -244,175 +295,74 @@ def main(args: Args) -> dict:
     from accelerate import Accelerator
 
     accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    rank, world = accel.process_index, accel.num_processes
+    rank, is_main = accel.process_index, accel.is_main_process
     torch.set_num_threads(args.threads)
     common.set_seed(args.seed)
-    device = accel.device
     task = common.make_task(args.task, args.digits)
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
-    model, tok = common.load_model(args.model, device)
+    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    model, tok = common.load_model(args.model, accel.device)
     model.train()
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    engine = None
-    if args.engine == "vllm":
-        engine = common.VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank)
-    fused_logprob = pick_kernels(args, device)
-
+    engine = common.VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
+        if args.engine == "vllm" else None
+    use_kernels = args.kernels and accel.device.type == "cuda"
+    fused_logprob = None
+    if use_kernels:  # Triton: the fused lm_head + log-softmax
+        from kernels.fused_logprob import fused_linear_logprob as fused_logprob
+    loss_fn = gspo_loss  # per sequence: grpo.py's token-level loss kernel does not apply
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    total_opt_steps = args.steps * args.ppo_epochs * args.minibatches
-    run_dir = Path(args.out_dir) / args.exp_name
-    eval_rng = np.random.default_rng(12345)  # the same held-out prompts in every script
-    eval_sets = {"main": task.sample("test", args.eval_examples, eval_rng)}
-    if hard_task is not None:
-        eval_sets["hard"] = hard_task.sample("test", min(args.eval_examples, 300), eval_rng)
 
-    start_step, history, state = 0, [], {}
-    if args.resume:
-        state = common.load_checkpoint(args.resume, model, opt)
-        start_step, history = state["step"], state["history"]
-        if engine is not None:
-            engine.sync_weights(model)
-    tracker = common.Tracker(run_dir, args, args.track and accel.is_main_process, run_name=args.exp_name) \
-        if accel.is_main_process else None
-    timer = common.Timer()
-    t_start = time.time() - state.get("wall_s", 0.0)
-    gen_tokens = state.get("gen_tokens", 0)
-    gen_time = state.get("gen_time", 0.0)
+    run_dir = Path(args.out_dir) / args.exp_name
+    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
+    if args.resume and engine is not None:
+        engine.sync_weights(model)
+    start_step, history = state.get("step", 0), state.get("history", [])
+    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
+    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
+    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task, engine)
 
     def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
         if tracker is not None:
             tracker.log(metrics, step)
 
-    if start_step == 0 and accel.is_main_process:
-        log(run_eval(model, tok, task, hard_task, eval_sets, args, engine), 0)
-
-    bar = tqdm(range(start_step + 1, args.steps + 1), desc="gspo", dynamic_ncols=True, disable=not accel.is_main_process,
+    if start_step == 0 and is_main:
+        log(evaluate(), 0)
+    bar = tqdm(range(start_step + 1, args.steps + 1), desc="gspo", dynamic_ncols=True, disable=not is_main,
                initial=start_step, total=args.steps)
     for step in bar:
         # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
         torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
         rng = np.random.default_rng([args.seed, step, rank])
-
-        # ---- rollout ----
-        examples = task.sample("train", args.prompts_per_step, rng)
         with timer("gen"):
-            ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
-                                 args.max_new_tokens, args.temperature, args.top_p, engine=engine)
-        answers = [e.answer for e in examples for _ in range(args.group_size)]
-        rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
-        adv = group_advantages(rewards, args.group_size, args.adv_std_norm)
-        lengths = ro.completion_mask.sum(1).float()
-        gen_tokens += int(lengths.sum())
-        gen_time += timer.totals["gen"]
-        batch = {k: getattr(ro, k).to(device) for k in
-                 ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
-        batch["adv"] = adv
-
-        def logprobs_of(m, idx, with_entropy=False):
-            return common.token_logprobs(m, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
-                                         batch["completion_ids"][idx], batch["completion_mask"][idx],
-                                         args.temperature, with_entropy=with_entropy, fused_fn=fused_logprob)
-
-        # ---- pi_old and pi_ref (no grad) ----
-        B = len(ro.texts)
-        on_policy = args.ppo_epochs == 1 and args.minibatches == 1
-        with timer("train"), torch.no_grad():
-            micro = [torch.arange(s, min(s + args.micro_batch_size, B)) for s in range(0, B, args.micro_batch_size)]
-            batch["old"] = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro])
-            batch["ref"] = torch.cat([logprobs_of(ref_model, i) for i in micro]) if ref_model is not None else None
-
-        # ---- update ----
-        stats = {"pg": 0.0, "kl": 0.0, "clipfrac": 0.0, "entropy": 0.0, "mismatch": 0.0, "grad_norm": 0.0}
-        n_upd = 0
+            batch = rollout(model, tok, task, args, rng, accel.device, engine)
         with timer("train"):
-            for _epoch in range(args.ppo_epochs):
-                perm = torch.randperm(B) if args.minibatches > 1 else torch.arange(B)
-                for mb in perm.chunk(args.minibatches):
-                    mask_mb = batch["completion_mask"][mb]
-                    counts = torch.tensor([len(mb), int(mask_mb.sum())], device=device, dtype=torch.float64)
-                    if world > 1:
-                        counts = accel.reduce(counts, "sum")
-                    n_seqs, n_tokens = int(counts[0]), int(counts[1])
-                    opt.zero_grad(set_to_none=True)
-                    for idx in mb.split(args.micro_batch_size):
-                        logp, ent = logprobs_of(model, idx, with_entropy=True)
-                        m = batch["completion_mask"][idx].float()
-                        old = logp.detach() if batch["old"] is None else batch["old"][idx]
-                        ref = batch["ref"][idx] if batch["ref"] is not None else None
-                        seq_loss, clipped = gspo_loss(logp, old, batch["adv"][idx], m, args.clip_eps_low,
-                                                      args.clip_eps_high)
-                        loss = seq_loss.sum() / n_seqs
-                        if ref is not None:
-                            kl = k3_kl(logp, ref)
-                            loss = loss + args.kl_coef * common.masked_sum(kl, m) / n_tokens
-                            stats["kl"] += common.masked_sum(kl.detach(), m).item() / n_tokens
-                        if not torch.isfinite(loss):
-                            raise SystemExit(f"non-finite loss at step {step}; the last checkpoint in {run_dir} "
-                                             "is intact. Lower --lr or check the rewards.")
-                        loss.backward()
-                        stats["pg"] += loss.item()
-                        stats["clipfrac"] += clipped.sum().item() / n_seqs  # fraction of sequences clipped
-                        stats["entropy"] += common.masked_sum(ent.detach(), m).item() / n_tokens
-                        stats["mismatch"] += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
-                                                               m).item() / n_tokens
-                    if world > 1:  # the loss was normalised by global counts, so summed gradients are exact
-                        for p in model.parameters():
-                            if p.grad is not None:
-                                p.grad = accel.reduce(p.grad, "sum")
-                    stats["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-                    opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_upd  # derived: resume-safe
-                    for group in opt.param_groups:
-                        group["lr"] = args.lr * lr_factor(opt_step, total_opt_steps, args)
-                    opt.step()
-                    n_upd += 1
+            stats = update(model, opt, batch, loss_fn, args, step, accel, ref_model, fused_logprob)
         if engine is not None:
             with timer("sync"):
                 engine.sync_weights(model)
-
         t = timer.pop()
-        groups = rewards.view(-1, args.group_size)
-        metrics = {
-            "rollout/reward": rewards.mean().item(),
-            "rollout/length": lengths.mean().item(),
-            "rollout/truncated_frac": float(np.mean([f == "length" for f in ro.finish_reasons])),
-            "rollout/zero_var_group_frac": (groups.std(1) == 0).float().mean().item(),
-            "rollout/tokens_per_s": lengths.sum().item() / max(t.get("gen", 1e-9), 1e-9),
-            "rollout/logprob_mismatch": stats["mismatch"] / args.ppo_epochs,
-            "loss/pg": stats["pg"] / n_upd, "loss/kl": stats["kl"] / n_upd,
-            "loss/clipfrac": stats["clipfrac"] / n_upd, "loss/entropy": stats["entropy"] / n_upd,
-            "loss/grad_norm": stats["grad_norm"] / n_upd, "perf/lr": opt.param_groups[0]["lr"],
-            "perf/gen_s": t.get("gen", 0.0), "perf/train_s": t.get("train", 0.0), "perf/sync_s": t.get("sync", 0.0),
-        }
-        if accel.is_main_process and (step % args.eval_every == 0 or step == args.steps):
-            metrics.update(run_eval(model, tok, task, hard_task, eval_sets, args, engine))
+        gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
+        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
+                                            args.group_size, t["gen"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
+                   **{f"perf/{k}_s": v for k, v in t.items()}}
+        if is_main and (step % args.eval_every == 0 or step == args.steps):
+            metrics.update(evaluate())
         log(metrics, step)
-        bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
-                        acc=f"{[h for h in history if 'eval/acc' in h][-1]['eval/acc']:.2f}" if accel.is_main_process else "")
-        if accel.is_main_process and (args.save_every and step % args.save_every == 0 or step == args.steps):
+        if is_main:
+            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
+                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
+        if is_main and (args.save_every and step % args.save_every == 0 or step == args.steps):
             common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
                                    {"step": step, "history": history, "wall_s": time.time() - t_start,
                                     "gen_tokens": gen_tokens, "gen_time": gen_time})
-
-    if not accel.is_main_process:
+    if not is_main:
         return {}
-    evals = [h for h in history if "eval/acc" in h]
-    train = [h for h in history if "rollout/reward" in h]
-    summary = {
-        "eval_acc_start": evals[0]["eval/acc"], "eval_acc_end": evals[-1]["eval/acc"],
-        "eval_acc_best": max(h["eval/acc"] for h in evals),
-        "train_reward_first": train[0]["rollout/reward"], "train_reward_last": train[-1]["rollout/reward"],
-        "gen_tokens": gen_tokens, "tokens_per_s": gen_tokens / max(gen_time, 1e-9), "wall_s": time.time() - t_start,
-        "logprob_mismatch": float(np.mean([h["rollout/logprob_mismatch"] for h in train])),
-        "zero_var_group_frac": float(np.mean([h["rollout/zero_var_group_frac"] for h in train])),
-    }
-    for key in ("acc_hard", f"pass@{args.pass_k}"):
-        if f"eval/{key}" in evals[-1]:
-            summary[f"eval_{key}_start"], summary[f"eval_{key}_end"] = evals[0][f"eval/{key}"], evals[-1][f"eval/{key}"]
-    save_curve(history, run_dir / "curve.png", f"GSPO on {task.name} ({args.model})")
-    print(f"held-out greedy accuracy {summary['eval_acc_start']:.3f} -> {summary['eval_acc_end']:.3f} "
-          f"(+{100 * (summary['eval_acc_end'] - summary['eval_acc_start']):.1f} points) in {summary['wall_s']:.0f}s; "
-          f"{summary['tokens_per_s']:.0f} generated tokens/s")
+    summary = common.summarize(history, gen_tokens, gen_time, time.time() - t_start)
+    common.save_curve(history, run_dir / "curve.png", f"GSPO on {task.name} ({args.model})")
     return tracker.finish(summary)
 
 

@@ -3,7 +3,9 @@
 Papers: Ahmadian et al., "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human
 Feedback in LLMs", arXiv:2402.14740 (RLOO; the estimator is Kool et al. 2019, "Buy 4 REINFORCE Samples, Get
 a Baseline for Free!"); Hu, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language
-Models", arXiv:2501.03262. Parent: none (the loop is copied from algos/grpo.py; only the advantage differs).
+Models", arXiv:2501.03262.
+
+Parent: algos/grpo.py; changed: Args, rollout, main.
 
 Equations (each implemented by the function named on the right):
   leave-one-out    b_i = 1/(G-1) sum_{j != i} r_j,   A_i = r_i - b_i = G/(G-1) (r_i - mean_g r)
@@ -15,6 +17,8 @@ Equations (each implemented by the function named on the right):
                    on-policy (one epoch, one mini-batch) rho = 1 and this is plain REINFORCE  clipped_pg_loss
   aggregation      (--loss-agg) seq-mean by default: J = 1/N_seq sum_i 1/|o_i| sum_t l_it   aggregate_loss
   k3 KL to ref     optional, per token, added to l_it                              k3_kl
+The loop and the loss are grpo.py's (grpo_loss, or kernel_grpo_loss with --kernels); only the advantage
+that rollout attaches to the batch differs.
 
 Deviations from the papers:
 - RLOO's REINFORCE uses the summed sequence log-prob; the default here averages it over the response's
@@ -23,7 +27,7 @@ Deviations from the papers:
 - The update keeps the PPO-style clip (as TRL's RLOO trainer); with the default one epoch and one
   mini-batch the ratio is 1 and the clip never acts.
 - REINFORCE++ puts a per-token KL penalty into the reward; here the KL (off by default) is a k3 loss term,
-  as in algos/grpo.py, and the advantage is the batch-normalised reward.
+  as in algos/grpo.py, and the advantage is the batch-normalised reward (per process under accelerate).
 - The reward is the exact verifier (0/1), no reward model.
 
 Commands:
@@ -102,7 +106,7 @@ class Args:
     kl_coef: float = 0.0
     """weight of the k3 KL to the frozen initial policy (0 = no reference model)"""
     loss_agg: Literal["seq-mean", "token-mean", "const"] = "seq-mean"
-    """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / A-56: divide by --agg-const per sequence)"""
+    """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
     agg_const: int = 0
     """the constant k of --loss-agg const (0 = max_new_tokens)"""
     # optimisation
@@ -144,7 +148,7 @@ class Args:
 def check_args(args: Args) -> None:
     """Fail early, naming the flag, instead of deep inside torch."""
     if args.group_size < 2:
-        raise SystemExit(f"--group-size must be at least 2 for a leave-one-out baseline, got {args.group_size}")
+        raise SystemExit(f"--group-size must be at least 2 for a group baseline, got {args.group_size}")
     if args.prompts_per_step < 1 or args.steps < 1 or args.max_new_tokens < 1:
         raise SystemExit("--prompts-per-step, --steps and --max-new-tokens must be positive")
     batch = args.prompts_per_step * args.group_size
@@ -206,7 +210,56 @@ def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, cons
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
-# ---- helpers of the loop ----
+def agg_const(args: Args) -> int:
+    """The constant k of --loss-agg const (default: the generation budget, as Dr. GRPO)."""
+    return args.agg_const or args.max_new_tokens
+
+
+def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """This micro-batch's share of J: clipped surrogate + kl_coef * k3 KL, aggregated over the step.
+
+    logp [b, C] (with grad); mb holds old, ref (or None), adv [b], mask [b, C]. Returns (loss, per-token stats).
+    """
+    tok_loss, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    stats = {"clipfrac": clipped}
+    if mb["ref"] is not None:
+        kl = k3_kl(logp, mb["ref"])
+        tok_loss, stats["kl"] = tok_loss + args.kl_coef * kl, kl
+    return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
+
+
+def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """grpo_loss from the fused Triton kernel (--kernels on a GPU): the same value and gradient.
+
+    The kernel normalises inside the micro-batch (token or sequence mean); rescaling by this micro-batch's
+    share of the step's sequences or tokens gives aggregate_loss's step-level normaliser.
+    """
+    from kernels.clipped_pg_loss import clipped_pg_loss as fused
+
+    mask = mb["mask"]
+    loss, kst = fused(logp, mb["old"], mb["adv"], mask, args.clip_eps_low, args.clip_eps_high, ref_logp=mb["ref"],
+                      beta=args.kl_coef, reduction="seq_mean" if args.loss_agg == "seq-mean" else "token_mean")
+    mb_tokens = float(mask.sum())
+    scale = {"seq-mean": mask.shape[0] / n_seqs, "token-mean": mb_tokens / max(n_tokens, 1),
+             "const": mb_tokens / (n_seqs * agg_const(args))}[args.loss_agg]
+    return loss * scale, {"clipfrac": torch.full_like(mask, float(kst["clip_frac"]))}  # micro-batch mean
+
+
+# ---- rollout and update ----
+def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
+    """Sample G completions for each of prompts_per_step training prompts; reward them; A_i (RLOO or REINFORCE++)."""
+    examples = task.sample("train", args.prompts_per_step, rng)
+    ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
+                         args.max_new_tokens, args.temperature, args.top_p, engine=engine)
+    answers = [e.answer for e in examples for _ in range(args.group_size)]
+    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
+    batch = {k: getattr(ro, k).to(device) for k in
+             ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
+    adv = rloo_advantages(rewards, args.group_size) if args.advantage == "rloo" else reinforce_pp_advantages(rewards)
+    batch.update(rewards=rewards, adv=adv, finish_reasons=ro.finish_reasons)
+    return batch
+
+
 def lr_factor(step: int, total: int, args: Args) -> float:
     if step < args.warmup_steps:
         return (step + 1) / args.warmup_steps
@@ -216,63 +269,64 @@ def lr_factor(step: int, total: int, args: Args) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def pick_kernels(args: Args, device):
-    """(fused log-prob fn, fused loss fn) from kernels/ on a GPU when --kernels is set, else (None, None)."""
-    if args.kernels and device.type == "cuda":
-        from kernels.clipped_pg_loss import clipped_pg_loss as fused_loss
-        from kernels.fused_logprob import fused_linear_logprob
+def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
+    """All-reduce (sum: the loss used global normalisers), clip, set the scheduled lr, step; returns the norm."""
+    if accel.num_processes > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad = accel.reduce(p.grad, "sum")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+    for group in opt.param_groups:
+        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
+    opt.step()
+    return grad_norm
 
-        return fused_linear_logprob, fused_loss
-    return None, None
 
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+    """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
 
-def kernel_loss_share(fused_loss, logp, old, adv, mask, ref, args: Args, n_seqs: int, n_tokens: int, const: int):
-    """The same micro-batch share as aggregate_loss(clipped_pg_loss + kl), from the fused kernel.
-
-    The kernel normalises inside the micro-batch (token or sequence mean); rescaling by this micro-batch's
-    share of the step's sequences or tokens gives the step-level normaliser of aggregate_loss.
+    pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
+    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged.
     """
-    reduction = "seq_mean" if args.loss_agg == "seq-mean" else "token_mean"
-    loss, stats = fused_loss(logp, old, adv, mask, args.clip_eps_low, args.clip_eps_high, ref_logp=ref,
-                             beta=args.kl_coef, reduction=reduction)
-    mb_seqs, mb_tokens = mask.shape[0], float(mask.sum())
-    scale = {"seq-mean": mb_seqs / n_seqs, "token-mean": mb_tokens / max(n_tokens, 1),
-             "const": mb_tokens / (n_seqs * const)}[args.loss_agg]
-    return loss * scale, stats
-
-
-def run_eval(model, tok, task, hard_task, eval_sets, args, engine=None) -> dict:
-    out = {}
-    res = common.evaluate(model, tok, task, eval_sets["main"], args.max_new_tokens, engine=engine)
-    out["eval/acc"] = res["acc"]
-    if args.pass_k:
-        res = common.evaluate(model, tok, task, eval_sets["main"][:100], args.max_new_tokens, pass_k=args.pass_k,
-                              temperature=args.temperature, engine=engine)
-        out[f"eval/pass@{args.pass_k}"] = res[f"pass@{args.pass_k}"]
-    if hard_task is not None:
-        res = common.evaluate(model, tok, hard_task, eval_sets["hard"], args.max_new_tokens + 2, engine=engine)
-        out["eval/acc_hard"] = res["acc"]
-    return out
-
-
-def save_curve(history: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    steps = [h["step"] for h in history if "rollout/reward" in h]
-    ax.plot(steps, [h["rollout/reward"] for h in history if "rollout/reward" in h], alpha=0.5, label="train reward")
-    ev = [h for h in history if "eval/acc" in h]
-    ax.plot([h["step"] for h in ev], [h["eval/acc"] for h in ev], "o-", label="held-out greedy acc")
-    if ev and "eval/acc_hard" in ev[0]:
-        ax.plot([h["step"] for h in ev], [h["eval/acc_hard"] for h in ev], "s--", label="harder (OOD) acc")
-    ax.set(xlabel="rollout batch", ylabel="accuracy / reward", ylim=(0, 1), title=title)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    B = batch["completion_ids"].shape[0]
+    micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
+    logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
+        batch["completion_mask"][idx], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+    on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
+    with torch.no_grad():
+        old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
+        ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
+    stats = {"pg": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
+    mismatch = 0.0 if on_policy else common.masked_mean((old - batch["logprobs"]).abs(),
+                                                        batch["completion_mask"].float()).item()
+    n_opt = 0
+    for _ in range(args.ppo_epochs):
+        for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
+            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
+                                  device=batch["adv"].device)
+            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            opt.zero_grad(set_to_none=True)
+            for idx in micro(mb_idx):
+                logp, ent = logprobs_of(model, idx, True)
+                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
+                      "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx]}
+                loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
+                if not torch.isfinite(loss):
+                    raise SystemExit(f"non-finite loss at step {step}; the last checkpoint is intact. "
+                                     "Lower --lr or check the rewards.")
+                loss.backward()
+                stats["pg"] += loss.item()
+                for k, v in {**token_stats, "entropy": ent}.items():
+                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / n_tokens
+                if on_policy:  # the only forward on the sampler's weights
+                    mismatch += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
+                                                  mb["mask"]).item() / n_tokens
+            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
+            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+            n_opt += 1
+    return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, "rollout/logprob_mismatch": mismatch}
 
 
 # ---- main ----
@@ -281,182 +335,74 @@ def main(args: Args) -> dict:
     from accelerate import Accelerator
 
     accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    rank, world = accel.process_index, accel.num_processes
+    rank, is_main = accel.process_index, accel.is_main_process
     torch.set_num_threads(args.threads)
     common.set_seed(args.seed)
-    device = accel.device
     task = common.make_task(args.task, args.digits)
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
-    model, tok = common.load_model(args.model, device)
+    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    model, tok = common.load_model(args.model, accel.device)
     model.train()
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    engine = None
-    if args.engine == "vllm":
-        engine = common.VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank)
-    fused_logprob, fused_loss = pick_kernels(args, device)
-    agg_const = args.agg_const or args.max_new_tokens
-
+    engine = common.VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
+        if args.engine == "vllm" else None
+    use_kernels = args.kernels and accel.device.type == "cuda"
+    fused_logprob = None
+    if use_kernels:  # Triton: the fused lm_head + log-softmax (the loss kernel is in kernel_grpo_loss)
+        from kernels.fused_logprob import fused_linear_logprob as fused_logprob
+    loss_fn = kernel_grpo_loss if use_kernels else grpo_loss
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    total_opt_steps = args.steps * args.ppo_epochs * args.minibatches
-    run_dir = Path(args.out_dir) / args.exp_name
-    eval_rng = np.random.default_rng(12345)  # the same held-out prompts in every script
-    eval_sets = {"main": task.sample("test", args.eval_examples, eval_rng)}
-    if hard_task is not None:
-        eval_sets["hard"] = hard_task.sample("test", min(args.eval_examples, 300), eval_rng)
 
-    start_step, history, state = 0, [], {}
-    if args.resume:
-        state = common.load_checkpoint(args.resume, model, opt)
-        start_step, history = state["step"], state["history"]
-        if engine is not None:
-            engine.sync_weights(model)
-    tracker = common.Tracker(run_dir, args, args.track and accel.is_main_process, run_name=args.exp_name) \
-        if accel.is_main_process else None
-    timer = common.Timer()
-    t_start = time.time() - state.get("wall_s", 0.0)
-    gen_tokens = state.get("gen_tokens", 0)
-    gen_time = state.get("gen_time", 0.0)
+    run_dir = Path(args.out_dir) / args.exp_name
+    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
+    if args.resume and engine is not None:
+        engine.sync_weights(model)
+    start_step, history = state.get("step", 0), state.get("history", [])
+    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
+    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
+    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task, engine)
 
     def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
         if tracker is not None:
             tracker.log(metrics, step)
 
-    if start_step == 0 and accel.is_main_process:
-        log(run_eval(model, tok, task, hard_task, eval_sets, args, engine), 0)
-
-    bar = tqdm(range(start_step + 1, args.steps + 1), desc="rloo", dynamic_ncols=True, disable=not accel.is_main_process,
+    if start_step == 0 and is_main:
+        log(evaluate(), 0)
+    bar = tqdm(range(start_step + 1, args.steps + 1), desc="rloo", dynamic_ncols=True, disable=not is_main,
                initial=start_step, total=args.steps)
     for step in bar:
         # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
         torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
         rng = np.random.default_rng([args.seed, step, rank])
-
-        # ---- rollout ----
-        examples = task.sample("train", args.prompts_per_step, rng)
         with timer("gen"):
-            ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
-                                 args.max_new_tokens, args.temperature, args.top_p, engine=engine)
-        answers = [e.answer for e in examples for _ in range(args.group_size)]
-        rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
-        adv = rloo_advantages(rewards, args.group_size) if args.advantage == "rloo" else \
-            reinforce_pp_advantages(rewards)
-        lengths = ro.completion_mask.sum(1).float()
-        gen_tokens += int(lengths.sum())
-        gen_time += timer.totals["gen"]
-        batch = {k: getattr(ro, k).to(device) for k in
-                 ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
-        batch["adv"] = adv
-
-        def logprobs_of(m, idx, with_entropy=False):
-            return common.token_logprobs(m, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
-                                         batch["completion_ids"][idx], batch["completion_mask"][idx],
-                                         args.temperature, with_entropy=with_entropy, fused_fn=fused_logprob)
-
-        # ---- pi_old and pi_ref (no grad) ----
-        B = len(ro.texts)
-        on_policy = args.ppo_epochs == 1 and args.minibatches == 1
-        with timer("train"), torch.no_grad():
-            micro = [torch.arange(s, min(s + args.micro_batch_size, B)) for s in range(0, B, args.micro_batch_size)]
-            batch["old"] = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro])
-            batch["ref"] = torch.cat([logprobs_of(ref_model, i) for i in micro]) if ref_model is not None else None
-
-        # ---- update ----
-        stats = {"pg": 0.0, "kl": 0.0, "clipfrac": 0.0, "entropy": 0.0, "mismatch": 0.0, "grad_norm": 0.0}
-        n_upd = 0
+            batch = rollout(model, tok, task, args, rng, accel.device, engine)
         with timer("train"):
-            for _epoch in range(args.ppo_epochs):
-                perm = torch.randperm(B) if args.minibatches > 1 else torch.arange(B)
-                for mb in perm.chunk(args.minibatches):
-                    mask_mb = batch["completion_mask"][mb]
-                    counts = torch.tensor([len(mb), int(mask_mb.sum())], device=device, dtype=torch.float64)
-                    if world > 1:
-                        counts = accel.reduce(counts, "sum")
-                    n_seqs, n_tokens = int(counts[0]), int(counts[1])
-                    opt.zero_grad(set_to_none=True)
-                    for idx in mb.split(args.micro_batch_size):
-                        logp, ent = logprobs_of(model, idx, with_entropy=True)
-                        m = batch["completion_mask"][idx].float()
-                        old = logp.detach() if batch["old"] is None else batch["old"][idx]
-                        ref = batch["ref"][idx] if batch["ref"] is not None else None
-                        if fused_loss is not None:
-                            loss, kst = kernel_loss_share(fused_loss, logp, old, batch["adv"][idx], m, ref, args,
-                                                          n_seqs, n_tokens, agg_const)
-                            clipped = torch.full_like(m, float(kst["clip_frac"]))  # stats: micro-batch mean
-                        else:
-                            tok_loss, clipped = clipped_pg_loss(logp, old, batch["adv"][idx], args.clip_eps_low,
-                                                                args.clip_eps_high)
-                            if ref is not None:
-                                kl = k3_kl(logp, ref)
-                                tok_loss = tok_loss + args.kl_coef * kl
-                                stats["kl"] += common.masked_sum(kl.detach(), m).item() / n_tokens
-                            loss = aggregate_loss(tok_loss, m, args.loss_agg, n_seqs, n_tokens, agg_const)
-                        if not torch.isfinite(loss):
-                            raise SystemExit(f"non-finite loss at step {step}; the last checkpoint in {run_dir} "
-                                             "is intact. Lower --lr or check the rewards.")
-                        loss.backward()
-                        stats["pg"] += loss.item()
-                        stats["clipfrac"] += common.masked_sum(clipped, m).item() / n_tokens
-                        stats["entropy"] += common.masked_sum(ent.detach(), m).item() / n_tokens
-                        stats["mismatch"] += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
-                                                               m).item() / n_tokens
-                    if world > 1:  # the loss was normalised by global counts, so summed gradients are exact
-                        for p in model.parameters():
-                            if p.grad is not None:
-                                p.grad = accel.reduce(p.grad, "sum")
-                    stats["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-                    opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_upd  # derived: resume-safe
-                    for group in opt.param_groups:
-                        group["lr"] = args.lr * lr_factor(opt_step, total_opt_steps, args)
-                    opt.step()
-                    n_upd += 1
+            stats = update(model, opt, batch, loss_fn, args, step, accel, ref_model, fused_logprob)
         if engine is not None:
             with timer("sync"):
                 engine.sync_weights(model)
-
         t = timer.pop()
-        groups = rewards.view(-1, args.group_size)
-        metrics = {
-            "rollout/reward": rewards.mean().item(),
-            "rollout/length": lengths.mean().item(),
-            "rollout/truncated_frac": float(np.mean([f == "length" for f in ro.finish_reasons])),
-            "rollout/zero_var_group_frac": (groups.std(1) == 0).float().mean().item(),
-            "rollout/tokens_per_s": lengths.sum().item() / max(t.get("gen", 1e-9), 1e-9),
-            "rollout/logprob_mismatch": stats["mismatch"] / args.ppo_epochs,
-            "loss/pg": stats["pg"] / n_upd, "loss/kl": stats["kl"] / n_upd,
-            "loss/clipfrac": stats["clipfrac"] / n_upd, "loss/entropy": stats["entropy"] / n_upd,
-            "loss/grad_norm": stats["grad_norm"] / n_upd, "perf/lr": opt.param_groups[0]["lr"],
-            "perf/gen_s": t.get("gen", 0.0), "perf/train_s": t.get("train", 0.0), "perf/sync_s": t.get("sync", 0.0),
-        }
-        if accel.is_main_process and (step % args.eval_every == 0 or step == args.steps):
-            metrics.update(run_eval(model, tok, task, hard_task, eval_sets, args, engine))
+        gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
+        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
+                                            args.group_size, t["gen"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
+                   **{f"perf/{k}_s": v for k, v in t.items()}}
+        if is_main and (step % args.eval_every == 0 or step == args.steps):
+            metrics.update(evaluate())
         log(metrics, step)
-        bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
-                        acc=f"{[h for h in history if 'eval/acc' in h][-1]['eval/acc']:.2f}" if accel.is_main_process else "")
-        if accel.is_main_process and (args.save_every and step % args.save_every == 0 or step == args.steps):
+        if is_main:
+            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
+                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
+        if is_main and (args.save_every and step % args.save_every == 0 or step == args.steps):
             common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
                                    {"step": step, "history": history, "wall_s": time.time() - t_start,
                                     "gen_tokens": gen_tokens, "gen_time": gen_time})
-
-    if not accel.is_main_process:
+    if not is_main:
         return {}
-    evals = [h for h in history if "eval/acc" in h]
-    train = [h for h in history if "rollout/reward" in h]
-    summary = {
-        "eval_acc_start": evals[0]["eval/acc"], "eval_acc_end": evals[-1]["eval/acc"],
-        "eval_acc_best": max(h["eval/acc"] for h in evals),
-        "train_reward_first": train[0]["rollout/reward"], "train_reward_last": train[-1]["rollout/reward"],
-        "gen_tokens": gen_tokens, "tokens_per_s": gen_tokens / max(gen_time, 1e-9), "wall_s": time.time() - t_start,
-        "logprob_mismatch": float(np.mean([h["rollout/logprob_mismatch"] for h in train])),
-        "zero_var_group_frac": float(np.mean([h["rollout/zero_var_group_frac"] for h in train])),
-    }
-    for key in ("acc_hard", f"pass@{args.pass_k}"):
-        if f"eval/{key}" in evals[-1]:
-            summary[f"eval_{key}_start"], summary[f"eval_{key}_end"] = evals[0][f"eval/{key}"], evals[-1][f"eval/{key}"]
-    save_curve(history, run_dir / "curve.png", f"{args.advantage.upper()} on {task.name} ({args.model})")
-    print(f"held-out greedy accuracy {summary['eval_acc_start']:.3f} -> {summary['eval_acc_end']:.3f} "
-          f"(+{100 * (summary['eval_acc_end'] - summary['eval_acc_start']):.1f} points) in {summary['wall_s']:.0f}s; "
-          f"{summary['tokens_per_s']:.0f} generated tokens/s")
+    summary = common.summarize(history, gen_tokens, gen_time, time.time() - t_start)
+    common.save_curve(history, run_dir / "curve.png", f"{args.advantage.upper()} on {task.name} ({args.model})")
     return tracker.finish(summary)
 
 

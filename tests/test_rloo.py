@@ -64,6 +64,14 @@ def test_reinforce_pp_runs(tmp_path):
     assert s["gen_tokens"] > 0 and 0 <= s["eval_acc_end"] <= 1
 
 
+def test_logprob_mismatch_is_measured_before_any_update(tmp_path):
+    """Several mini-batches and epochs: the metric is the sampler-vs-trainer gap on the sampler's weights (about 0
+    on CPU, where both are the same model), not a sum over mini-batches of the policy's own drift."""
+    s = rloo.main(replace(SMALL, steps=2, prompts_per_step=16, eval_every=2, eval_examples=20, ppo_epochs=2,
+                          minibatches=4, micro_batch_size=16, out_dir=str(tmp_path)))
+    assert s["logprob_mismatch"] < 1e-3, s  # summed over mini-batches after updates it was about 0.8
+
+
 @pytest.mark.parametrize("change,msg", [({"group_size": 1}, "group-size"), ({"minibatches": 3}, "must divide")])
 def test_bad_input(tmp_path, change, msg):
     with pytest.raises(SystemExit, match=msg):
