@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from worldmodels import ar_world_model as ar
+from worldmodels._envs import windows
 
 
 def _batch(b=4, k=2, h=3, seed=0):
@@ -18,7 +19,7 @@ def test_shapes():
     win, acts = _batch()
     assert model(win[:, :2], acts[:, 0]).shape == (4, 3, 10, 10)
     frames = torch.rand(5, 13, 3, 10, 10)
-    w, a = ar.windows(frames, torch.randint(0, 5, (5, 12)), torch.tensor([0, 1, 2, 3, 4]), k=2, h=3)
+    w, a = windows(frames, torch.randint(0, 5, (5, 12)), torch.tensor([0, 1, 2, 3, 4]), k=2, h=3)
     assert w.shape == (5, 5, 3, 10, 10) and a.shape == (5, 3)
     assert torch.equal(w[0, 0], frames[0, 0]) and torch.equal(w[0, 1], frames[0, 0])  # padded start
 

@@ -1,20 +1,71 @@
-"""worldmodels/diffusion_world_model.py: shapes, sampler, per-frame noise, learning, bad input."""
+"""worldmodels/diffusion_world_model.py: shapes, the sampler against a perfect denoiser, per-frame noise, learning,
+bad input."""
 import pytest
 import torch
 
 from worldmodels import diffusion_world_model as dm
 
 
-def test_shapes_and_sampler_range():
+def test_shapes():
     torch.manual_seed(0)
     model = dm.Denoiser(context=2, channels=8)
     ctx, a = torch.rand(4, 2, 3, 10, 10) * 2 - 1, torch.randint(0, 5, (4,))
     out = model(torch.randn(4, 3, 10, 10), torch.full((4,), 0.5), ctx, torch.zeros(4, 2), a)
     assert out.shape == (4, 3, 10, 10)
-    x = dm.sample_next(model, ctx, a, n_steps=3)
-    assert x.shape == (4, 3, 10, 10) and x.min() >= -1 and x.max() <= 1
+    assert dm.sample_next(model, ctx, a, n_steps=3).shape == (4, 3, 10, 10)
     roll = dm.rollout(model, torch.rand(4, 6, 3, 10, 10), torch.randint(0, 5, (4, 5)), 2, 5, 2)
-    assert roll.shape == (4, 6, 3, 10, 10) and roll.min() >= 0 and roll.max() <= 1
+    assert roll.shape == (4, 6, 3, 10, 10)
+
+
+class Oracle(torch.nn.Module):
+    """A perfect denoiser for known targets: predicts `target(ctx)` whatever the noisy input; logs its calls."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.target, self.sigmas, self.first_input = target, [], None
+
+    def forward(self, x_noisy, sigma, ctx, ctx_sigma, action):
+        if self.first_input is None:
+            self.first_input = x_noisy.clone()
+        self.sigmas.append(float(sigma[0]))
+        return self.target(ctx).expand_as(x_noisy)
+
+
+def _sample_with_oracle(n_steps: int):
+    g = torch.Generator().manual_seed(0)
+    x0 = 0.9 * (2 * torch.rand(4, 3, 10, 10, generator=g) - 1)  # inside (-1, 1): the final clamp never acts
+    oracle = Oracle(lambda ctx: x0)
+    x = dm.sample_next(oracle, torch.zeros(4, 2, 3, 10, 10), torch.zeros(4, dtype=torch.long), n_steps, gen=g)
+    return x, x0, oracle
+
+
+@pytest.mark.parametrize("n_steps", [1, 2, 3, 6])
+def test_sampler_lands_on_a_perfect_denoisers_prediction(n_steps):
+    """Eq. (4) with D(x; s) = x0: each Euler step shrinks x - x0 by s_{i+1} / s_i and the last one goes to s = 0,
+    so the sample is x0 itself. The sampler clamps its output to [-1, 1]; x0 lies inside, so the clamp cannot
+    hide a wrong update, a wrong noise schedule, a wrong starting noise or a missing last step."""
+    x, x0, oracle = _sample_with_oracle(n_steps)
+    assert oracle.sigmas == pytest.approx(dm.karras_sigmas(n_steps)[:-1])  # one call per step, noisiest first
+    assert oracle.first_input.std().item() == pytest.approx(dm.SIGMA_MAX, rel=0.1)  # starts from noise at SIGMA_MAX
+    torch.testing.assert_close(x, x0, atol=1e-5, rtol=0)
+
+
+def test_a_sampler_that_stops_short_fails_the_same_check(monkeypatch):
+    """Guards the test above: without the last step to s = 0 the sample keeps noise of about
+    SIGMA_MIN / SIGMA_MAX of the starting noise (std ~2e-3), far inside [-1, 1], which a range check would pass."""
+    full = dm.karras_sigmas
+    monkeypatch.setattr(dm, "karras_sigmas", lambda n: full(n)[:-1])
+    x, x0, _ = _sample_with_oracle(3)
+    assert x.min() >= -1 and x.max() <= 1
+    assert (x - x0).abs().max() > 1e-4
+
+
+def test_rollout_feeds_samples_back_and_returns_frames_in_0_1():
+    """A denoiser that copies the last context frame must reproduce x_0 at every step of the rollout: this pins
+    the [0, 1] <-> [-1, 1] conversions and the context bookkeeping of `rollout`."""
+    frames01 = (torch.rand(4, 6, 3, 10, 10) > 0.7).float()
+    roll = dm.rollout(Oracle(lambda ctx: ctx[:, -1]), frames01, torch.randint(0, 5, (4, 5)), 2, 5, 3)
+    torch.testing.assert_close(roll, frames01[:, :1].expand(-1, 6, -1, -1, -1), atol=1e-5, rtol=0)
 
 
 def test_karras_sigmas():

@@ -1,9 +1,11 @@
-"""worldmodels/_envs.py: determinism, inverse actions, frame layout, policies of graded quality, bad input."""
+"""worldmodels/_envs.py: determinism, inverse actions, frame layout, policies of graded quality, bad input, and the
+helpers the world-model scripts share (training windows, rollout evaluation)."""
 import numpy as np
 import pytest
+import torch
 
 from worldmodels._envs import (INVERSE, MOVES, N_ACTIONS, NOOP, EnvConfig, GridWorld, agent_cells, collect,
-                               greedy_actions, inverse)
+                               greedy_actions, inverse, random_windows, report_rollouts, windows)
 
 
 def test_deterministic_per_seed():
@@ -106,3 +108,33 @@ def test_bad_actions():
         env.step(np.array([0, 1, 7, 2]))
     with pytest.raises(ValueError, match="actions"):
         env.step(np.array([0, 1]))
+
+
+def test_random_windows_are_windows_at_in_range_starts():
+    frames, acts = torch.arange(5 * 9.0).reshape(5, 9, 1, 1, 1), torch.arange(5 * 8).reshape(5, 8)
+    win, wacts = random_windows(frames, acts, 200, k=2, h=3, gen=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)  # the same draws, made by hand
+    rows, starts = torch.randint(0, 5, (200,), generator=g), torch.randint(0, 8 - 3 + 1, (200,), generator=g)
+    ref_win, ref_acts = windows(frames[rows], acts[rows], starts, 2, 3)
+    assert torch.equal(win, ref_win) and torch.equal(wacts, ref_acts)
+    assert set(starts.tolist()) == set(range(6))  # every start that leaves room for h actions, and no other
+
+
+class _Log:
+    def __init__(self):
+        self.rows = []
+
+    def log(self, metrics, step):
+        self.rows.append((step, metrics))
+
+
+def test_report_rollouts_scores_perfect_and_copy_rollouts():
+    cfg = EnvConfig()
+    true = collect(cfg, 16, 4, seed=0)[0]
+    log = _Log()
+    s = report_rollouts(log, true.copy(), true, cfg, (1, 4), train_horizon=2)
+    assert s["err_h1"] == s["err_h4"] == s["agent_err_h1"] == s["agent_err_h4"] == 0.0
+    assert s["copy_err_h4"] > 0 and len(s["err_curve"]) == 4 and s["train_horizon"] == 2
+    assert [step for step, _ in log.rows] == [1, 2, 3, 4]
+    copy = report_rollouts(_Log(), np.repeat(true[:, :1], 5, 1), true, cfg, (1, 4), train_horizon=2)
+    assert copy["err_h4"] == copy["copy_err_h4"] > 0 and copy["agent_err_h4"] > 0

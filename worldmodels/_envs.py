@@ -18,12 +18,24 @@ Frames (`render`) are float32 arrays in [0, 1] of shape (N, 3, F, F):
 Everything is batched numpy: `collect(EnvConfig(), 1000, 32, seed=0)` draws 33,000 frames in well under a
 second. Scripted policies of graded quality (`greedy_actions` with an epsilon) walk the shortest path to
 the goal, with a probability `eps` of a random action instead.
+
+The end of the file holds what the world-model scripts share beyond the world itself: the Args fields they
+all have (`RunArgs` and `RolloutArgs`, which each script's `Args` extends, checked by `check_rollout_args`),
+the start of a run (`start_run`, `optimiser`, `load_data`), the conv net they all use (`conv_stack`), training
+windows (`windows`, `random_windows`), and the evaluation of a rollout against the true frames
+(`horizon_errors`, `report_rollouts`, which logs, summarises and plots it with `save_figure`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import torch
+import torch.nn as nn
+
+import common
 
 N_ACTIONS = 5
 NOOP = 4
@@ -244,3 +256,182 @@ def agent_cells(frames: np.ndarray, cfg: EnvConfig) -> np.ndarray:
         a = a.reshape(*s[:-2], s[-2] // cfg.cell_px, cfg.cell_px, s[-1] // cfg.cell_px, cfg.cell_px).mean((-3, -1))
     flat = a.reshape(*a.shape[:-2], -1).argmax(-1)
     return np.stack([flat // a.shape[-1], flat % a.shape[-1]], -1)
+
+
+# ---- shared by the world-model scripts: common Args, run set-up, model body, windows, rollout evaluation ----
+@dataclass
+class RunArgs:
+    """The fields every world-model script has; a script's `Args(RunArgs)` changes defaults and adds its own."""
+
+    exp_name: str = "world_model"
+    """name of the run (used in out_dir)"""
+    seed: int = 0
+    """seed for data, init and sampling"""
+    track: bool = False
+    """mirror metrics to wandb"""
+    out_dir: str = "runs/world_model"
+    """where metrics.jsonl, summary.json and the PNG go"""
+    device: str = "auto"
+    """'auto', 'cpu' or 'cuda'"""
+    threads: int = 1
+    """torch CPU threads"""
+    map_size: int = 10
+    """gridworld cells per side (frames are map_size x map_size x 3)"""
+    wall_density: float = 0.12
+    """interior wall probability"""
+    train_traj: int = 2000
+    """training trajectories (sticky random policy by default)"""
+    traj_len: int = 32
+    """steps per training trajectory"""
+    channels: int = 32
+    """conv width"""
+    steps: int = 1000
+    """optimiser steps"""
+    batch_size: int = 256
+    """training transitions per step"""
+    lr: float = 2e-3
+    """Adam learning rate (cosine decay to 10%)"""
+    log_every: int = 100
+    """steps between metric lines"""
+    save_png: bool = True
+    """save the run's figure (see the script's header) into out_dir"""
+
+
+@dataclass
+class RolloutArgs(RunArgs):
+    """RunArgs plus the fields of the scripts that roll a next-frame model out from held-out test frames."""
+
+    context: int = 2
+    """K: past frames the model sees"""
+    eval_traj: int = 256
+    """held-out test trajectories"""
+    eval_horizons: tuple[int, ...] = (1, 8, 16, 32)
+    """horizons reported as err_h{H}; the largest sets the rollout length"""
+
+
+def check_rollout_args(args: RolloutArgs) -> EnvConfig:
+    """The checks every rollout script makes, each error naming its flag; returns the gridworld's config."""
+    if args.context < 1:
+        raise ValueError(f"--context must be >= 1, got {args.context}")
+    if not args.eval_horizons or min(args.eval_horizons) < 1:
+        raise ValueError(f"--eval-horizons must be positive integers, got {args.eval_horizons}")
+    if args.steps < 1 or args.batch_size < 1 or args.train_traj < 1 or args.eval_traj < 1:
+        raise ValueError("--steps, --batch-size, --train-traj and --eval-traj must be >= 1")
+    return EnvConfig(map_size=args.map_size, wall_density=args.wall_density)
+
+
+def start_run(args: RunArgs):
+    """Seed everything, set the CPU threads, pick the device, open the tracker -> (device, tracker, timer)."""
+    common.set_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    device = common.get_device(args.device)
+    tracker = common.Tracker(args.out_dir, args, track=args.track, run_name=args.exp_name)
+    return device, tracker, common.Timer()
+
+
+def optimiser(model: nn.Module, lr: float, steps: int):
+    """Adam, its learning rate decayed along a cosine from lr to lr / 10 over `steps` -> (opt, scheduler)."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    return opt, sched
+
+
+def conv_stack(cin: int, ch: int, cout: int) -> nn.Sequential:
+    """Four 3x3 convolutions (SiLU between them) that keep the frame size: the body of every model here."""
+    return nn.Sequential(nn.Conv2d(cin, ch, 3, padding=1), nn.SiLU(), nn.Conv2d(ch, ch, 3, padding=1), nn.SiLU(),
+                         nn.Conv2d(ch, ch, 3, padding=1), nn.SiLU(), nn.Conv2d(ch, cout, 3, padding=1))
+
+
+def windows(frames: torch.Tensor, acts: torch.Tensor, starts: torch.Tensor, k: int, h: int):
+    """Frames x_{s-K+1..s+H} (B, K+H, C, F, F) (indices below 0 repeat x_0) and actions a_{s..s+H-1} (B, H)."""
+    idx = (starts[:, None] + torch.arange(-k + 1, h + 1)[None]).clamp(min=0)
+    b = torch.arange(len(starts))[:, None]
+    return frames[b, idx], acts[b, starts[:, None] + torch.arange(h)[None]]
+
+
+def random_windows(frames: torch.Tensor, acts: torch.Tensor, n: int, k: int, h: int, gen: torch.Generator):
+    """`windows` at n random (trajectory, start) pairs drawn with `gen`; frames (N, T+1, ...), acts (N, T)."""
+    rows = torch.randint(0, frames.shape[0], (n,), generator=gen)
+    starts = torch.randint(0, acts.shape[1] - h + 1, (n,), generator=gen)
+    return windows(frames[rows], acts[rows], starts, k, h)
+
+
+def load_data(cfg: EnvConfig, args: RolloutArgs, device):
+    """Training trajectories (sticky random policy, seed args.seed) and args.eval_traj test trajectories of
+    max(args.eval_horizons) steps (seed args.seed + 10000).
+
+    Returns train frames (N, T+1, C, F, F) in [0, 1] and effective actions (N, T) on `device`, and the test
+    frames as numpy (what the errors are measured against) and on `device`, with the test actions.
+    """
+    fr, _, eff = collect(cfg, args.train_traj, args.traj_len, seed=args.seed)
+    tfr, _, teff = collect(cfg, args.eval_traj, max(args.eval_horizons), seed=args.seed + 10_000)
+    to = lambda x: torch.from_numpy(x).to(device)
+    return to(fr), to(eff), tfr, to(tfr), to(teff)
+
+
+def horizon_errors(pred: np.ndarray, true: np.ndarray, cfg: EnvConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Per-horizon pixel MSE and agent-cell error rate of (N, H+1, C, F, F) rollouts in [0, 1], index h = 0..H."""
+    mse = ((pred - true) ** 2).mean(axis=(0, 2, 3, 4))
+    wrong = (agent_cells(pred, cfg) != agent_cells(true, cfg)).any(-1).mean(0)
+    return mse, wrong
+
+
+def to_rgb(frame: np.ndarray) -> np.ndarray:
+    """(3, F, F) in [0, 1] -> (F, F, 3) image: walls grey-blue, goal/objects yellow, agent red."""
+    w, o, a = np.clip(frame, 0, 1)
+    return np.clip(np.stack([0.35 * w + 0.9 * o + a, 0.35 * w + 0.8 * o, 0.5 * w], -1), 0, 1)
+
+
+def save_figure(path: Path, title: str, pred: np.ndarray, true: np.ndarray, mse: np.ndarray,
+                copy_mse: np.ndarray, shown: tuple[int, ...], train_horizon: int) -> None:
+    """True and predicted frames of the first rollout at the `shown` horizons, and the error curves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(1.6 * len(shown) + 4.5, 3.6))
+    gs = fig.add_gridspec(2, len(shown) + 3)
+    for i, h in enumerate(shown):
+        for r, (src, name) in enumerate(((true, "true"), (pred, "pred"))):
+            ax = fig.add_subplot(gs[r, i])
+            ax.imshow(to_rgb(src[0, h]), interpolation="nearest")
+            ax.set_xticks([]), ax.set_yticks([])
+            if r == 0:
+                ax.set_title(f"h={h}", fontsize=9)
+            if i == 0:
+                ax.set_ylabel(name)
+    ax = fig.add_subplot(gs[:, len(shown):])
+    hs = np.arange(1, len(mse))
+    ax.plot(hs, mse[1:], label="model")
+    ax.plot(hs, copy_mse[1:], "--", color="grey", label="copy x_0")
+    ax.axvline(train_horizon, color="k", lw=0.6, ls=":", label="train horizon")
+    ax.set_xlabel("horizon"), ax.set_ylabel("pixel MSE"), ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def report_rollouts(tracker, pred: np.ndarray, true: np.ndarray, cfg: EnvConfig, eval_horizons: tuple[int, ...],
+                    train_horizon: int, png: Path | None = None, title: str = "") -> dict:
+    """Evaluate rollouts `pred` against `true` (N, H+1, C, F, F) in [0, 1], H = max(eval_horizons).
+
+    Logs eval/err, eval/agent_err and eval/copy_err (copying x_0 forward) for h = 1..H, saves the strip
+    figure to `png` (None: no figure) and returns the summary keys err_h{H}, agent_err_h{H}, copy_err_h1,
+    copy_err_h{H}, train_horizon and err_curve (pixel MSE at h = 1..H).
+    """
+    hmax = max(eval_horizons)
+    mse, wrong = horizon_errors(pred, true, cfg)
+    copy_mse, _ = horizon_errors(np.repeat(true[:, :1], hmax + 1, 1), true, cfg)
+    for j in range(1, hmax + 1):
+        tracker.log({"eval/err": mse[j], "eval/agent_err": wrong[j], "eval/copy_err": copy_mse[j]}, j)
+    summary = {f"err_h{h}": float(mse[h]) for h in eval_horizons}
+    summary.update({f"agent_err_h{h}": float(wrong[h]) for h in eval_horizons})
+    summary.update({"copy_err_h1": float(copy_mse[1]), f"copy_err_h{hmax}": float(copy_mse[hmax]),
+                    "train_horizon": train_horizon, "err_curve": [float(x) for x in mse[1:]]})
+    if png is not None:
+        h = train_horizon
+        shown = tuple(sorted({1, h // 2 or 1, h, 2 * h, hmax} & set(range(1, hmax + 1))))
+        save_figure(png, title, pred, true, mse, copy_mse, shown, h)
+    return summary

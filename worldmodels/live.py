@@ -1,7 +1,7 @@
-"""LIVE: a diffusion world model trained with a forward-reverse cycle-consistency loss (A-1).
+"""LIVE: a diffusion world model trained with a forward-reverse cycle-consistency loss.
 
-Paper. LIVE, Long-horizon Interactive Video world modEl (papers/000_*.txt line 3, A-1; PAPERS.md 1.11 and
-section 3 row 28). Parent: worldmodels/diffusion_world_model.py (`diff` the two files to see the idea).
+Paper. "LIVE: Long-horizon Interactive Video World Modeling" (arXiv:2602.03747), the Long-horizon Interactive
+Video world modEl. Parent: worldmodels/diffusion_world_model.py (`diff` the two files to see the idea).
 
 Method. An action-conditioned next-frame denoiser (the parent's). Besides the usual one-step denoising loss,
 each training step (i) rolls the model forward L steps from ground-truth frames with the real actions,
@@ -69,8 +69,8 @@ import torch.nn.functional as F
 import tyro
 from tqdm import tqdm
 
-import common
-from worldmodels._envs import INVERSE, N_ACTIONS, N_CHANNELS, EnvConfig, agent_cells, collect
+from worldmodels._envs import (INVERSE, N_ACTIONS, N_CHANNELS, EnvConfig, RolloutArgs, check_rollout_args, conv_stack,
+                               load_data, optimiser, random_windows, report_rollouts, start_run)
 
 SIGMA_DATA, P_MEAN, P_STD = 0.5, -0.4, 1.2  # EDM / DIAMOND defaults
 SIGMA_MIN, SIGMA_MAX, RHO = 2e-3, 5.0, 7.0
@@ -79,29 +79,9 @@ INVERSE_T = torch.from_numpy(INVERSE)
 
 # ---- args ----
 @dataclass
-class Args:
+class Args(RolloutArgs):  # the fields all world-model scripts share: RolloutArgs in worldmodels/_envs.py
     exp_name: str = "live"
-    """name of the run (used in out_dir)"""
-    seed: int = 0
-    """seed for data, init and sampling"""
-    track: bool = False
-    """mirror metrics to wandb"""
     out_dir: str = "runs/live"
-    """where metrics.jsonl, summary.json and the PNG go"""
-    device: str = "auto"
-    """'auto', 'cpu' or 'cuda'"""
-    threads: int = 1
-    """torch CPU threads"""
-    map_size: int = 10
-    """gridworld cells per side (frames are map_size x map_size x 3)"""
-    wall_density: float = 0.12
-    """interior wall probability"""
-    train_traj: int = 2000
-    """training trajectories (sticky random policy)"""
-    traj_len: int = 32
-    """steps per training trajectory"""
-    context: int = 2
-    """K: past frames the denoiser sees"""
     mode: Literal["tf", "df", "live"] = "live"
     """tf: teacher forcing; df: diffusion forcing (eq. 3); live: teacher forcing + cycle loss (eq. 6)"""
     cycle_horizon: int = 8
@@ -120,33 +100,12 @@ class Args:
     """noise level put on context frames at sampling time (needs --mode df to mean anything)"""
     denoise_steps: int = 3
     """Euler steps per sampled frame"""
-    channels: int = 32
-    """conv width"""
-    steps: int = 1000
-    """optimiser steps"""
-    batch_size: int = 256
-    """training transitions per step"""
-    lr: float = 2e-3
-    """Adam learning rate (cosine decay to 10%)"""
-    eval_traj: int = 256
-    """held-out test trajectories"""
-    eval_horizons: tuple[int, ...] = (1, 8, 16, 32)
-    """horizons reported as err_h{H}; the largest sets the rollout length"""
-    log_every: int = 100
-    """steps between metric lines"""
-    save_png: bool = True
-    """save the strip of predicted vs true frames and the error curve"""
 
 
 def check_args(args: Args) -> EnvConfig:
-    if args.context < 1:
-        raise ValueError(f"--context must be >= 1, got {args.context}")
+    cfg = check_rollout_args(args)  # --context, --eval-horizons, --steps, ...
     if args.denoise_steps < 1:
         raise ValueError(f"--denoise-steps must be >= 1, got {args.denoise_steps}")
-    if not args.eval_horizons or min(args.eval_horizons) < 1:
-        raise ValueError(f"--eval-horizons must be positive integers, got {args.eval_horizons}")
-    if args.steps < 1 or args.batch_size < 1 or args.train_traj < 1 or args.eval_traj < 1:
-        raise ValueError("--steps, --batch-size, --train-traj and --eval-traj must be >= 1")
     if args.ctx_sigma_eval < 0:
         raise ValueError(f"--ctx-sigma-eval must be >= 0, got {args.ctx_sigma_eval}")
     if args.mode not in ("tf", "df", "live"):
@@ -158,7 +117,7 @@ def check_args(args: Args) -> EnvConfig:
                          f"{args.cycle_start} and {args.curriculum}")
     if args.cycle_batch < 1 or args.rollout_denoise_steps < 1 or args.cycle_weight < 0:
         raise ValueError("--cycle-batch and --rollout-denoise-steps must be >= 1 and --cycle-weight >= 0")
-    return EnvConfig(map_size=args.map_size, wall_density=args.wall_density)
+    return cfg
 
 
 # ---- model ----
@@ -172,11 +131,7 @@ class Denoiser(nn.Module):
     def __init__(self, context: int, channels: int):
         super().__init__()
         cin = N_CHANNELS + context * N_CHANNELS + N_ACTIONS + 1 + context
-        self.net = nn.Sequential(
-            nn.Conv2d(cin, channels, 3, padding=1), nn.SiLU(),
-            nn.Conv2d(channels, channels, 3, padding=1), nn.SiLU(),
-            nn.Conv2d(channels, channels, 3, padding=1), nn.SiLU(),
-            nn.Conv2d(channels, N_CHANNELS, 3, padding=1))
+        self.net = conv_stack(cin, channels, N_CHANNELS)
 
     def raw(self, x_in, sigma, ctx, ctx_sigma, action):
         b, k, c, h, w = ctx.shape
@@ -187,13 +142,6 @@ class Denoiser(nn.Module):
     def forward(self, x_noisy, sigma, ctx, ctx_sigma, action):
         c_in = 1 / (sigma[:, None, None, None] ** 2 + SIGMA_DATA ** 2).sqrt()
         return self.raw(c_in * x_noisy, sigma, ctx, ctx_sigma, action)
-
-
-def windows(frames: torch.Tensor, acts: torch.Tensor, starts: torch.Tensor, k: int, h: int):
-    """Frames x_{s-K+1..s+H} (B, K+H, C, F, F) (indices below 0 repeat x_0) and actions a_{s..s+H-1} (B, H)."""
-    idx = (starts[:, None] + torch.arange(-k + 1, h + 1)[None]).clamp(min=0)
-    b = torch.arange(len(starts))[:, None]
-    return frames[b, idx], acts[b, starts[:, None] + torch.arange(h)[None]]
 
 
 # ---- losses ----
@@ -287,77 +235,22 @@ def curriculum_length(step: int, total: int, horizon: int, start: float, ramp: f
     return int(min(horizon, 1 + math.floor(frac * horizon)))
 
 
-def horizon_errors(pred: np.ndarray, true: np.ndarray, cfg: EnvConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Eq. (5): per-horizon pixel MSE and agent-cell error rate, index h = 0..H."""
-    mse = ((pred - true) ** 2).mean(axis=(0, 2, 3, 4))
-    wrong = (agent_cells(pred, cfg) != agent_cells(true, cfg)).any(-1).mean(0)
-    return mse, wrong
-
-
-def to_rgb(frame: np.ndarray) -> np.ndarray:
-    """(3, F, F) in [0, 1] -> (F, F, 3) image: walls grey-blue, goal/objects yellow, agent red."""
-    w, o, a = np.clip(frame, 0, 1)
-    return np.clip(np.stack([0.35 * w + 0.9 * o + a, 0.35 * w + 0.8 * o, 0.5 * w], -1), 0, 1)
-
-
-def save_figure(path: Path, title: str, pred: np.ndarray, true: np.ndarray, mse: np.ndarray,
-                copy_mse: np.ndarray, shown: tuple[int, ...], train_horizon: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig = plt.figure(figsize=(1.6 * len(shown) + 4.5, 3.6))
-    gs = fig.add_gridspec(2, len(shown) + 3)
-    for i, h in enumerate(shown):
-        for r, (src, name) in enumerate(((true, "true"), (pred, "pred"))):
-            ax = fig.add_subplot(gs[r, i])
-            ax.imshow(to_rgb(src[0, h]), interpolation="nearest")
-            ax.set_xticks([]), ax.set_yticks([])
-            if r == 0:
-                ax.set_title(f"h={h}", fontsize=9)
-            if i == 0:
-                ax.set_ylabel(name)
-    ax = fig.add_subplot(gs[:, len(shown):])
-    hs = np.arange(1, len(mse))
-    ax.plot(hs, mse[1:], label="model")
-    ax.plot(hs, copy_mse[1:], "--", color="grey", label="copy x_0")
-    ax.axvline(train_horizon, color="k", lw=0.6, ls=":", label="train horizon")
-    ax.set_xlabel("horizon"), ax.set_ylabel("pixel MSE"), ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
 # ---- main ----
 def main(args: Args) -> dict:
     cfg = check_args(args)
-    common.set_seed(args.seed)
-    torch.set_num_threads(args.threads)
-    device = common.get_device(args.device)
     t0 = time.perf_counter()
-    tracker = common.Tracker(args.out_dir, args, track=args.track, run_name=args.exp_name)
-    timer = common.Timer()
-
-    fr, _, eff = collect(cfg, args.train_traj, args.traj_len, seed=args.seed)
-    frames, acts = torch.from_numpy(fr).to(device) * 2 - 1, torch.from_numpy(eff).to(device)
-    hmax = max(args.eval_horizons)
-    tfr, _, teff = collect(cfg, args.eval_traj, hmax, seed=args.seed + 10_000)
-    test_frames, test_acts = torch.from_numpy(tfr).to(device), torch.from_numpy(teff).to(device)
+    device, tracker, timer = start_run(args)
+    frames, acts, tfr, test_frames, test_acts = load_data(cfg, args, device)
+    frames = frames * 2 - 1  # the denoiser works in [-1, 1]
 
     k = args.context
     model = Denoiser(k, args.channels).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
+    opt, sched = optimiser(model, args.lr, args.steps)
     gen = torch.Generator().manual_seed(args.seed)
     bar = tqdm(range(args.steps), desc=args.exp_name, disable=None)
     for step in bar:
         with timer("train"):
-            rows = torch.randint(0, args.train_traj, (args.batch_size,), generator=gen)
-            starts = torch.randint(0, args.traj_len, (args.batch_size,), generator=gen)
-            win, wacts = windows(frames[rows], acts[rows], starts, k, 1)
+            win, wacts = random_windows(frames, acts, args.batch_size, k, 1, gen)
             ctx, csig = win[:, :k], torch.zeros(args.batch_size, k)
             if args.mode == "df":
                 ctx, csig = noise_context(ctx, gen)
@@ -366,9 +259,7 @@ def main(args: Args) -> dict:
             cyc = torch.zeros(())
             if args.mode == "live" and n > 0:
                 with timer("cycle"):
-                    rows = torch.randint(0, args.train_traj, (args.cycle_batch,), generator=gen)
-                    starts = torch.randint(0, args.traj_len - n + 1, (args.cycle_batch,), generator=gen)
-                    cwin, cacts = windows(frames[rows], acts[rows], starts, k, n)
+                    cwin, cacts = random_windows(frames, acts, args.cycle_batch, k, n, gen)
                     model.eval()
                     step_fn = lambda c, a: sample_next(model, c, a, args.rollout_denoise_steps, gen=gen)
                     rev_ctx, last, _ = forward_reverse(step_fn, cwin[:, :k], cacts, k)
@@ -385,25 +276,15 @@ def main(args: Args) -> dict:
             bar.set_postfix(loss=f"{base.item():.4f}", cyc=f"{cyc.item():.4f}", L=n)
 
     model.eval()
+    hmax = max(args.eval_horizons)
     egen = torch.Generator().manual_seed(args.seed + 1)
     pred = rollout(model, test_frames, test_acts, k, hmax, args.denoise_steps, args.ctx_sigma_eval, egen)
     pred = pred.cpu().numpy()
-    mse, wrong = horizon_errors(pred, tfr, cfg)
-    copy_mse, _ = horizon_errors(np.repeat(tfr[:, :1], hmax + 1, 1), tfr, cfg)
-    for j in range(1, hmax + 1):
-        tracker.log({"eval/err": mse[j], "eval/agent_err": wrong[j], "eval/copy_err": copy_mse[j]}, j)
-    summary = {f"err_h{H}": float(mse[H]) for H in args.eval_horizons}
-    summary.update({f"agent_err_h{H}": float(wrong[H]) for H in args.eval_horizons})
-    summary.update({"copy_err_h1": float(copy_mse[1]), f"copy_err_h{hmax}": float(copy_mse[hmax]),
-                    "train_loss_last": base.item(), "cycle_loss_last": cyc.item(),
-                    "train_horizon": args.cycle_horizon,
-                    "err_curve": [float(x) for x in mse[1:]]})
-    if args.save_png:
-        h = args.cycle_horizon
-        shown = tuple(sorted({1, h // 2 or 1, h, 2 * h, hmax} & set(range(1, hmax + 1))))
-        name = {"tf": "teacher forcing", "df": "diffusion forcing", "live": "LIVE cycle loss"}[args.mode]
-        save_figure(Path(args.out_dir) / "strip.png", f"LIVE script, --mode {args.mode} ({name})", pred, tfr, mse,
-                    copy_mse, shown, h)
+    name = {"tf": "teacher forcing", "df": "diffusion forcing", "live": "LIVE cycle loss"}[args.mode]
+    summary = report_rollouts(tracker, pred, tfr, cfg, args.eval_horizons, args.cycle_horizon,
+                              Path(args.out_dir) / "strip.png" if args.save_png else None,
+                              f"LIVE script, --mode {args.mode} ({name})")
+    summary.update({"train_loss_last": base.item(), "cycle_loss_last": cyc.item()})
     summary["wall_s"] = time.perf_counter() - t0
     return tracker.finish(summary)
 

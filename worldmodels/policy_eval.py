@@ -1,9 +1,9 @@
-"""Policy evaluation inside a learned world model (SC3-Eval, A-11), with forward-inverse consistency.
+"""Policy evaluation inside a learned world model (SC3-Eval), with forward-inverse consistency.
 
-Paper. SC3-Eval (papers/000_*.txt line 23, A-11; PAPERS.md 1.11 and section 3 row 29): evaluate policies by
-rolling them out in an action-conditioned world model instead of the real world, and judge the evaluator by
-the Pearson correlation and the MMRV between world-model and real success rates (paper: 0.929 and 0.119
-over seven real-world policies).
+Paper. "SC3-Eval: Evaluating Robot Foundation Models via Self-Consistent Video Generation" (arXiv:2606.18610):
+evaluate policies by rolling them out in an action-conditioned world model instead of the real world, and judge
+the evaluator by the Pearson correlation and the MMRV between world-model and real success rates (paper: 0.929
+and 0.119 over seven real-world policies).
 
 Method. A next-frame model f (teacher forcing, per-pixel Bernoulli, as in ar_world_model.py with K = 1) and an
 inverse-dynamics head g(x_t, x_{t+1}) -> action are trained together; the consistency term asks g to recover
@@ -65,44 +65,19 @@ import torch.nn.functional as F
 import tyro
 from tqdm import tqdm
 
-import common
-from worldmodels._envs import (MOVES, N_ACTIONS, N_CHANNELS, NOOP, EnvConfig, GridWorld, agent_cells, collect,
-                               distance_map, greedy_actions)
+from worldmodels._envs import (MOVES, N_ACTIONS, N_CHANNELS, NOOP, EnvConfig, GridWorld, RunArgs, agent_cells, collect,
+                               conv_stack, distance_map, greedy_actions, optimiser, start_run)
 
 
 # ---- args ----
 @dataclass
-class Args:
+class Args(RunArgs):  # the fields all world-model scripts share: RunArgs in worldmodels/_envs.py
     exp_name: str = "policy_eval"
-    """name of the run (used in out_dir)"""
-    seed: int = 0
-    """seed for data, init, policies"""
-    track: bool = False
-    """mirror metrics to wandb"""
     out_dir: str = "runs/policy_eval"
-    """where metrics.jsonl, summary.json and the PNG go"""
-    device: str = "auto"
-    """'auto', 'cpu' or 'cuda'"""
-    threads: int = 1
-    """torch CPU threads"""
-    map_size: int = 10
-    """gridworld cells per side"""
-    wall_density: float = 0.12
-    """interior wall probability"""
-    train_traj: int = 2000
-    """training trajectories"""
     traj_len: int = 16
-    """steps per training trajectory"""
+    steps: int = 800
     train_eps: float | None = None
     """None: sticky random training data; a number: half the data from the greedy policy with this eps"""
-    channels: int = 32
-    """conv width"""
-    steps: int = 800
-    """optimiser steps"""
-    batch_size: int = 256
-    """transitions per step"""
-    lr: float = 2e-3
-    """Adam learning rate (cosine decay to 10%)"""
     consistency: float = 0.5
     """lambda_c in eq. (3); 0 turns forward-inverse consistency off"""
     policies: tuple[float, ...] = (0.0, 0.1, 0.2, 0.35, 0.5, 0.7, 1.0)
@@ -113,10 +88,6 @@ class Args:
     """steps per episode"""
     term_threshold: float = 0.5
     """terminate an imagined episode when g gives the expected action less than this probability"""
-    log_every: int = 100
-    """steps between metric lines"""
-    save_png: bool = True
-    """save the scatter of imagined vs real success and a strip of frames"""
 
 
 def check_args(args: Args) -> EnvConfig:
@@ -134,11 +105,6 @@ def check_args(args: Args) -> EnvConfig:
 
 
 # ---- model ----
-def conv_stack(cin: int, ch: int, cout: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(cin, ch, 3, padding=1), nn.SiLU(), nn.Conv2d(ch, ch, 3, padding=1), nn.SiLU(),
-                         nn.Conv2d(ch, ch, 3, padding=1), nn.SiLU(), nn.Conv2d(ch, cout, 3, padding=1))
-
-
 class WorldModel(nn.Module):
     """forward(x (B,C,F,F), a (B,)) -> next-frame logits; inverse(x, x_next) -> action logits (B, A)."""
 
@@ -270,12 +236,8 @@ def save_figure(path: Path, real, imag, imag_term, eps, r, m) -> None:
 # ---- main ----
 def main(args: Args) -> dict:
     cfg = check_args(args)
-    common.set_seed(args.seed)
-    torch.set_num_threads(args.threads)
-    device = common.get_device(args.device)
     t0 = time.perf_counter()
-    tracker = common.Tracker(args.out_dir, args, track=args.track, run_name=args.exp_name)
-    timer = common.Timer()
+    device, tracker, timer = start_run(args)
 
     if args.train_eps is None:
         fr, _, eff = collect(cfg, args.train_traj, args.traj_len, seed=args.seed)
@@ -289,9 +251,7 @@ def main(args: Args) -> dict:
     a_all = torch.from_numpy(eff.reshape(-1)).to(device)
 
     model = WorldModel(args.channels).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * s / args.steps)))
+    opt, sched = optimiser(model, args.lr, args.steps)
     gen = torch.Generator().manual_seed(args.seed)
     bar = tqdm(range(args.steps), desc=args.exp_name, disable=None)
     for step in bar:
