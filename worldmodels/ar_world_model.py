@@ -1,5 +1,7 @@
 """Autoregressive action-conditioned world model: teacher forcing, and chained forward training (--chained).
 
+Parent: none.
+
 Method. A small conv net f predicts the next frame from the last K frames and the action,
 p(x_{t+1} | x_{t-K+1..t}, a_t) = Bernoulli(sigmoid(f(x_{t-K+1..t}, a_t))), per pixel. At test time it rolls
 out on its own predictions (the soft probabilities are fed back), so errors compound with the horizon.

@@ -1,5 +1,7 @@
 """Diffusion world model (DIAMOND-style): an EDM denoiser of the next frame, conditioned on past frames and action.
 
+Parent: none.
+
 Method. Frames are scaled to [-1, 1]. The denoiser D sees a noisy next frame x + sigma * eps, the last K frames
 and the action, and is trained with the EDM preconditioning and noise distribution (Karras et al. 2022, as
 used by DIAMOND, Alonso et al. 2024, arXiv:2405.12399). A rollout samples each next frame in a few Euler steps

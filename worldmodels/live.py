@@ -1,7 +1,10 @@
 """LIVE: a diffusion world model trained with a forward-reverse cycle-consistency loss.
 
 Paper. "LIVE: Long-horizon Interactive Video World Modeling" (arXiv:2602.03747), the Long-horizon Interactive
-Video world modEl. Parent: worldmodels/diffusion_world_model.py (`diff` the two files to see the idea).
+Video world modEl.
+
+Parent: worldmodels/diffusion_world_model.py; changed: Args, check_args, main.
+(`diff` the two files to see the idea.)
 
 Method. An action-conditioned next-frame denoiser (the parent's). Besides the usual one-step denoising loss,
 each training step (i) rolls the model forward L steps from ground-truth frames with the real actions,

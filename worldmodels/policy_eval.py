@@ -1,5 +1,7 @@
 """Policy evaluation inside a learned world model (SC3-Eval), with forward-inverse consistency.
 
+Parent: none.
+
 Paper. "SC3-Eval: Evaluating Robot Foundation Models via Self-Consistent Video Generation" (arXiv:2606.18610):
 evaluate policies by rolling them out in an action-conditioned world model instead of the real world, and judge
 the evaluator by the Pearson correlation and the MMRV between world-model and real success rates (paper: 0.929
