@@ -4,7 +4,16 @@ Papers: Schulman et al., "Proximal Policy Optimization Algorithms", arXiv:1707.0
 value clipping as in the OpenAI baselines); Schulman et al., "High-Dimensional Continuous Control Using
 Generalized Advantage Estimation", arXiv:1506.02438 (GAE); Ouyang et al., "Training language models to
 follow instructions with human feedback", arXiv:2203.02155 (per-token KL penalty to the reference in the
-reward). Parent: none (the loop is copied from algos/grpo.py).
+reward).
+
+Parent: algos/grpo.py; changed: Args, check_args, clipped_pg_loss, rollout, optimizer_step, update, main.
+
+What changes from GRPO: a critic replaces the group baseline, so advantages are per token (GAE over
+per-token rewards) instead of one per sequence, and the KL to the reference moves from the loss into the
+reward. `update` is changed because PPO needs more than a new loss_fn: V_old and the GAE advantages must be
+computed from the whole batch before the first optimiser step, every micro-batch runs the critic as well,
+and the optimiser steps two parameter groups (policy at --lr, critic at --vf-lr, clipped separately).
+The rollout is GRPO's without the group advantage; eval, metrics, summary and the curve are shared.
 
 The critic is a separate tiny value model: a copy of the initial policy's decoder with a fresh scalar head
 (zero-initialised), trained by its own AdamW parameter group. A separate critic keeps the value loss from
@@ -12,15 +21,16 @@ pulling on the policy's features, at the cost of one more forward/backward (chea
 
 Equations (each implemented by the function named on the right):
   values            V_t = w . h_t + b, h_t = critic decoder state before response token t   critic_values
-  per-token reward  r_t = -beta (log pi_theta(o_t) - log pi_ref(o_t))  +  R(o) at the last token
+  per-token reward  r_t = -beta (log pi_old(o_t) - log pi_ref(o_t))  +  R(o) at the last token
                     (beta = --kl-coef, 0 = no reference model)                               token_rewards
   GAE               delta_t = r_t + gamma V_{t+1} - V_t  (V after the last token = 0)
                     A_t = sum_l (gamma lambda)^l delta_{t+l},  R_t = A_t + V_t (value target)   gae
   whitening         A_t <- (A_t - mean) / (std + eps) over the batch's response tokens    whiten
+                    (rewards -> GAE -> whitening for one batch: ppo_advantages)
   clipped surrogate l_t = -min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t)                clipped_pg_loss
   clipped value     v_t = 1/2 max((V_t - R_t)^2, (V_old,t + clip(V_t - V_old,t, -c, c) - R_t)^2)
                                                                                          clipped_value_loss
-  objective         J = token-mean over the optimiser step of l_t + vf_coef * v_t
+  objective         J = token-mean over the optimiser step of l_t + vf_coef * v_t       ppo_loss, aggregate_loss
   With gamma = lambda = 1, A_t = (sum_{k >= t} r_k) - V_t: the Monte-Carlo return minus the value.
 
 Deviations:
@@ -28,9 +38,11 @@ Deviations:
   same number of sequences per batch as algos/grpo.py's 32 x 8.
 - The critic starts from the SFT policy's decoder, not from a reward model (there is none: the reward is
   the exact verifier, 0/1).
-- No entropy bonus, no adaptive KL controller (fixed beta, off by default as in the GRPO-family scripts).
+- No entropy bonus (entropy is only logged), no adaptive KL controller (fixed beta, off by default as in
+  the GRPO-family scripts).
 - pi_old and V_old are recomputed by the trainer after sampling (the sampler's log-probs only feed the
   rollout/logprob_mismatch metric), as in algos/grpo.py.
+- No --kernels: GRPO's fused loss kernel takes one advantage per sequence, PPO's are per token.
 
 Commands:
   python algos/ppo.py                                           # tiny default (100 batches), 2-core CPU
@@ -231,6 +243,13 @@ def whiten(x, mask, eps: float = 1e-8):
     return (x - mean) / (var.sqrt() + eps) * mask
 
 
+def ppo_advantages(scores, mask, old_logp, old_values, ref_logp, args: Args):
+    """Per-token rewards -> GAE -> (whitened) advantages A_t, and the value targets R_t; [B, C] each."""
+    rewards = token_rewards(scores, mask, old_logp, ref_logp, args.kl_coef)
+    adv, returns = gae(rewards, old_values, mask, args.gamma, args.gae_lambda)
+    return (whiten(adv, mask) if args.whiten_adv else adv), returns
+
+
 def clipped_pg_loss(logp, old_logp, adv, eps: float):
     """Per-token PPO-clip loss -min(rho A, clip(rho, 1-eps, 1+eps) A); logp, old_logp, adv all [B, C].
 
@@ -251,9 +270,37 @@ def clipped_value_loss(values, old_values, returns, clip: float):
 
 
 def k3_kl(logp, ref_logp):
-    """Schulman's k3 estimator of KL(pi_theta || pi_ref) per token (logged; the penalty uses logp - ref)."""
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
+
+
+def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, const: int):
+    """This micro-batch's share of the step loss; summing the shares over micro-batches gives J.
+
+    token_loss, mask: [b, C]; n_seqs, n_tokens: counted over the whole optimiser step (all ranks).
+    """
+    per_seq_sum = (token_loss * mask).sum(1)
+    if mode == "seq-mean":
+        return (per_seq_sum / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if mode == "token-mean":
+        return per_seq_sum.sum() / max(n_tokens, 1)
+    if mode == "const":
+        return per_seq_sum.sum() / (n_seqs * const)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def ppo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """This micro-batch's share of J: clipped surrogate + vf_coef * clipped value loss, token-mean over the step.
+
+    logp [b, C] and mb["values"] [b, C] carry grad; mb holds old, adv, old_values, returns, mask, all [b, C].
+    Returns (loss, per-token stats).
+    """
+    pg, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps)
+    vf = clipped_value_loss(mb["values"], mb["old_values"], mb["returns"], args.vf_clip)
+    moved = ((mb["values"].detach() - mb["old_values"]).abs() > args.vf_clip).float()  # value clip active
+    stats = {"pg": pg, "vf": vf, "clipfrac": clipped, "vf_clipfrac": moved}
+    return aggregate_loss(pg + args.vf_coef * vf, mb["mask"], "token-mean", n_seqs, n_tokens, 0), stats
 
 
 def explained_variance(values, returns, mask) -> float:
@@ -263,7 +310,20 @@ def explained_variance(values, returns, mask) -> float:
     return float(1 - (r - v).var() / var_r) if var_r > 0 else float("nan")
 
 
-# ---- helpers of the loop ----
+# ---- rollout and update ----
+def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
+    """Sample G completions for each of prompts_per_step training prompts; reward them (the critic gives A_t)."""
+    examples = task.sample("train", args.prompts_per_step, rng)
+    ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
+                         args.max_new_tokens, args.temperature, args.top_p, engine=engine)
+    answers = [e.answer for e in examples for _ in range(args.group_size)]
+    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
+    batch = {k: getattr(ro, k).to(device) for k in
+             ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
+    batch.update(rewards=rewards, finish_reasons=ro.finish_reasons)
+    return batch
+
+
 def lr_factor(step: int, total: int, args: Args) -> float:
     if step < args.warmup_steps:
         return (step + 1) / args.warmup_steps
@@ -273,60 +333,73 @@ def lr_factor(step: int, total: int, args: Args) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def run_eval(model, tok, task, hard_task, eval_sets, args, engine=None) -> dict:
-    out = {}
-    res = common.evaluate(model, tok, task, eval_sets["main"], args.max_new_tokens, engine=engine)
-    out["eval/acc"] = res["acc"]
-    if args.pass_k:
-        res = common.evaluate(model, tok, task, eval_sets["main"][:100], args.max_new_tokens, pass_k=args.pass_k,
-                              temperature=args.temperature, engine=engine)
-        out[f"eval/pass@{args.pass_k}"] = res[f"pass@{args.pass_k}"]
-    if hard_task is not None:
-        res = common.evaluate(model, tok, hard_task, eval_sets["hard"], args.max_new_tokens + 2, engine=engine)
-        out["eval/acc_hard"] = res["acc"]
-    return out
+def optimizer_step(model, opt, args: Args, accel, opt_step: int, critic=None) -> float:
+    """All-reduce (sum), clip policy and critic separately, set the scheduled lr of each group, step.
+
+    opt's groups are (policy at --lr, critic at --vf-lr); returns the policy's gradient norm.
+    """
+    if accel.num_processes > 1:
+        for p in [*model.parameters(), *critic.parameters()]:
+            if p.grad is not None:
+                p.grad = accel.reduce(p.grad, "sum")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+    torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+    factor = lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
+    for group, base_lr in zip(opt.param_groups, (args.lr, args.vf_lr)):
+        group["lr"] = base_lr * factor
+    opt.step()
+    return grad_norm
 
 
-def save_curve(history: list[dict], path: Path, title: str) -> None:
-    import matplotlib
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, critic=None) -> dict:
+    """ppo_epochs x minibatches optimiser steps of policy and critic on one rollout batch.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    steps = [h["step"] for h in history if "rollout/reward" in h]
-    ax.plot(steps, [h["rollout/reward"] for h in history if "rollout/reward" in h], alpha=0.5, label="train reward")
-    ev = [h for h in history if "eval/acc" in h]
-    ax.plot([h["step"] for h in ev], [h["eval/acc"] for h in ev], "o-", label="held-out greedy acc")
-    if ev and "eval/acc_hard" in ev[0]:
-        ax.plot([h["step"] for h in ev], [h["eval/acc_hard"] for h in ev], "s--", label="harder (OOD) acc")
-    ax.set(xlabel="rollout batch", ylabel="accuracy / reward", ylim=(0, 1), title=title)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def save_curve(history: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    tr = [h for h in history if "rollout/reward" in h]
-    ax.plot([h["step"] for h in tr], [h["rollout/reward"] for h in tr], alpha=0.5, label="train reward")
-    ax.plot([h["step"] for h in tr], [max(0.0, h["value/explained_var"]) for h in tr], alpha=0.5,
-            label="critic explained var")
-    ev = [h for h in history if "eval/acc" in h]
-    ax.plot([h["step"] for h in ev], [h["eval/acc"] for h in ev], "o-", label="held-out greedy acc")
-    if ev and "eval/acc_hard" in ev[0]:
-        ax.plot([h["step"] for h in ev], [h["eval/acc_hard"] for h in ev], "s--", label="harder (OOD) acc")
-    ax.set(xlabel="rollout batch", ylabel="accuracy / reward", ylim=(0, 1), title=title)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    pi_old, V_old (and pi_ref) are scored before any update and give the per-token advantages and value
+    targets of the whole batch (ppo_advantages); each micro-batch then runs policy and critic, its loss
+    normalised by counts over its whole mini-batch on all ranks, so accumulation and data parallelism leave J
+    unchanged.
+    """
+    B = batch["completion_ids"].shape[0]
+    micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
+    logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
+        batch["completion_mask"][idx], args.temperature, with_entropy=ent)
+    values_of = lambda idx: critic_values(critic, batch["prompt_ids"][idx], batch["prompt_mask"][idx],  # noqa: E731
+                                          batch["completion_ids"][idx], batch["completion_mask"][idx])
+    mask = batch["completion_mask"].float()
+    with torch.no_grad():
+        old = torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
+        old_v = torch.cat([values_of(i) for i in micro(torch.arange(B))])
+        ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
+        adv, returns = ppo_advantages(batch["rewards"], mask, old, old_v, ref, args)
+    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
+    before = {"rollout/logprob_mismatch": common.masked_mean((old - batch["logprobs"]).abs(), mask).item(),
+              "value/explained_var": explained_variance(old_v, returns, mask),
+              "value/mean": common.masked_mean(old_v, mask).item(),
+              "loss/kl": common.masked_mean(k3_kl(old, ref), mask).item() if ref is not None else 0.0}
+    stats = {"entropy": 0.0, "grad_norm": 0.0}
+    n_opt = 0
+    for _ in range(args.ppo_epochs):
+        for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
+            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
+                                  device=mask.device)
+            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            opt.zero_grad(set_to_none=True)
+            for idx in micro(mb_idx):
+                logp, ent = logprobs_of(model, idx, True)
+                mb = {"adv": adv[idx], "mask": mask[idx], "old": old[idx], "values": values_of(idx),
+                      "old_values": old_v[idx], "returns": returns[idx]}
+                loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
+                if not torch.isfinite(loss):
+                    raise SystemExit(f"non-finite loss at step {step}; the last checkpoint is intact. "
+                                     "Lower --lr / --vf-lr or check the rewards.")
+                loss.backward()
+                for k, v in {**token_stats, "entropy": ent}.items():
+                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / n_tokens
+            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
+            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step, critic)
+            n_opt += 1
+    return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, **before}
 
 
 def save_critic(path: Path, critic: Critic) -> None:
@@ -335,189 +408,90 @@ def save_critic(path: Path, critic: Critic) -> None:
     save_file({k: v.detach().cpu().contiguous() for k, v in critic.state_dict().items()}, path / "critic.safetensors")
 
 
+def load_critic(path: Path, critic: Critic) -> None:
+    from safetensors.torch import load_file
+
+    critic.load_state_dict(load_file(path / "critic.safetensors"))
+
+
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
     from accelerate import Accelerator
 
     accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    rank, world = accel.process_index, accel.num_processes
+    rank, is_main = accel.process_index, accel.is_main_process
     torch.set_num_threads(args.threads)
     common.set_seed(args.seed)
-    device = accel.device
     task = common.make_task(args.task, args.digits)
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
-    model, tok = common.load_model(args.model, device)
+    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    model, tok = common.load_model(args.model, accel.device)
     model.train()
-    critic = Critic(model).to(device).train()
+    critic = Critic(model).to(accel.device).train()
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    engine = None
-    if args.engine == "vllm":
-        engine = common.VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank)
-
+    engine = common.VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
+        if args.engine == "vllm" else None
     opt = torch.optim.AdamW([{"params": list(model.parameters()), "lr": args.lr},
                              {"params": list(critic.parameters()), "lr": args.vf_lr}], weight_decay=args.weight_decay)
-    base_lrs = [args.lr, args.vf_lr]
-    total_opt_steps = args.steps * args.ppo_epochs * args.minibatches
+
     run_dir = Path(args.out_dir) / args.exp_name
-    eval_rng = np.random.default_rng(12345)  # the same held-out prompts in every script
-    eval_sets = {"main": task.sample("test", args.eval_examples, eval_rng)}
-    if hard_task is not None:
-        eval_sets["hard"] = hard_task.sample("test", min(args.eval_examples, 300), eval_rng)
-
-    start_step, history, state = 0, [], {}
+    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
     if args.resume:
-        from safetensors.torch import load_file
-
-        state = common.load_checkpoint(args.resume, model, opt)
-        critic.load_state_dict(load_file(Path(args.resume) / "critic.safetensors"))
-        start_step, history = state["step"], state["history"]
-        if engine is not None:
-            engine.sync_weights(model)
-    tracker = common.Tracker(run_dir, args, args.track and accel.is_main_process, run_name=args.exp_name) \
-        if accel.is_main_process else None
-    timer = common.Timer()
-    t_start = time.time() - state.get("wall_s", 0.0)
-    gen_tokens = state.get("gen_tokens", 0)
-    gen_time = state.get("gen_time", 0.0)
+        load_critic(Path(args.resume), critic)
+    if args.resume and engine is not None:
+        engine.sync_weights(model)
+    start_step, history = state.get("step", 0), state.get("history", [])
+    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
+    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
+    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task, engine)
 
     def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
         if tracker is not None:
             tracker.log(metrics, step)
 
-    if start_step == 0 and accel.is_main_process:
-        log(run_eval(model, tok, task, hard_task, eval_sets, args, engine), 0)
-
-    bar = tqdm(range(start_step + 1, args.steps + 1), desc="ppo", dynamic_ncols=True, disable=not accel.is_main_process,
+    if start_step == 0 and is_main:
+        log(evaluate(), 0)
+    bar = tqdm(range(start_step + 1, args.steps + 1), desc="ppo", dynamic_ncols=True, disable=not is_main,
                initial=start_step, total=args.steps)
     for step in bar:
         # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
         torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
         rng = np.random.default_rng([args.seed, step, rank])
-
-        # ---- rollout ----
-        examples = task.sample("train", args.prompts_per_step, rng)
         with timer("gen"):
-            ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
-                                 args.max_new_tokens, args.temperature, args.top_p, engine=engine)
-        answers = [e.answer for e in examples for _ in range(args.group_size)]
-        scores = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
-        lengths = ro.completion_mask.sum(1).float()
-        gen_tokens += int(lengths.sum())
-        gen_time += timer.totals["gen"]
-        batch = {k: getattr(ro, k).to(device) for k in
-                 ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
-
-        def logprobs_of(m, idx):
-            return common.token_logprobs(m, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
-                                         batch["completion_ids"][idx], batch["completion_mask"][idx], args.temperature)
-
-        def values_of(idx):
-            return critic_values(critic, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
-                                 batch["completion_ids"][idx], batch["completion_mask"][idx])
-
-        # ---- pi_old, V_old, pi_ref; per-token rewards; GAE (no grad) ----
-        B = len(ro.texts)
-        mask = batch["completion_mask"].float()
-        with timer("train"), torch.no_grad():
-            micro = [torch.arange(s, min(s + args.micro_batch_size, B)) for s in range(0, B, args.micro_batch_size)]
-            batch["old"] = torch.cat([logprobs_of(model, i) for i in micro])
-            batch["old_v"] = torch.cat([values_of(i) for i in micro])
-            ref = torch.cat([logprobs_of(ref_model, i) for i in micro]) if ref_model is not None else None
-            rewards = token_rewards(scores, mask, batch["old"], ref, args.kl_coef)
-            adv, batch["returns"] = gae(rewards, batch["old_v"], mask, args.gamma, args.gae_lambda)
-            batch["adv"] = whiten(adv, mask) if args.whiten_adv else adv
-            ev = explained_variance(batch["old_v"], batch["returns"], mask)
-            kl_ref = common.masked_mean(k3_kl(batch["old"], ref), mask).item() if ref is not None else 0.0
-            mismatch = common.masked_mean((batch["old"] - batch["logprobs"]).abs(), mask).item()
-
-        # ---- update ----
-        stats = {"pg": 0.0, "vf": 0.0, "clipfrac": 0.0, "vf_clipfrac": 0.0, "grad_norm": 0.0}
-        n_upd = 0
+            batch = rollout(model, tok, task, args, rng, accel.device, engine)
         with timer("train"):
-            for _epoch in range(args.ppo_epochs):
-                perm = torch.randperm(B) if args.minibatches > 1 else torch.arange(B)
-                for mb in perm.chunk(args.minibatches):
-                    n_tok = torch.tensor(float(batch["completion_mask"][mb].sum()), device=device)
-                    if world > 1:
-                        n_tok = accel.reduce(n_tok, "sum")
-                    n_tokens = max(int(n_tok), 1)
-                    opt.zero_grad(set_to_none=True)
-                    for idx in mb.split(args.micro_batch_size):
-                        logp, values = logprobs_of(model, idx), values_of(idx)
-                        m = mask[idx]
-                        pg, clipped = clipped_pg_loss(logp, batch["old"][idx], batch["adv"][idx], args.clip_eps)
-                        vf = clipped_value_loss(values, batch["old_v"][idx], batch["returns"][idx], args.vf_clip)
-                        loss = common.masked_sum(pg + args.vf_coef * vf, m) / n_tokens
-                        if not torch.isfinite(loss):
-                            raise SystemExit(f"non-finite loss at step {step}; the last checkpoint in {run_dir} "
-                                             "is intact. Lower --lr / --vf-lr or check the rewards.")
-                        loss.backward()
-                        stats["pg"] += common.masked_sum(pg.detach(), m).item() / n_tokens
-                        stats["vf"] += common.masked_sum(vf.detach(), m).item() / n_tokens
-                        stats["clipfrac"] += common.masked_sum(clipped, m).item() / n_tokens
-                        moved = ((values.detach() - batch["old_v"][idx]).abs() > args.vf_clip).float()
-                        stats["vf_clipfrac"] += common.masked_sum(moved, m).item() / n_tokens
-                    if world > 1:  # the loss was normalised by global counts, so summed gradients are exact
-                        for p in list(model.parameters()) + list(critic.parameters()):
-                            if p.grad is not None:
-                                p.grad = accel.reduce(p.grad, "sum")
-                    stats["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-                    torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-                    opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_upd  # derived: resume-safe
-                    for group, base in zip(opt.param_groups, base_lrs):
-                        group["lr"] = base * lr_factor(opt_step, total_opt_steps, args)
-                    opt.step()
-                    n_upd += 1
+            stats = update(model, opt, batch, ppo_loss, args, step, accel, ref_model, critic)
         if engine is not None:
             with timer("sync"):
                 engine.sync_weights(model)
-
         t = timer.pop()
-        metrics = {
-            "rollout/reward": scores.mean().item(),
-            "rollout/length": lengths.mean().item(),
-            "rollout/truncated_frac": float(np.mean([f == "length" for f in ro.finish_reasons])),
-            "rollout/tokens_per_s": lengths.sum().item() / max(t.get("gen", 1e-9), 1e-9),
-            "rollout/logprob_mismatch": mismatch,  # sampler vs trainer, before any update
-            "value/explained_var": ev, "value/mean": common.masked_mean(batch["old_v"], mask).item(),
-            "loss/pg": stats["pg"] / n_upd, "loss/vf": stats["vf"] / n_upd, "loss/kl": kl_ref,
-            "loss/clipfrac": stats["clipfrac"] / n_upd, "loss/vf_clipfrac": stats["vf_clipfrac"] / n_upd,
-            "loss/grad_norm": stats["grad_norm"] / n_upd, "perf/lr": opt.param_groups[0]["lr"],
-            "perf/gen_s": t.get("gen", 0.0), "perf/train_s": t.get("train", 0.0), "perf/sync_s": t.get("sync", 0.0),
-        }
-        if accel.is_main_process and (step % args.eval_every == 0 or step == args.steps):
-            metrics.update(run_eval(model, tok, task, hard_task, eval_sets, args, engine))
+        gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
+        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
+                                            args.group_size, t["gen"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
+                   **{f"perf/{k}_s": v for k, v in t.items()}}
+        if args.group_size == 1:  # no groups: a zero-variance-group fraction means nothing
+            del metrics["rollout/zero_var_group_frac"]
+        if is_main and (step % args.eval_every == 0 or step == args.steps):
+            metrics.update(evaluate())
         log(metrics, step)
-        bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", ev=f"{ev:.2f}",
-                        acc=f"{[h for h in history if 'eval/acc' in h][-1]['eval/acc']:.2f}" if accel.is_main_process else "")
-        if accel.is_main_process and (args.save_every and step % args.save_every == 0 or step == args.steps):
+        if is_main:
+            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", ev=f"{metrics['value/explained_var']:.2f}",
+                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
+        if is_main and (args.save_every and step % args.save_every == 0 or step == args.steps):
             common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
                                    {"step": step, "history": history, "wall_s": time.time() - t_start,
                                     "gen_tokens": gen_tokens, "gen_time": gen_time})
             save_critic(run_dir / "checkpoint", critic)
-
-    if not accel.is_main_process:
+    if not is_main:
         return {}
-    evals = [h for h in history if "eval/acc" in h]
-    train = [h for h in history if "rollout/reward" in h]
-    summary = {
-        "eval_acc_start": evals[0]["eval/acc"], "eval_acc_end": evals[-1]["eval/acc"],
-        "eval_acc_best": max(h["eval/acc"] for h in evals),
-        "train_reward_first": train[0]["rollout/reward"], "train_reward_last": train[-1]["rollout/reward"],
-        "gen_tokens": gen_tokens, "tokens_per_s": gen_tokens / max(gen_time, 1e-9), "wall_s": time.time() - t_start,
-        "logprob_mismatch": float(np.mean([h["rollout/logprob_mismatch"] for h in train])),
-        "explained_var_last": float(np.nanmean([h["value/explained_var"] for h in train[-10:]])),
-    }
-    for key in ("acc_hard", f"pass@{args.pass_k}"):
-        if f"eval/{key}" in evals[-1]:
-            summary[f"eval_{key}_start"], summary[f"eval_{key}_end"] = evals[0][f"eval/{key}"], evals[-1][f"eval/{key}"]
-    save_curve(history, run_dir / "curve.png", f"PPO on {task.name} ({args.model})")
-    print(f"held-out greedy accuracy {summary['eval_acc_start']:.3f} -> {summary['eval_acc_end']:.3f} "
-          f"(+{100 * (summary['eval_acc_end'] - summary['eval_acc_start']):.1f} points) in {summary['wall_s']:.0f}s; "
-          f"{summary['tokens_per_s']:.0f} generated tokens/s; critic explained variance "
-          f"{summary['explained_var_last']:.2f}")
+    summary = common.summarize(history, gen_tokens, gen_time, time.time() - t_start)
+    ev = [h["value/explained_var"] for h in history if "value/explained_var" in h]
+    summary["explained_var_last"] = float(np.nanmean(ev[-10:]))
+    common.save_curve(history, run_dir / "curve.png", f"PPO on {task.name} ({args.model})")
     return tracker.finish(summary)
 
 
