@@ -567,10 +567,12 @@ def rollout_metrics(rewards: torch.Tensor, completion_mask: torch.Tensor, finish
                     group_size: int, gen_s: float) -> dict:
     """The rollout/ namespace of one batch: reward, length, truncation, zero-variance groups, tokens/s."""
     lengths = completion_mask.sum(1).float()
-    return {"rollout/reward": rewards.float().mean().item(), "rollout/length": lengths.mean().item(),
-            "rollout/truncated_frac": float(np.mean([f == "length" for f in finish_reasons])),
-            "rollout/zero_var_group_frac": (rewards.view(-1, group_size).std(1) == 0).float().mean().item(),
-            "rollout/tokens_per_s": lengths.sum().item() / max(gen_s, 1e-9)}
+    out = {"rollout/reward": rewards.float().mean().item(), "rollout/length": lengths.mean().item(),
+           "rollout/truncated_frac": float(np.mean([f == "length" for f in finish_reasons])),
+           "rollout/tokens_per_s": lengths.sum().item() / max(gen_s, 1e-9)}
+    if group_size > 1:  # a group of one has no variance to speak of
+        out["rollout/zero_var_group_frac"] = (rewards.view(-1, group_size).std(1) == 0).float().mean().item()
+    return out
 
 
 def summarize(history: list[dict], gen_tokens: int, gen_time: float, wall_s: float) -> dict:

@@ -332,6 +332,7 @@ def test_rollout_metrics():
     m = common.rollout_metrics(rewards, mask, ["stop", "length", "stop", "stop"], 2, gen_s=0.5)
     assert m["rollout/reward"] == 0.75 and m["rollout/length"] == 2.25 and m["rollout/truncated_frac"] == 0.25
     assert m["rollout/zero_var_group_frac"] == 0.5 and m["rollout/tokens_per_s"] == 18.0
+    assert "rollout/zero_var_group_frac" not in common.rollout_metrics(rewards, mask, ["stop"] * 4, 1, gen_s=1.0)
 
 
 def test_summarize_and_save_curve(tmp_path):
