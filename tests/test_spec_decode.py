@@ -1,6 +1,7 @@
-"""algos/spec_decode.py: losslessness on a tiny vocabulary (one and two tokens), the wrong accept rule fails the
-same test, exact greedy with the real tiny models, tokens per call against the formula, the kernel's reference,
-bad input."""
+"""algos/spec_decode.py: losslessness on a tiny vocabulary (one and two tokens; whole 5-token sequences with
+gamma >= 3 drafts, accepted chains, a context-dependent target, ragged draft lengths and EOS), the wrong accept
+rule fails the same test, exact greedy with the real tiny models, tokens per call against the formula, the
+kernel's reference, bad input."""
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -75,16 +76,165 @@ def test_lossless_one_and_two_token_distribution(drafter_kind, temperature, top_
         assert st.accepted > 0
 
 
-def test_wrong_accept_rule_fails_the_same_test(monkeypatch):
-    """min(1, q/p) instead of min(1, p/q): the two-token distribution is visibly off."""
-    monkeypatch.setattr(sd, "accept_prob", lambda p_x, q_x: torch.clamp(q_x / p_x.clamp(min=1e-30), max=1.0))
+# ---- whole sequences, gamma >= 3: chains of accepted drafts, a context-dependent target, ragged drafts ----
+VC, MC = 4, 3  # vocabulary and context classes of the context-dependent toy model
+
+
+class ToyContextLM(torch.nn.Module):
+    """Next-token logits = table[last token] + ctx[(sum of every visible token) mod MC]: the distribution depends
+    on the whole context, accepted drafts included, so a rejected draft left visible in the cache (or a hole
+    that is not masked) changes it. Its "KV cache" is the ids fed so far; it attends where attention_mask is 1."""
+
+    def __init__(self, table, ctx):
+        super().__init__()
+        self.table = torch.nn.Parameter(table.clone(), requires_grad=False)
+        self.ctx = torch.nn.Parameter(ctx.clone(), requires_grad=False)
+
+    def logits_of(self, ids, mask):
+        return self.table[ids] + self.ctx[(ids * mask).cumsum(1) % MC]
+
+    def forward(self, input_ids, attention_mask=None, past_key_values=None, logits_to_keep=1, **kw):
+        ids = input_ids if past_key_values is None else torch.cat([past_key_values, input_ids], 1)
+        mask = torch.ones_like(ids) if attention_mask is None else attention_mask
+        return SimpleNamespace(logits=self.logits_of(ids, mask)[:, -logits_to_keep:], past_key_values=ids)
+
+    def next_probs(self, context, temperature=1.0, top_p=1.0):
+        t = torch.tensor([context])
+        return sd.process_logits(self.logits_of(t, torch.ones_like(t))[0, -1], temperature, top_p)
+
+
+def context_pair(seed=0, noise=0.6):
+    """A target and a draft close to it (acceptance ~0.9, so chains of 3-4 accepted drafts are common)."""
+    g = torch.Generator().manual_seed(seed)
+    t, c = torch.randn(VC, VC, generator=g) * 1.5, torch.randn(MC, VC, generator=g) * 1.5
+    d, dc = t + noise * torch.randn(VC, VC, generator=g), c + noise * torch.randn(MC, VC, generator=g)
+    return ToyContextLM(t, c), ToyContextLM(d, dc)
+
+
+def exact_sequences(model, prompt, L, eos=-1, temperature=1.0, top_p=1.0) -> dict:
+    """P(completion) under plain sampling, for every completion (length L, or ending at EOS)."""
+    out = {}
+
+    def rec(seq, pr):
+        if pr == 0.0:
+            return
+        if len(seq) == L or (seq and seq[-1] == eos):
+            out[tuple(seq)] = pr
+            return
+        p = model.next_probs(prompt + seq, temperature, top_p)
+        for v in range(p.shape[0]):
+            rec(seq + [v], pr * float(p[v]))
+
+    rec([], 1.0)
+    return out
+
+
+def chi2_pvalue(comp, probs) -> float:
+    """Pearson chi-square of the sampled completions against `probs` (cells with expected count < 5 pooled).
+    A completion that plain sampling cannot produce fails at once."""
+    n, counts = len(comp), {}
+    for c in comp:
+        counts[tuple(c)] = counts.get(tuple(c), 0) + 1
+    impossible = [k for k in counts if k not in probs]
+    assert not impossible, f"completions plain sampling never makes: {impossible[:3]}"
+    obs, exp, pooled_o, pooled_e = [], [], 0, 0.0
+    for k, p in probs.items():
+        if p * n < 5:
+            pooled_o, pooled_e = pooled_o + counts.get(k, 0), pooled_e + p * n
+        else:
+            obs.append(counts.get(k, 0))
+            exp.append(p * n)
+    if pooled_e > 0:
+        obs.append(pooled_o)
+        exp.append(pooled_e)
+    o, e = torch.tensor(obs, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64)
+    stat = ((o - e) ** 2 / e).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64), stat / 2))
+
+
+class RaggedDrafter:
+    """A model drafter whose rows keep a random number (0..k) of their k drafts, drawn independently of the
+    drafted tokens (so sampling stays exact): one target call verifies rows of different draft lengths."""
+
+    name = "ragged"
+
+    def __init__(self, inner, seed=0):
+        self.inner, self.gen = inner, torch.Generator().manual_seed(seed)
+
+    @property
+    def calls(self):
+        return self.inner.calls
+
+    def reset(self, n_rows):
+        self.inner.reset(n_rows)
+
+    def propose(self, all_seqs, rows, k):
+        toks, q, n = self.inner.propose(all_seqs, rows, k)
+        return toks, q, torch.minimum(n, torch.randint(0, k + 1, (len(rows),), generator=self.gen))
+
+
+NS, LS = 16000, 5  # samples; completion length (gamma >= 3 drafts fit: the first round has room for 4)
+MULTI = {  # name: (drafter kind, gamma, temperature, top_p, eos, waves)
+    "chain": ("model", 3, 1.0, 1.0, -1, 1),
+    "chain-topp": ("model", 4, 0.7, 0.9, -1, 1),
+    "ragged-eos": ("ragged", 4, 1.0, 1.0, 3, 1),
+    "ngram": ("ngram", 3, 1.0, 1.0, -1, 2),
+}
+
+
+def run_multi(case, monkeypatch):
+    """Sample NS completions of LS tokens speculatively; record every verify call's (n_draft, n_acc)."""
+    kind, gamma, temperature, top_p, eos, waves = MULTI[case]
     torch.manual_seed(0)
-    target, draft = toy_pair()
-    comp, _, _, _ = sd.spec_generate(target, [[2]] * (N // 8), 8, 2, 0, -1, sd.ModelDrafter(draft, 0, 1.0, 1.0, False),
-                                     gamma=3)
-    p1, joint = exact_two_token(target, 2, 1.0, 1.0)
-    tv2 = 0.5 * (empirical(comp, N) - joint).abs().sum().item()
-    assert tv2 > 0.06, tv2  # measured about 0.1 with this pair; the correct rule stays under 0.03
+    target, draft = context_pair()
+    if kind == "ngram":
+        drafter = sd.NgramDrafter(group_size=8, vocab=VC, n_max=2)
+    else:
+        drafter = sd.ModelDrafter(draft, 0, temperature, top_p, False)
+        drafter = RaggedDrafter(drafter) if kind == "ragged" else drafter
+    seen, verify = [], sd.verify
+
+    def spy(drafts, q, p, n_draft, u):
+        tokens, n_acc = verify(drafts, q, p, n_draft, u)
+        seen.append((n_draft.clone(), n_acc.clone()))
+        return tokens, n_acc
+
+    monkeypatch.setattr(sd, "verify", spy)
+    comp, lps, st, _ = sd.spec_generate(target, [[1]] * (NS // 8), 8, LS, pad_id=0, eos_id=eos, drafter=drafter,
+                                        gamma=gamma, temperature=temperature, top_p=top_p, waves=waves)
+    return target, comp, lps, seen
+
+
+@pytest.mark.parametrize("case", list(MULTI))
+def test_lossless_whole_sequences_with_long_drafts(case, monkeypatch):
+    """Chi-square of whole completions against plain sampling, with drafts of 3-4 tokens in one round."""
+    target, comp, lps, seen = run_multi(case, monkeypatch)
+    kind, gamma, temperature, top_p, eos, _ = MULTI[case]
+    probs = exact_sequences(target, [1], LS, eos, temperature, top_p)
+    pval = chi2_pvalue(comp, probs)
+    assert pval > 1e-3, pval
+    # the cases exercise what they name: drafts of >= 3 tokens, accepted chains of >= 2 drafts (model drafts:
+    # whole 3-token chains), and, for ragged, rows of different draft lengths verified in the same target call
+    n_draft = torch.cat([d for d, _ in seen])
+    n_acc = torch.cat([a for _, a in seen])
+    assert int(n_draft.max()) >= 3 and int((n_acc >= 2).sum()) > 100, (n_draft.max(), (n_acc >= 2).sum())
+    if kind != "ngram":
+        assert int((n_acc >= 3).sum()) > 1000
+    if kind == "ragged":
+        assert sum(len(set(d.tolist())) >= 3 for d, _ in seen) >= 2
+        assert len({len(c) for c in comp}) >= 3  # EOS ends rows at different lengths
+    # behaviour log-probs: the target's processed log-prob of every emitted token, at every position
+    for c, lp in list(zip(comp, lps))[:40]:
+        for t in range(len(c)):
+            want = torch.log(target.next_probs([1] + c[:t], temperature, top_p)[c[t]]).item()
+            assert abs(lp[t] - want) < 1e-4, (c, t, lp[t], want)
+
+
+def test_wrong_accept_rule_fails_the_same_test(monkeypatch):
+    """min(1, q/p) instead of min(1, p/q): the whole-sequence test above rejects it outright."""
+    monkeypatch.setattr(sd, "accept_prob", lambda p_x, q_x: torch.clamp(q_x / p_x.clamp(min=1e-30), max=1.0))
+    target, comp, _, _ = run_multi("chain", monkeypatch)
+    assert chi2_pvalue(comp, exact_sequences(target, [1], LS)) < 1e-6
 
 
 def test_tokens_per_call_matches_formula():
