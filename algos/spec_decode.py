@@ -11,8 +11,10 @@ Equations (each implemented by the function named on the right):
   accept draft x_j         u_j < min(1, p_j(x_j) / q_j(x_j))                                       accept_prob
   first rejection at j     emit y ~ norm(max(0, p_j - q_j)) and stop the round                      verify
   all gamma accepted       emit a bonus y ~ p_gamma                                                 verify
-  Every emitted token is then distributed exactly as the target's p (tests/test_spec_decode.py checks one- and
-  two-token distributions, and that the wrong rule min(1, q/p) fails the same check).
+  Every emitted token is then distributed exactly as the target's p. tests/test_spec_decode.py checks one- and
+  two-token distributions and, by a chi-square test, whole 5-token sequences with 3- and 4-token drafts
+  (accepted chains, a target whose distribution depends on the whole context, rows of different draft
+  lengths, EOS), and that the wrong rule min(1, q/p) fails the same check.
   expected acceptance      alpha = E_x[ sum_v min(p(v), q(v)) ]  (per tested position)             spec_generate
   tokens per target call   E[n] = (1 - alpha^(gamma+1)) / (1 - alpha)                          tokens_per_call_theory
   speedup with cost c      S = E[n] / (gamma c + 1),  c = cost(draft call) / cost(target call)    speedup_theory
@@ -27,10 +29,14 @@ Drafters (all give the same output distribution; they differ in acceptance and c
   none    plain autoregressive sampling through the same loop (gamma = 0), the reference for call counts.
 
 Deviations:
-- No KV cache: every round re-runs each (prompt + generated + draft) sequence, left-padded, in one batched
-  forward. At this scale a call costs the same with or without a cache (per-call overhead dominates; measured
-  in benchmarks/results/spec_rollout.md, where the plain baseline is HF `generate` with its KV cache), and
-  re-running makes ragged acceptance trivial: no cache rewinding. A real model wants a cache with rollback.
+- KV cache with rollback by masking (CachedLM): the target, and the draft model, each keep one HF KV cache over
+  all rows. A round feeds each row only the tokens missing from its cache (last round's resampled or bonus
+  token, since accepted drafts are cached already, plus the new drafts; a row whose whole sequence is cached
+  feeds its last token again to get its next logits), right-aligned in one chunk with explicit position ids;
+  after the prompt, a round's target forward covers at most gamma + 1 new positions per row. Rejected drafts
+  are never recomputed and never removed: `sync` sets their cache columns' attention mask to 0, so they become
+  holes, as do the unused slots of rows with shorter chunks. The cache grows by the longest chunk every round
+  and is never compacted: fine for short rollouts; a serving engine (vLLM's paged cache) frees those slots.
 - Batched in lock-step: all live rows of a batch do one round together, so the batch needs as many target
   calls as its slowest row. We report both the batched calls and the per-sequence forwards (what a
   continuous-batching engine such as vLLM would save).

@@ -289,6 +289,32 @@ def test_process_logits_matches_hf_top_p():
 
 
 # ---- real tiny models ----
+def test_cached_lm_feeds_only_new_tokens_and_masks_rejected_drafts():
+    """The header's cache: a round feeds only uncached tokens; rejected drafts stay in the cache as masked holes,
+    never recomputed; the logits equal an uncached forward of each row's true sequence."""
+    import common
+
+    model, tok = common.load_model("tiny-0.6m")
+    model.eval()
+    widths = []
+    model.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    enc = lambda t: tok(t)["input_ids"]
+    seqs = [enc("12+34="), enc("5+6="), enc("99+1=")]
+    lm = sd.CachedLM(model, 3, tok.pad_token_id)
+    lm.step(seqs, 1)
+    d = enc("7")[-1], enc("8")[-1], enc("9")[-1]
+    lm.step([seqs[0] + list(d), seqs[1] + [d[0]], seqs[2]], 4)  # drafts of lengths 3, 1, 0
+    # row 0 accepts its first draft and resamples; row 1 rejects its draft; row 2 emits one token
+    new = [seqs[0] + [d[0], d[2]], seqs[1] + [d[1]], seqs[2] + [d[2]]]
+    out = lm.step(new, 1)
+    assert widths[-1] == 1  # one new token per row, nothing re-run
+    assert lm.mask.sum(1).tolist() == [len(s) for s in new]  # rejected drafts masked out
+    with torch.no_grad():
+        for j, s in enumerate(new):
+            ref = model(input_ids=torch.tensor([s])).logits[0, -1].float()
+            assert torch.allclose(out[j, -1], ref, atol=1e-4), j
+
+
 def test_greedy_equals_target_greedy_token_for_token(tmp_path):
     s = sd.main(sd.Args(greedy=True, prompts=6, group_size=2, max_new_tokens=24, out_dir=str(tmp_path),
                         exp_name="g"))
