@@ -1,35 +1,44 @@
 """DAPO: Decoupled Clip and Dynamic sAmpling Policy Optimization (GRPO plus four changes).
 
 Paper: Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", arXiv:2503.14476.
-Parent: algos/grpo.py (`diff algos/grpo.py algos/dapo.py` shows the four changes and little else).
 
 Equations (each implemented by the function named on the right):
   group advantage   A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)       group_advantages
   clip-higher       l_it = -min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i),
                     eps_high (0.28) > eps_low (0.2)                             clipped_pg_loss
-  token-level loss  J = 1/sum_i |o_i|  sum_i sum_t l_it  (--loss-agg token-mean)  aggregate_loss
+  token-level loss  J = 1/sum_i |o_i|  sum_i sum_t l_it  (--loss-agg token-mean)  aggregate_loss (grpo_loss)
   dynamic sampling  keep only groups with 0 < #correct < G; sample more prompts until the batch holds
-                    prompts_per_step such groups (at most --max-sample-rounds rounds)  informative_groups
+                    prompts_per_step such groups (at most --max-sample-rounds rounds)  informative_groups, rollout
   overlong shaping  R_len(y) = 0                              if |y| <= L_max - L_cache
                                (L_max - L_cache - |y|) / L_cache  if L_max - L_cache < |y| <= L_max
                                -1                             if |y| > L_max (cannot happen: generation
                     stops at L_max);  r = r_verifier + R_len   (L_max = max_new_tokens,
                     L_cache = --overlong-buffer)                                overlong_penalty
-  overlong filter   truncated responses (finish_reason 'length') get zero loss weight  (--overlong-filter)
+  overlong filter   truncated responses (finish_reason 'length') get zero loss weight  (--overlong-filter)  rollout
+
+Parent: algos/grpo.py; changed: Args, check_args, rollout, main.
+
+`diff algos/grpo.py algos/dapo.py` shows the four changes and little else: the loss is grpo_loss with DAPO's
+defaults (clip-higher, token-mean), and the rollout filters, refills and shapes the batch.
 
 Deviations from the paper:
 - Dynamic sampling has a cap: after --max-sample-rounds generation rounds the step trains on the
   informative groups it has (fewer than prompts_per_step), or skips the update if it has none. DAPO samples
   until the batch is full. The metric rollout/rollouts_per_informative_group = sequences sampled this step /
-  informative groups kept is what dynamic sampling costs.
-- --rollout-budget (off by default) stops training once that many sequences have been sampled, so that a
-  comparison can give DAPO the same rollouts as GRPO; DAPO counts training steps, not rollouts.
+  informative groups kept (all processes together) is what dynamic sampling costs.
+- With several processes the ranks decide together: after each round one gather (entered by every rank the
+  same number of times) says how many groups each rank holds; a full rank stops drawing and waits, and all
+  stop once every rank is full or the cap is spent. Each rank then trains on the fewest groups any rank holds
+  (the others' extra groups are dropped), so every rank does the same work, and all skip the update together
+  when one rank has none. DAPO fills one global batch instead.
+- --rollout-budget (off by default) stops training once that many sequences have been sampled (all processes
+  together), so that a comparison can give DAPO the same rollouts as GRPO; DAPO counts training steps.
 - The soft overlong penalty is added to the 0/1 verifier reward before the group advantage, as in the
   paper; the informative-group test uses the verifier reward only (DAPO filters on accuracy), so a length
   penalty alone never makes a group informative.
 - KL to the reference is off by default (as DAPO); the option is kept.
 - Everything else as algos/grpo.py (exact verifier reward, unbiased std, pi_old = pi_theta.detach() when
-  on-policy, accelerate for several processes).
+  on-policy, rollout/logprob_mismatch measured before any update, accelerate for several processes).
 
 Commands:
   python algos/dapo.py                                          # tiny default (300 steps), 2-core CPU
@@ -37,6 +46,8 @@ Commands:
   python algos/dapo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm --device cuda \
       --max-new-tokens 512 --overlong-buffer 128 --prompts-per-step 64 --lr 1e-6          # one GPU
   accelerate launch --num_processes 4 algos/dapo.py --model ... --device cuda         # several GPUs
+  accelerate launch --multi_gpu --num_processes 2 algos/dapo.py --device cpu --threads 1   # 2 CPU processes
+  (`--cpu --num_processes 2` starts one process unless mpirun is set up; --multi_gpu uses torchrun + gloo)
 Expected: held-out greedy accuracy on 2-digit addition +10.4 +- 2.8 points after 20 steps = 10240 sampled
 sequences (3 seeds, benchmarks/results/grpo_family.md, rows in benchmarks/results/grpo_family.csv).
 """
@@ -107,7 +118,7 @@ class Args:
     kl_coef: float = 0.0
     """weight of the k3 KL to the frozen initial policy (0 = no reference model)"""
     loss_agg: Literal["seq-mean", "token-mean", "const"] = "token-mean"
-    """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / A-56: divide by --agg-const per sequence)"""
+    """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
     agg_const: int = 0
     """the constant k of --loss-agg const (0 = max_new_tokens)"""
     dynamic_sampling: bool = True
@@ -121,7 +132,7 @@ class Args:
     overlong_filter: bool = False
     """give truncated responses (no EOS within max_new_tokens) zero loss weight"""
     rollout_budget: int = 0
-    """stop once this many sequences have been sampled (0 = run all --steps)"""
+    """stop once this many sequences have been sampled, all processes together (0 = run all --steps)"""
     # optimisation
     steps: int = 300
     """training steps (each samples 1..max_sample_rounds rollout batches, then ppo_epochs * minibatches
@@ -195,7 +206,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = Tr
         adv = adv / (r.std(1, keepdim=True) + eps)
     return adv.view(-1)
 
-
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Dynamic sampling's filter: [n_groups] bool, True where the group's rewards are not all equal."""
     r = rewards.view(-1, group_size)
@@ -211,27 +221,6 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: f
     pen = torch.where(lengths > start, pen, torch.zeros_like(pen))
     return factor * torch.where(lengths > max_len, torch.full_like(pen, -1.0), pen)
 
-
-def concat_rollouts(parts: list, pad_id: int) -> common.Rollout:
-    """Stack rollouts of several generation rounds (prompts left-padded, completions right-padded)."""
-    P = max(r.prompt_ids.shape[1] for r in parts)
-    C = max(r.completion_ids.shape[1] for r in parts)
-    lp = lambda x, w, v: torch.nn.functional.pad(x, (w - x.shape[1], 0), value=v)  # noqa: E731
-    rp = lambda x, w, v: torch.nn.functional.pad(x, (0, w - x.shape[1]), value=v)  # noqa: E731
-    return common.Rollout(
-        torch.cat([lp(r.prompt_ids, P, pad_id) for r in parts]), torch.cat([lp(r.prompt_mask, P, 0) for r in parts]),
-        torch.cat([rp(r.completion_ids, C, pad_id) for r in parts]),
-        torch.cat([rp(r.completion_mask, C, 0) for r in parts]), torch.cat([rp(r.logprobs, C, 0.0) for r in parts]),
-        [f for r in parts for f in r.finish_reasons], [t for r in parts for t in r.texts])
-
-
-def select_groups(ro: common.Rollout, keep: torch.Tensor, group_size: int) -> common.Rollout:
-    """The sequences of the groups where keep [n_groups] is True (group-major order preserved)."""
-    rows = torch.nonzero(keep.repeat_interleave(group_size)).squeeze(1)
-    idx = rows.tolist()
-    return common.Rollout(ro.prompt_ids[rows], ro.prompt_mask[rows], ro.completion_ids[rows],
-                          ro.completion_mask[rows], ro.logprobs[rows], [ro.finish_reasons[i] for i in idx],
-                          [ro.texts[i] for i in idx])
 
 
 def clipped_pg_loss(logp, old_logp, adv, eps_low: float, eps_high: float):
@@ -266,7 +255,113 @@ def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, cons
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
-# ---- helpers of the loop ----
+def agg_const(args: Args) -> int:
+    """The constant k of --loss-agg const (default: the generation budget, as Dr. GRPO)."""
+    return args.agg_const or args.max_new_tokens
+
+
+def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """This micro-batch's share of J: clipped surrogate + kl_coef * k3 KL, aggregated over the step.
+
+    logp [b, C] (with grad); mb holds old, ref (or None), adv [b], mask [b, C]. Returns (loss, per-token stats).
+    """
+    tok_loss, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    stats = {"clipfrac": clipped}
+    if mb["ref"] is not None:
+        kl = k3_kl(logp, mb["ref"])
+        tok_loss, stats["kl"] = tok_loss + args.kl_coef * kl, kl
+    return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
+
+
+def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """grpo_loss from the fused Triton kernel (--kernels on a GPU): the same value and gradient.
+
+    The kernel normalises inside the micro-batch (token or sequence mean); rescaling by this micro-batch's
+    share of the step's sequences or tokens gives aggregate_loss's step-level normaliser.
+    """
+    from kernels.clipped_pg_loss import clipped_pg_loss as fused
+
+    mask = mb["mask"]
+    loss, kst = fused(logp, mb["old"], mb["adv"], mask, args.clip_eps_low, args.clip_eps_high, ref_logp=mb["ref"],
+                      beta=args.kl_coef, reduction="seq_mean" if args.loss_agg == "seq-mean" else "token_mean")
+    mb_tokens = float(mask.sum())
+    scale = {"seq-mean": mask.shape[0] / n_seqs, "token-mean": mb_tokens / max(n_tokens, 1),
+             "const": mb_tokens / (n_seqs * agg_const(args))}[args.loss_agg]
+    return loss * scale, {"clipfrac": torch.full_like(mask, float(kst["clip_frac"]))}  # micro-batch mean
+
+
+# ---- rollout (dynamic sampling) and update ----
+def concat_rollouts(parts: list, pad_id: int) -> common.Rollout:
+    """Stack rollouts of several generation rounds (prompts left-padded, completions right-padded)."""
+    P = max(r.prompt_ids.shape[1] for r in parts)
+    C = max(r.completion_ids.shape[1] for r in parts)
+    lp = lambda x, w, v: torch.nn.functional.pad(x, (w - x.shape[1], 0), value=v)  # noqa: E731
+    rp = lambda x, w, v: torch.nn.functional.pad(x, (0, w - x.shape[1]), value=v)  # noqa: E731
+    return common.Rollout(
+        torch.cat([lp(r.prompt_ids, P, pad_id) for r in parts]), torch.cat([lp(r.prompt_mask, P, 0) for r in parts]),
+        torch.cat([rp(r.completion_ids, C, pad_id) for r in parts]),
+        torch.cat([rp(r.completion_mask, C, 0) for r in parts]), torch.cat([rp(r.logprobs, C, 0.0) for r in parts]),
+        [f for r in parts for f in r.finish_reasons], [t for r in parts for t in r.texts])
+
+
+def select_groups(ro: common.Rollout, keep: torch.Tensor, group_size: int) -> common.Rollout:
+    """The sequences of the groups where keep [n_groups] is True (group-major order preserved)."""
+    rows = torch.nonzero(keep.repeat_interleave(group_size)).squeeze(1)
+    idx = rows.tolist()
+    return common.Rollout(ro.prompt_ids[rows], ro.prompt_mask[rows], ro.completion_ids[rows],
+                          ro.completion_mask[rows], ro.logprobs[rows], [ro.finish_reasons[i] for i in idx],
+                          [ro.texts[i] for i in idx])
+
+
+def rollout(model, tok, task, args: Args, rng, device, engine=None, accel=None) -> dict:
+    """Dynamic sampling: rounds of prompts_per_step prompts x G completions until prompts_per_step informative
+    groups are kept (at most --max-sample-rounds rounds); reward + overlong penalty; A_i per kept group.
+
+    All ranks end the rounds together: after each round every rank enters one gather of (groups kept,
+    sequences drawn); a full rank draws no more, and each rank finally keeps the fewest groups any rank holds
+    (none on every rank if one has none), so `update` sees equal work everywhere. Returns the training batch,
+    `drawn` (every sampled sequence, for the rollout metrics) and `sampling` (the dynamic-sampling counts).
+    """
+    G, want = args.group_size, args.prompts_per_step
+    parts, drawn_rewards, keeps, n_kept = [], [], [], 0
+    for _round in range(args.max_sample_rounds if args.dynamic_sampling else 1):
+        if n_kept < want:  # a full rank only joins the decision below
+            examples = task.sample("train", want, rng)
+            ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), G,
+                                 args.max_new_tokens, args.temperature, args.top_p, engine=engine)
+            answers = [e.answer for e in examples for _ in range(G)]
+            rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
+            keep = informative_groups(rewards, G).cpu() if args.dynamic_sampling else torch.ones(want, dtype=torch.bool)
+            keep &= keep.cumsum(0) <= want - n_kept  # informative groups beyond the target are dropped
+            parts.append(ro), drawn_rewards.append(rewards), keeps.append(keep)
+            n_kept += int(keep.sum())
+        counts = torch.tensor([[n_kept, sum(len(p.texts) for p in parts)]], device=device)  # [1, 2] on this rank
+        counts = accel.gather(counts) if accel is not None and accel.num_processes > 1 else counts  # [ranks, 2]
+        if int(counts[:, 0].min()) >= want:
+            break
+    n_each = int(counts[:, 0].min())  # equal work: every rank trains on this many groups
+    keep = torch.cat(keeps)
+    keep &= keep.cumsum(0) <= n_each
+    ro, rewards = concat_rollouts(parts, tok.pad_token_id) if len(parts) > 1 else parts[0], torch.cat(drawn_rewards)
+    kept = select_groups(ro, keep, G)
+    shaped = rewards.view(-1, G)[keep.to(device)].view(-1) + overlong_penalty(
+        kept.completion_mask.sum(1), args.max_new_tokens, args.overlong_buffer, args.overlong_penalty_factor).to(device)
+    batch = {k: getattr(kept, k).to(device) for k in
+             ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
+    batch.update(adv=group_advantages(shaped, G, args.adv_std_norm) if n_each else shaped,  # empty: no groups
+                 finish_reasons=kept.finish_reasons,
+                 drawn={"rewards": rewards, "completion_mask": ro.completion_mask, "finish_reasons": ro.finish_reasons})
+    if args.overlong_filter:  # truncated responses carry no gradient
+        trunc = torch.tensor([f == "length" for f in kept.finish_reasons], dtype=torch.bool, device=device)
+        batch["completion_mask"] = batch["completion_mask"] * (~trunc).long().unsqueeze(1)
+    sampled, n_groups = int(counts[:, 1].sum()), n_each * counts.shape[0]
+    batch["sampling"] = {"rollout/sampled": sampled, "rollout/informative_groups": n_groups,
+                         "rollout/rollouts_per_informative_group": sampled / n_groups if n_groups else float("nan"),
+                         "rollout/informative_min_rank": n_each,  # groups held by the poorest / richest rank
+                         "rollout/informative_max_rank": int(counts[:, 0].max())}
+    return batch
+
+
 def lr_factor(step: int, total: int, args: Args) -> float:
     if step < args.warmup_steps:
         return (step + 1) / args.warmup_steps
@@ -276,63 +371,64 @@ def lr_factor(step: int, total: int, args: Args) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def pick_kernels(args: Args, device):
-    """(fused log-prob fn, fused loss fn) from kernels/ on a GPU when --kernels is set, else (None, None)."""
-    if args.kernels and device.type == "cuda":
-        from kernels.clipped_pg_loss import clipped_pg_loss as fused_loss
-        from kernels.fused_logprob import fused_linear_logprob
+def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
+    """All-reduce (sum: the loss used global normalisers), clip, set the scheduled lr, step; returns the norm."""
+    if accel.num_processes > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad = accel.reduce(p.grad, "sum")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+    for group in opt.param_groups:
+        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
+    opt.step()
+    return grad_norm
 
-        return fused_linear_logprob, fused_loss
-    return None, None
 
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+    """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
 
-def kernel_loss_share(fused_loss, logp, old, adv, mask, ref, args: Args, n_seqs: int, n_tokens: int, const: int):
-    """The same micro-batch share as aggregate_loss(clipped_pg_loss + kl), from the fused kernel.
-
-    The kernel normalises inside the micro-batch (token or sequence mean); rescaling by this micro-batch's
-    share of the step's sequences or tokens gives the step-level normaliser of aggregate_loss.
+    pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
+    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged.
     """
-    reduction = "seq_mean" if args.loss_agg == "seq-mean" else "token_mean"
-    loss, stats = fused_loss(logp, old, adv, mask, args.clip_eps_low, args.clip_eps_high, ref_logp=ref,
-                             beta=args.kl_coef, reduction=reduction)
-    mb_seqs, mb_tokens = mask.shape[0], float(mask.sum())
-    scale = {"seq-mean": mb_seqs / n_seqs, "token-mean": mb_tokens / max(n_tokens, 1),
-             "const": mb_tokens / (n_seqs * const)}[args.loss_agg]
-    return loss * scale, stats
-
-
-def run_eval(model, tok, task, hard_task, eval_sets, args, engine=None) -> dict:
-    out = {}
-    res = common.evaluate(model, tok, task, eval_sets["main"], args.max_new_tokens, engine=engine)
-    out["eval/acc"] = res["acc"]
-    if args.pass_k:
-        res = common.evaluate(model, tok, task, eval_sets["main"][:100], args.max_new_tokens, pass_k=args.pass_k,
-                              temperature=args.temperature, engine=engine)
-        out[f"eval/pass@{args.pass_k}"] = res[f"pass@{args.pass_k}"]
-    if hard_task is not None:
-        res = common.evaluate(model, tok, hard_task, eval_sets["hard"], args.max_new_tokens + 2, engine=engine)
-        out["eval/acc_hard"] = res["acc"]
-    return out
-
-
-def save_curve(history: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    steps = [h["step"] for h in history if "rollout/reward" in h]
-    ax.plot(steps, [h["rollout/reward"] for h in history if "rollout/reward" in h], alpha=0.5, label="train reward")
-    ev = [h for h in history if "eval/acc" in h]
-    ax.plot([h["step"] for h in ev], [h["eval/acc"] for h in ev], "o-", label="held-out greedy acc")
-    if ev and "eval/acc_hard" in ev[0]:
-        ax.plot([h["step"] for h in ev], [h["eval/acc_hard"] for h in ev], "s--", label="harder (OOD) acc")
-    ax.set(xlabel="rollout batch", ylabel="accuracy / reward", ylim=(0, 1), title=title)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    B = batch["completion_ids"].shape[0]
+    micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
+    logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
+        batch["completion_mask"][idx], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+    on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
+    with torch.no_grad():
+        old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
+        ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
+    stats = {"pg": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
+    mismatch = 0.0 if on_policy else common.masked_mean((old - batch["logprobs"]).abs(),
+                                                        batch["completion_mask"].float()).item()
+    n_opt = 0
+    for _ in range(args.ppo_epochs):
+        for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
+            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
+                                  device=batch["adv"].device)
+            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            opt.zero_grad(set_to_none=True)
+            for idx in micro(mb_idx):
+                logp, ent = logprobs_of(model, idx, True)
+                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
+                      "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx]}
+                loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
+                if not torch.isfinite(loss):
+                    raise SystemExit(f"non-finite loss at step {step}; the last checkpoint is intact. "
+                                     "Lower --lr or check the rewards.")
+                loss.backward()
+                stats["pg"] += loss.item()
+                for k, v in {**token_stats, "entropy": ent}.items():
+                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / n_tokens
+                if on_policy:  # the only forward on the sampler's weights
+                    mismatch += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
+                                                  mb["mask"]).item() / n_tokens
+            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
+            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+            n_opt += 1
+    return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, "rollout/logprob_mismatch": mismatch}
 
 
 # ---- main ----
@@ -341,226 +437,85 @@ def main(args: Args) -> dict:
     from accelerate import Accelerator
 
     accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    rank, world = accel.process_index, accel.num_processes
+    rank, is_main = accel.process_index, accel.is_main_process
     torch.set_num_threads(args.threads)
     common.set_seed(args.seed)
-    device = accel.device
     task = common.make_task(args.task, args.digits)
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
-    model, tok = common.load_model(args.model, device)
+    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    model, tok = common.load_model(args.model, accel.device)
     model.train()
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    engine = None
-    if args.engine == "vllm":
-        engine = common.VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank)
-    fused_logprob, fused_loss = pick_kernels(args, device)
-    agg_const = args.agg_const or args.max_new_tokens
-
+    engine = common.VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
+        if args.engine == "vllm" else None
+    use_kernels = args.kernels and accel.device.type == "cuda"
+    fused_logprob = None
+    if use_kernels:  # Triton: the fused lm_head + log-softmax (the loss kernel is in kernel_grpo_loss)
+        from kernels.fused_logprob import fused_linear_logprob as fused_logprob
+    loss_fn = kernel_grpo_loss if use_kernels else grpo_loss
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    total_opt_steps = args.steps * args.ppo_epochs * args.minibatches
-    run_dir = Path(args.out_dir) / args.exp_name
-    eval_rng = np.random.default_rng(12345)  # the same held-out prompts in every script
-    eval_sets = {"main": task.sample("test", args.eval_examples, eval_rng)}
-    if hard_task is not None:
-        eval_sets["hard"] = hard_task.sample("test", min(args.eval_examples, 300), eval_rng)
 
-    start_step, history, state = 0, [], {}
-    if args.resume:
-        state = common.load_checkpoint(args.resume, model, opt)
-        start_step, history = state["step"], state["history"]
-        if engine is not None:
-            engine.sync_weights(model)
-    tracker = common.Tracker(run_dir, args, args.track and accel.is_main_process, run_name=args.exp_name) \
-        if accel.is_main_process else None
-    timer = common.Timer()
-    t_start = time.time() - state.get("wall_s", 0.0)
-    gen_tokens = state.get("gen_tokens", 0)
-    gen_time = state.get("gen_time", 0.0)
-    rollouts_spent = state.get("rollouts_spent", 0)
-    informative_total = state.get("informative_total", 0)
+    run_dir = Path(args.out_dir) / args.exp_name
+    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
+    if args.resume and engine is not None:
+        engine.sync_weights(model)
+    start_step, history = state.get("step", 0), state.get("history", [])
+    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
+    rollouts_spent, informative_total = state.get("rollouts_spent", 0), state.get("informative_total", 0)
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
+    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
+    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task, engine)
 
     def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
         if tracker is not None:
             tracker.log(metrics, step)
 
-    if start_step == 0 and accel.is_main_process:
-        log(run_eval(model, tok, task, hard_task, eval_sets, args, engine), 0)
-
-    bar = tqdm(range(start_step + 1, args.steps + 1), desc="dapo", dynamic_ncols=True, disable=not accel.is_main_process,
+    if start_step == 0 and is_main:
+        log(evaluate(), 0)
+    bar = tqdm(range(start_step + 1, args.steps + 1), desc="dapo", dynamic_ncols=True, disable=not is_main,
                initial=start_step, total=args.steps)
     for step in bar:
         # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
         torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
         rng = np.random.default_rng([args.seed, step, rank])
-
-        # ---- rollout, with dynamic sampling ----
-        kept, n_kept, sampled, all_rewards, all_lengths, all_finish = [], 0, 0, [], [], []
-        for _round in range(args.max_sample_rounds if args.dynamic_sampling else 1):
-            examples = task.sample("train", args.prompts_per_step, rng)
-            with timer("gen"):
-                r_ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]),
-                                       args.group_size, args.max_new_tokens, args.temperature, args.top_p,
-                                       engine=engine)
-            answers = [e.answer for e in examples for _ in range(args.group_size)]
-            r_rew = torch.tensor([task.verify(t, a)[0] for t, a in zip(r_ro.texts, answers)])
-            sampled += len(r_ro.texts)
-            all_rewards.append(r_rew)
-            all_lengths.append(r_ro.completion_mask.sum(1).float())
-            all_finish += r_ro.finish_reasons
-            keep = informative_groups(r_rew, args.group_size) if args.dynamic_sampling else \
-                torch.ones(args.prompts_per_step, dtype=torch.bool)
-            keep &= keep.cumsum(0) <= args.prompts_per_step - n_kept  # extra informative groups are dropped
-            if keep.any():
-                kept.append((select_groups(r_ro, keep, args.group_size), r_rew.view(-1, args.group_size)[keep]))
-                n_kept += int(keep.sum())
-            if n_kept >= args.prompts_per_step:
-                break
-        sampled_rewards, lengths = torch.cat(all_rewards), torch.cat(all_lengths)
-        gen_tokens += int(lengths.sum())
-        gen_time += timer.totals.get("gen", 0.0)
-        rollouts_spent += sampled
-        informative_total += n_kept
-        if not kept:  # the cap was hit without a single informative group: nothing to learn from
-            log({"rollout/reward": sampled_rewards.mean().item(), "rollout/length": lengths.mean().item(),
-                 "rollout/informative_groups": 0, "rollout/rollouts_per_informative_group": float("nan"),
-                 "rollout/sampled": sampled}, step)
-            timer.pop()
-            if args.rollout_budget and rollouts_spent >= args.rollout_budget:
-                break
-            continue
-        ro = concat_rollouts([k[0] for k in kept], tok.pad_token_id) if len(kept) > 1 else kept[0][0]
-        rewards = torch.cat([k[1] for k in kept]).view(-1).to(device)
-        shaped = rewards + overlong_penalty(ro.completion_mask.sum(1), args.max_new_tokens, args.overlong_buffer,
-                                            args.overlong_penalty_factor).to(device)
-        adv = group_advantages(shaped, args.group_size, args.adv_std_norm)
-        batch = {k: getattr(ro, k).to(device) for k in
-                 ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
-        batch["adv"] = adv
-        if args.overlong_filter:  # truncated responses carry no gradient
-            trunc = torch.tensor([f == "length" for f in ro.finish_reasons], device=device)
-            batch["completion_mask"] = batch["completion_mask"] * (~trunc).long().unsqueeze(1)
-
-        def logprobs_of(m, idx, with_entropy=False):
-            return common.token_logprobs(m, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
-                                         batch["completion_ids"][idx], batch["completion_mask"][idx],
-                                         args.temperature, with_entropy=with_entropy, fused_fn=fused_logprob)
-
-        # ---- pi_old and pi_ref (no grad) ----
-        B = len(ro.texts)
-        on_policy = args.ppo_epochs == 1 and args.minibatches == 1
-        with timer("train"), torch.no_grad():
-            micro = [torch.arange(s, min(s + args.micro_batch_size, B)) for s in range(0, B, args.micro_batch_size)]
-            batch["old"] = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro])
-            batch["ref"] = torch.cat([logprobs_of(ref_model, i) for i in micro]) if ref_model is not None else None
-
-        # ---- update ----
-        stats = {"pg": 0.0, "kl": 0.0, "clipfrac": 0.0, "entropy": 0.0, "mismatch": 0.0, "grad_norm": 0.0}
-        n_upd = 0
-        with timer("train"):
-            for _epoch in range(args.ppo_epochs):
-                perm = torch.randperm(B) if args.minibatches > 1 else torch.arange(B)
-                for mb in perm.chunk(args.minibatches):
-                    mask_mb = batch["completion_mask"][mb]
-                    counts = torch.tensor([len(mb), int(mask_mb.sum())], device=device, dtype=torch.float64)
-                    if world > 1:
-                        counts = accel.reduce(counts, "sum")
-                    n_seqs, n_tokens = int(counts[0]), int(counts[1])
-                    opt.zero_grad(set_to_none=True)
-                    for idx in mb.split(args.micro_batch_size):
-                        logp, ent = logprobs_of(model, idx, with_entropy=True)
-                        m = batch["completion_mask"][idx].float()
-                        old = logp.detach() if batch["old"] is None else batch["old"][idx]
-                        ref = batch["ref"][idx] if batch["ref"] is not None else None
-                        if fused_loss is not None:
-                            loss, kst = kernel_loss_share(fused_loss, logp, old, batch["adv"][idx], m, ref, args,
-                                                          n_seqs, n_tokens, agg_const)
-                            clipped = torch.full_like(m, float(kst["clip_frac"]))  # stats: micro-batch mean
-                        else:
-                            tok_loss, clipped = clipped_pg_loss(logp, old, batch["adv"][idx], args.clip_eps_low,
-                                                                args.clip_eps_high)
-                            if ref is not None:
-                                kl = k3_kl(logp, ref)
-                                tok_loss = tok_loss + args.kl_coef * kl
-                                stats["kl"] += common.masked_sum(kl.detach(), m).item() / n_tokens
-                            loss = aggregate_loss(tok_loss, m, args.loss_agg, n_seqs, n_tokens, agg_const)
-                        if not torch.isfinite(loss):
-                            raise SystemExit(f"non-finite loss at step {step}; the last checkpoint in {run_dir} "
-                                             "is intact. Lower --lr or check the rewards.")
-                        loss.backward()
-                        stats["pg"] += loss.item()
-                        stats["clipfrac"] += common.masked_sum(clipped, m).item() / n_tokens
-                        stats["entropy"] += common.masked_sum(ent.detach(), m).item() / n_tokens
-                        stats["mismatch"] += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
-                                                               m).item() / n_tokens
-                    if world > 1:  # the loss was normalised by global counts, so summed gradients are exact
-                        for p in model.parameters():
-                            if p.grad is not None:
-                                p.grad = accel.reduce(p.grad, "sum")
-                    stats["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-                    opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_upd  # derived: resume-safe
-                    for group in opt.param_groups:
-                        group["lr"] = args.lr * lr_factor(opt_step, total_opt_steps, args)
-                    opt.step()
-                    n_upd += 1
+        with timer("gen"):
+            batch = rollout(model, tok, task, args, rng, accel.device, engine, accel)
+        with timer("train"):  # every rank trains, or every rank skips (some rank holds no informative group)
+            stats = update(model, opt, batch, loss_fn, args, step, accel, ref_model, fused_logprob) \
+                if len(batch["adv"]) else {}
         if engine is not None:
             with timer("sync"):
                 engine.sync_weights(model)
-
         t = timer.pop()
-        groups = sampled_rewards.view(-1, args.group_size)
-        metrics = {
-            "rollout/reward": sampled_rewards.mean().item(),
-            "rollout/length": lengths.mean().item(),
-            "rollout/truncated_frac": float(np.mean([f == "length" for f in all_finish])),
-            "rollout/informative_groups": n_kept, "rollout/sampled": sampled,
-            "rollout/rollouts_per_informative_group": sampled / n_kept,
-            "rollout/zero_var_group_frac": (groups.std(1) == 0).float().mean().item(),
-            "rollout/tokens_per_s": lengths.sum().item() / max(t.get("gen", 1e-9), 1e-9),
-            "rollout/logprob_mismatch": stats["mismatch"] / args.ppo_epochs,
-            "loss/pg": stats["pg"] / n_upd, "loss/kl": stats["kl"] / n_upd,
-            "loss/clipfrac": stats["clipfrac"] / n_upd, "loss/entropy": stats["entropy"] / n_upd,
-            "loss/grad_norm": stats["grad_norm"] / n_upd, "perf/lr": opt.param_groups[0]["lr"],
-            "perf/gen_s": t.get("gen", 0.0), "perf/train_s": t.get("train", 0.0), "perf/sync_s": t.get("sync", 0.0),
-        }
+        drawn = batch["drawn"]
+        gen_tokens, gen_time = gen_tokens + int(drawn["completion_mask"].sum()), gen_time + t["gen"]
+        rollouts_spent += batch["sampling"]["rollout/sampled"]
+        informative_total += batch["sampling"]["rollout/informative_groups"]
+        metrics = {**common.rollout_metrics(drawn["rewards"], drawn["completion_mask"], drawn["finish_reasons"],
+                                            args.group_size, t["gen"]), **batch["sampling"], **stats,
+                   "perf/lr": opt.param_groups[0]["lr"], **{f"perf/{k}_s": v for k, v in t.items()}}
         last = step == args.steps or bool(args.rollout_budget and rollouts_spent >= args.rollout_budget)
-        if accel.is_main_process and (step % args.eval_every == 0 or last):
-            metrics.update(run_eval(model, tok, task, hard_task, eval_sets, args, engine))
+        if is_main and (step % args.eval_every == 0 or last):
+            metrics.update(evaluate())
         log(metrics, step)
-        bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
-                        acc=f"{[h for h in history if 'eval/acc' in h][-1]['eval/acc']:.2f}" if accel.is_main_process else "")
-        if accel.is_main_process and (args.save_every and step % args.save_every == 0 or last):
+        if is_main:
+            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
+                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
+        if is_main and (args.save_every and step % args.save_every == 0 or last):
             common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
                                    {"step": step, "history": history, "wall_s": time.time() - t_start,
                                     "gen_tokens": gen_tokens, "gen_time": gen_time,
                                     "rollouts_spent": rollouts_spent, "informative_total": informative_total})
-        if last and step < args.steps:
-            print(f"rollout budget of {args.rollout_budget} sequences spent after {step} steps")
+        if last:  # the budget is counted over all ranks: every rank stops at the same step
             break
-
-    if not accel.is_main_process:
+    if not is_main:
         return {}
-    evals = [h for h in history if "eval/acc" in h]
-    train = [h for h in history if "rollout/reward" in h]
-    summary = {
-        "eval_acc_start": evals[0]["eval/acc"], "eval_acc_end": evals[-1]["eval/acc"],
-        "eval_acc_best": max(h["eval/acc"] for h in evals),
-        "train_reward_first": train[0]["rollout/reward"], "train_reward_last": train[-1]["rollout/reward"],
-        "gen_tokens": gen_tokens, "tokens_per_s": gen_tokens / max(gen_time, 1e-9), "wall_s": time.time() - t_start,
-        "logprob_mismatch": float(np.mean([h["rollout/logprob_mismatch"] for h in train
-                                           if "rollout/logprob_mismatch" in h])),
-        "zero_var_group_frac": float(np.mean([h["rollout/zero_var_group_frac"] for h in train if
-                                              "rollout/zero_var_group_frac" in h])),
-        "rollouts_sampled": rollouts_spent, "steps_done": history[-1]["step"],
-        "rollouts_per_informative_group": rollouts_spent / max(informative_total, 1),
-    }
-    for key in ("acc_hard", f"pass@{args.pass_k}"):
-        if f"eval/{key}" in evals[-1]:
-            summary[f"eval_{key}_start"], summary[f"eval_{key}_end"] = evals[0][f"eval/{key}"], evals[-1][f"eval/{key}"]
-    save_curve(history, run_dir / "curve.png", f"DAPO on {task.name} ({args.model})")
-    print(f"held-out greedy accuracy {summary['eval_acc_start']:.3f} -> {summary['eval_acc_end']:.3f} "
-          f"(+{100 * (summary['eval_acc_end'] - summary['eval_acc_start']):.1f} points) in {summary['wall_s']:.0f}s; "
-          f"{summary['tokens_per_s']:.0f} generated tokens/s")
+    summary = common.summarize(history, gen_tokens, gen_time, time.time() - t_start)
+    summary.update(rollouts_sampled=rollouts_spent, steps_done=history[-1]["step"],
+                   rollouts_per_informative_group=rollouts_spent / informative_total if informative_total else math.nan)
+    common.save_curve(history, run_dir / "curve.png", f"DAPO on {task.name} ({args.model})")
     return tracker.finish(summary)
 
 
