@@ -39,17 +39,30 @@ generator version). The JSON stores the npz's sha256; a missing, truncated or al
 regenerated. Scores: raw return, normalised 100 * (R - R_random) / (R_expert - R_random) with this
 dataset's own reference policies, and D4RL's constants where a D4RL counterpart exists (indicative only:
 our data and environments are not D4RL's).
+
+The end of the file holds the plumbing the offline RL scripts (td3_bc, iql, driftql, ravl) share, none of
+their ideas: the Args fields they all have (`OfflineArgs`, and `TD3Args` for the scripts with TD3's critic;
+each script's `Args` extends one, checked by `check_offline_args`), the start of a run (`start_run`), the
+dataset as normalised tensors (`load_tensors`, `sample`), the networks (`mlp`, `Actor`, the twin-Q `Critic`),
+an optimiser step and the target-network update (`update`, `soft_update`), evaluation (`policy_fn`,
+`eval_policy`), and the end of a run (`summarise`, `save_curve`).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.nn as nn
 from tqdm.auto import tqdm
+
+import common
 
 GENERATOR_VERSION = 2  # 2: locomotion caches keep per-row episode ids
 ROOT = Path(__file__).resolve().parent.parent
@@ -614,3 +627,180 @@ def check_dataset(data: dict) -> None:
             raise ValueError(f"dataset key {k!r} has {len(data[k])} rows, expected {n}")
         if not np.isfinite(data[k]).all():
             raise ValueError(f"dataset key {k!r} contains NaN or inf")
+
+
+# ---- shared by the offline RL scripts: Args fields, run set-up, tensors, networks, updates, evaluation ----
+@dataclass
+class OfflineArgs:
+    """The fields every offline RL script has; a script's `Args(OfflineArgs)` changes defaults and adds its own."""
+
+    exp_name: str = "offline"
+    """name of the run (used in out_dir)"""
+    seed: int = 0
+    """seed for torch, numpy and the evaluation episodes"""
+    track: bool = False
+    """mirror metrics to wandb"""
+    out_dir: str = ""
+    """output folder (default runs/<exp_name>-<dataset>-s<seed>)"""
+    dataset: str = "pendulum-medium"
+    """dataset name (see algos/_offline_data.py)"""
+    data_seed: int = 0
+    """seed of the dataset generator"""
+    gamma: float = 0.99
+    """discount"""
+    tau: float = 0.005
+    """target network soft-update rate"""
+    hidden: int = 128
+    """hidden width of the MLPs (two hidden layers)"""
+    lr: float = 3e-4
+    """Adam learning rate"""
+    batch_size: int = 256
+    """minibatch size"""
+    total_steps: int = 10_000
+    """gradient steps"""
+    eval_every: int = 1000
+    """evaluate every this many steps"""
+    eval_episodes: int = 10
+    """evaluation episodes (run in parallel)"""
+    threads: int = 1
+    """torch threads (1 is fastest on a shared 2-core machine)"""
+
+
+@dataclass
+class TD3Args(OfflineArgs):
+    """OfflineArgs plus TD3's critic settings (target policy smoothing, delayed actor updates)."""
+
+    policy_noise: float = 0.2
+    """target policy smoothing noise std"""
+    noise_clip: float = 0.5
+    """target policy smoothing noise clip"""
+    policy_freq: int = 2
+    """actor update every policy_freq critic updates"""
+
+
+def check_offline_args(args: OfflineArgs, positive: tuple[str, ...] = ()) -> None:
+    """The checks every offline script makes (dataset name, sizes, discount) plus `positive`, the script's own
+    fields that must be > 0; each error names its flag."""
+    if args.dataset not in DATASETS:
+        raise ValueError(f"--dataset {args.dataset!r} unknown; choose one of {', '.join(DATASETS)}")
+    for k in ("total_steps", "eval_every", "eval_episodes", "batch_size", "hidden", "threads", *positive):
+        if getattr(args, k) <= 0:
+            raise ValueError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+    if not 0 < args.gamma <= 1:
+        raise ValueError(f"--gamma must be in (0, 1], got {args.gamma}")
+
+
+def start_run(args: OfflineArgs, out_dir: str) -> common.Tracker:
+    """Set the CPU threads, seed everything, open the tracker (config.json, metrics.jsonl in out_dir)."""
+    torch.set_num_threads(args.threads)
+    common.set_seed(args.seed)
+    return common.Tracker(out_dir, args, track=args.track, run_name=Path(out_dir).name)
+
+
+def load_tensors(name: str, seed: int = 0, rho: float = 0.0, normalize: bool = True):
+    """The dataset as CPU tensors with states (observations and next_observations) normalised by the dataset's
+    mean and std + 1e-3 (mean 0, std 1 when `normalize` is off) -> (meta, tensors by KEYS, mean, std)."""
+    data = get_dataset(name, seed=seed, rho=rho)
+    check_dataset(data)
+    t = {k: torch.as_tensor(data[k]) for k in KEYS}
+    mean, std = t["observations"].mean(0), t["observations"].std(0) + 1e-3
+    if not normalize:
+        mean, std = torch.zeros_like(mean), torch.ones_like(std)
+    t["observations"] = (t["observations"] - mean) / std
+    t["next_observations"] = (t["next_observations"] - mean) / std
+    return data["meta"], t, mean, std
+
+
+def sample(t: dict, batch_size: int):
+    """A uniform minibatch (s, a, r, s', done) of rows of the tensors `t`, each (B, ...)."""
+    idx = torch.randint(0, len(t["rewards"]), (batch_size,))
+    return tuple(t[k][idx] for k in ("observations", "actions", "rewards", "next_observations", "terminals"))
+
+
+def mlp(i: int, o: int, h: int) -> nn.Sequential:
+    """i -> h -> h -> o with ReLUs between: every network of the offline scripts."""
+    return nn.Sequential(nn.Linear(i, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, o))
+
+
+class Actor(nn.Module):
+    """Deterministic policy a = tanh(mlp(s)) in [-1, 1]."""
+
+    def __init__(self, obs_dim, act_dim, h):
+        super().__init__()
+        self.net = mlp(obs_dim, act_dim, h)
+
+    def forward(self, s):
+        return torch.tanh(self.net(s))
+
+
+class Critic(nn.Module):
+    """Twin Q networks; forward returns (Q1, Q2), each (B,)."""
+
+    def __init__(self, obs_dim, act_dim, h):
+        super().__init__()
+        self.q1, self.q2 = mlp(obs_dim + act_dim, 1, h), mlp(obs_dim + act_dim, 1, h)
+
+    def forward(self, s, a):
+        x = torch.cat([s, a], -1)
+        return self.q1(x).squeeze(-1), self.q2(x).squeeze(-1)
+
+
+def update(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    """One gradient step of `opt` on `loss`."""
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+@torch.no_grad()
+def soft_update(pairs, tau: float) -> None:
+    """Polyak averaging theta' <- theta' + tau (theta - theta') for each (network, target network) pair."""
+    for net, tgt in pairs:
+        for p, pt in zip(net.parameters(), tgt.parameters()):
+            pt.lerp_(p, tau)
+
+
+def policy_fn(actor: nn.Module, mean=0.0, std=1.0):
+    """numpy obs (n, d) -> numpy actions (n, a) of `actor` on the states (obs - mean) / std, without gradients."""
+    @torch.no_grad()
+    def act(obs):
+        return actor((torch.as_tensor(obs, dtype=torch.float32) - mean) / std).numpy()
+    return act
+
+
+def eval_policy(env_name: str, policy, args: OfflineArgs, goals: bool = False) -> dict:
+    """eval/return (mean over args.eval_episodes episodes, seeded 10_000 + args.seed) and eval/score (normalised);
+    with `goals` (the toy) also the fractions of episodes that reached the left and the right goal."""
+    ret, info = evaluate(env_name, policy, args.eval_episodes, seed=10_000 + args.seed)
+    out = {"eval/return": float(ret.mean()), "eval/score": normalized_score(env_name, float(ret.mean()))}
+    if goals:
+        out.update({"eval/goal_left": float((info["goal"] == 0).mean()),
+                    "eval/goal_right": float((info["goal"] == 1).mean())})
+    return out
+
+
+def summarise(hist: list[dict], meta: dict, t0: float, **extra) -> dict:
+    """The summary every offline script returns, from its evaluation rows `hist` (eval/score, eval/return):
+    score_first, score_last, score_best, return_last, the script's `extra` figures, the behaviour policy's
+    score and the wall time since t0."""
+    scores = [h["eval/score"] for h in hist]
+    return {"score_first": scores[0], "score_last": scores[-1], "score_best": max(scores),
+            "return_last": hist[-1]["eval/return"], **extra, "behaviour_score": meta["behaviour_score"],
+            "wall_s": time.perf_counter() - t0}
+
+
+def save_curve(path, hist: list[dict], title: str) -> None:
+    """The normalised score of the evaluation rows `hist` (step, eval/score) against the gradient step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot([h["step"] for h in hist], [h["eval/score"] for h in hist], marker="o")
+    ax.set_xlabel("gradient step")
+    ax.set_ylabel("normalised score")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

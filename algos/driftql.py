@@ -1,9 +1,11 @@
 """DriftQL: a drift-based behavioural regulariser plus critic-driven improvement, one forward pass per action.
 
 Paper: "Drift Q-Learning" (DriftQL), arXiv:2606.00350. Project page: driftql.github.io.
-Parent: none
-Baseline: algos/td3_bc.py (`--reg mse` here is TD3+BC with a noise input, so `diff` of the two losses is
-the idea).
+
+Parent: algos/td3_bc.py; changed: Args, check_args, actor_loss, main.
+
+Built on TD3+BC (`--reg mse` here is TD3+BC with a noise input): `diff algos/td3_bc.py algos/driftql.py`
+shows the idea, the generator actor, the drift field and its loss, and the toy's mode diagnostics.
 
 The idea. The actor is a generator a = pi(s, z), z ~ N(0, I): one forward pass per action, no denoising
 loop. Its behavioural regulariser is a *drift field* on generated actions: each generated action is
@@ -57,25 +59,19 @@ import torch.nn.functional as F
 import tyro
 from tqdm.auto import tqdm
 
-import common
 from algos import _offline_data as D
 
 
 # ---- args ----
 @dataclass
-class Args:
+class Args(D.TD3Args):  # run, data, optimisation, evaluation and TD3 fields: TD3Args in algos/_offline_data.py
     exp_name: str = "driftql"
-    """name of the run (used in out_dir)"""
-    seed: int = 0
-    """seed for torch, numpy and the evaluation episodes"""
-    track: bool = False
-    """mirror metrics to wandb"""
     out_dir: str = ""
     """output folder (default runs/<exp_name>-<reg>-<dataset>-rho<rho>-s<seed>)"""
     dataset: str = "toy-multimodal"
-    """dataset name (see algos/_offline_data.py)"""
-    data_seed: int = 0
-    """seed of the dataset generator"""
+    total_steps: int = 4000
+    eval_every: int = 500
+    eval_episodes: int = 100
     rho: float = 0.0
     """fraction of episodes replaced by bad behaviour (degraded data)"""
     reg: str = "drift"
@@ -86,35 +82,10 @@ class Args:
     """Gaussian kernel bandwidths h of the drift field"""
     alpha: float = 2.5
     """weight of the Q term (lambda = alpha / mean|Q|); 0 = pure behaviour regularisation"""
-    gamma: float = 0.99
-    """discount"""
-    tau: float = 0.005
-    """target network soft-update rate"""
-    policy_noise: float = 0.2
-    """target policy smoothing noise std"""
-    noise_clip: float = 0.5
-    """target policy smoothing noise clip"""
-    policy_freq: int = 2
-    """actor update every policy_freq critic updates"""
-    hidden: int = 128
-    """hidden width of the MLPs"""
-    lr: float = 3e-4
-    """Adam learning rate"""
-    batch_size: int = 256
-    """minibatch size (states)"""
-    total_steps: int = 4000
-    """gradient steps"""
-    eval_every: int = 500
-    """evaluate every this many steps"""
-    eval_episodes: int = 100
-    """evaluation episodes (run in parallel)"""
-    threads: int = 1
-    """torch threads"""
 
 
 def check_args(args: Args) -> None:
-    if args.dataset not in D.DATASETS:
-        raise ValueError(f"--dataset {args.dataset!r} unknown; choose one of {', '.join(D.DATASETS)}")
+    D.check_offline_args(args, positive=("policy_freq",))  # --dataset, --total-steps, --gamma, ...
     if args.reg not in ("drift", "mse"):
         raise ValueError(f"--reg must be 'drift' or 'mse', got {args.reg!r}")
     if args.n_gen < 2:
@@ -125,38 +96,21 @@ def check_args(args: Args) -> None:
         raise ValueError(f"--alpha must be >= 0, got {args.alpha}")
     if not 0 <= args.rho <= 1:
         raise ValueError(f"--rho must be in [0, 1], got {args.rho}")
-    for k in ("total_steps", "eval_every", "eval_episodes", "batch_size", "hidden", "policy_freq", "threads"):
-        if getattr(args, k) <= 0:
-            raise ValueError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
 
 
-# ---- networks ----
-def mlp(i, o, h):
-    return nn.Sequential(nn.Linear(i, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, o))
-
-
+# ---- networks (the critic, D.Critic, is algos/_offline_data.py's twin Q) ----
 class Generator(nn.Module):
     """a = tanh(f(s, z)), z ~ N(0, I): a one-pass stochastic policy."""
 
     def __init__(self, obs_dim, act_dim, h):
         super().__init__()
         self.act_dim = act_dim
-        self.net = mlp(obs_dim + act_dim, act_dim, h)
+        self.net = D.mlp(obs_dim + act_dim, act_dim, h)
 
     def forward(self, s, z=None):
         if z is None:
             z = torch.randn(*s.shape[:-1], self.act_dim)
         return torch.tanh(self.net(torch.cat([s, z], -1)))
-
-
-class Critic(nn.Module):
-    def __init__(self, obs_dim, act_dim, h):
-        super().__init__()
-        self.q1, self.q2 = mlp(obs_dim + act_dim, 1, h), mlp(obs_dim + act_dim, 1, h)
-
-    def forward(self, s, a):
-        x = torch.cat([s, a], -1)
-        return self.q1(x).squeeze(-1), self.q2(x).squeeze(-1)
 
 
 # ---- the idea: drift field and losses ----
@@ -201,10 +155,12 @@ def actor_loss(gen, critic, s, a, args):
     return -lmbda * q.mean() + reg, reg
 
 
-def critic_loss(critic, critic_t, gen_t, s, a, r, s2, d, gamma, policy_noise, noise_clip):
+def critic_loss(critic, critic_t, actor_t, s, a, r, s2, d, gamma, policy_noise, noise_clip):
+    """Clipped double-Q TD loss with target policy smoothing (TD3+BC's eq. (1))."""
     with torch.no_grad():
-        eps = (torch.randn_like(a) * policy_noise).clamp(-noise_clip, noise_clip)
-        y = r + gamma * (1 - d) * torch.min(*critic_t(s2, (gen_t(s2) + eps).clamp(-1, 1)))
+        noise = (torch.randn_like(a) * policy_noise).clamp(-noise_clip, noise_clip)
+        a2 = (actor_t(s2) + noise).clamp(-1, 1)
+        y = r + gamma * (1 - d) * torch.min(*critic_t(s2, a2))
     q1, q2 = critic(s, a)
     return F.mse_loss(q1, y) + F.mse_loss(q2, y), q1
 
@@ -222,92 +178,47 @@ def action_modes(gen, mean, std, n=512):
             "modes/none": (~near.any(1)).mean()}
 
 
-def save_curve(path, steps, scores, title):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3))
-    ax.plot(steps, scores, marker="o")
-    ax.set_xlabel("gradient step")
-    ax.set_ylabel("normalised score")
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-
-
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
-    torch.set_num_threads(args.threads)
-    common.set_seed(args.seed)
     out_dir = args.out_dir or f"runs/{args.exp_name}-{args.reg}-{args.dataset}-rho{args.rho}-s{args.seed}"
-    tracker = common.Tracker(out_dir, args, track=args.track, run_name=Path(out_dir).name)
-    data = D.get_dataset(args.dataset, seed=args.data_seed, rho=args.rho)
-    D.check_dataset(data)
-    meta, env_name = data["meta"], data["meta"]["env"]
-    t = {k: torch.as_tensor(data[k]) for k in D.KEYS}
-    mean, std = t["observations"].mean(0), t["observations"].std(0) + 1e-3
-    t["observations"] = (t["observations"] - mean) / std
-    t["next_observations"] = (t["next_observations"] - mean) / std
-    n, obs_dim, act_dim = len(t["rewards"]), t["observations"].shape[1], t["actions"].shape[1]
-    gen, critic = Generator(obs_dim, act_dim, args.hidden), Critic(obs_dim, act_dim, args.hidden)
-    gen_t, critic_t = copy.deepcopy(gen), copy.deepcopy(critic)
-    opt_a = torch.optim.Adam(gen.parameters(), lr=args.lr)
+    tracker = D.start_run(args, out_dir)
+    meta, t, mean, std = D.load_tensors(args.dataset, args.data_seed, args.rho)
+    env_name, obs_dim, act_dim = meta["env"], t["observations"].shape[1], t["actions"].shape[1]
+    actor, critic = Generator(obs_dim, act_dim, args.hidden), D.Critic(obs_dim, act_dim, args.hidden)
+    actor_t, critic_t = copy.deepcopy(actor), copy.deepcopy(critic)
+    opt_a = torch.optim.Adam(actor.parameters(), lr=args.lr)
     opt_c = torch.optim.Adam(critic.parameters(), lr=args.lr)
+    policy = D.policy_fn(actor, mean, std)
 
-    @torch.no_grad()
-    def policy(obs):
-        return gen((torch.as_tensor(obs) - mean) / std).numpy()
-
-    def eval_now():
-        ret, info = D.evaluate(env_name, policy, args.eval_episodes, seed=10_000 + args.seed)
-        out = {"eval/return": float(ret.mean()), "eval/score": D.normalized_score(env_name, float(ret.mean()))}
-        if env_name == "toy":
-            out.update({"eval/goal_left": float((info["goal"] == 0).mean()),
-                        "eval/goal_right": float((info["goal"] == 1).mean())})
-            out.update(action_modes(gen, mean, std))
-        return out
+    def eval_now():  # on the toy also the goals reached and the modes of the sampled actions
+        out = D.eval_policy(env_name, policy, args, goals=env_name == "toy")
+        return {**out, **action_modes(actor, mean, std)} if env_name == "toy" else out
 
     t0 = time.perf_counter()
     hist = [{"step": 0, **eval_now()}]
     la = reg = torch.tensor(0.0)
     bar = tqdm(range(1, args.total_steps + 1), desc=f"driftql {args.reg} {args.dataset}", mininterval=1.0)
     for step in bar:
-        idx = torch.randint(0, n, (args.batch_size,))
-        s, a, r, s2, d = (t[k][idx] for k in ("observations", "actions", "rewards", "next_observations",
-                                             "terminals"))
-        lc, q1 = critic_loss(critic, critic_t, gen_t, s, a, r, s2, d, args.gamma, args.policy_noise,
+        s, a, r, s2, d = D.sample(t, args.batch_size)
+        lc, q1 = critic_loss(critic, critic_t, actor_t, s, a, r, s2, d, args.gamma, args.policy_noise,
                              args.noise_clip)
         if not torch.isfinite(lc):
             raise FloatingPointError(f"critic loss is {lc.item()} at step {step}")
-        opt_c.zero_grad()
-        lc.backward()
-        opt_c.step()
+        D.update(opt_c, lc)
         if step % args.policy_freq == 0:
-            la, reg = actor_loss(gen, critic, s, a, args)
-            opt_a.zero_grad()
-            la.backward()
-            opt_a.step()
-            with torch.no_grad():
-                for net, tgt in ((gen, gen_t), (critic, critic_t)):
-                    for p, pt in zip(net.parameters(), tgt.parameters()):
-                        pt.lerp_(p, args.tau)
+            la, reg = actor_loss(actor, critic, s, a, args)
+            D.update(opt_a, la)
+            D.soft_update(((actor, actor_t), (critic, critic_t)), args.tau)
         if step % args.eval_every == 0 or step == args.total_steps:
-            hist.append({"step": step, **eval_now()})
-            tracker.log({**hist[-1], "loss/critic": lc.item(), "loss/actor": la.item(), "loss/reg": reg.item(),
+            ev = eval_now()
+            hist.append({"step": step, **ev})
+            tracker.log({**ev, "loss/critic": lc.item(), "loss/actor": la.item(), "loss/reg": reg.item(),
                          "loss/q_mean": q1.mean().item()}, step)
-            bar.set_postfix(score=f"{hist[-1]['eval/score']:.1f}")
-    scores = [h["eval/score"] for h in hist]
-    save_curve(Path(out_dir) / "curve.png", [h["step"] for h in hist], scores,
-               f"DriftQL reg={args.reg} rho={args.rho} {args.dataset}")
+            bar.set_postfix(score=f"{ev['eval/score']:.1f}")
+    D.save_curve(Path(out_dir) / "curve.png", hist, f"DriftQL reg={args.reg} rho={args.rho} {args.dataset}")
     last = {k.split("/")[1]: v for k, v in hist[-1].items() if k.startswith(("modes/", "eval/goal"))}
-    summary = {"score_first": scores[0], "score_last": scores[-1], "score_best": max(scores),
-               "return_last": hist[-1]["eval/return"], **last,
-               "behaviour_score": meta["behaviour_score"], "wall_s": time.perf_counter() - t0}
-    return tracker.finish(summary)
+    return tracker.finish(D.summarise(hist, meta, t0, **last))
 
 
 if __name__ == "__main__":

@@ -47,10 +47,6 @@ return and collapses; RAVL keeps Q(edge) - MC small and scores well. Measured he
 benchmarks/README.md, 3 seeds): with the true dynamics the collapse does not appear at this scale (Q - MC is
 about the same on edge-of-reach and dataset states, and none/penalty score about 67); with the learned
 ensemble, none/penalty collapse (score near 0, Q(edge) - MC about 64) and RAVL does not (about 53).
-
-Long functions: main (the offline model-based loop in one piece, so that it reads as the algorithm: model
-rollouts into a buffer, mixed real and model batches, the TD3 updates, and the edge-of-reach Q - MC
-diagnostic at each evaluation).
 """
 from __future__ import annotations
 
@@ -70,25 +66,23 @@ import torch.nn.functional as F
 import tyro
 from tqdm.auto import tqdm
 
-import common
 from algos import _offline_data as D
 
 
 # ---- args ----
 @dataclass
-class Args:
+class Args(D.TD3Args):  # run, data, optimisation, evaluation and TD3 fields: TD3Args in algos/_offline_data.py
     exp_name: str = "ravl"
-    """name of the run (used in out_dir)"""
-    seed: int = 0
-    """seed for torch, numpy and the evaluation episodes"""
-    track: bool = False
-    """mirror metrics to wandb"""
     out_dir: str = ""
     """output folder (default runs/<exp_name>-<model>-<pessimism>-s<seed>)"""
     dataset: str = "pendulum-expert"
     """dataset name (pendulum only: the true model is the pendulum's)"""
-    data_seed: int = 0
-    """seed of the dataset generator"""
+    tau: float = 0.05
+    """target network soft-update rate (fast, so that Q converges within a few thousand updates)"""
+    lr: float = 1e-3
+    total_steps: int = 6000
+    """agent gradient steps"""
+    eval_every: int = 500
     data_episodes: int = 0
     """episodes in the dataset (0 = the generator's default, 100); fewer = narrower state coverage"""
     model: str = "true"
@@ -117,48 +111,22 @@ class Args:
     """gradient steps to fit the learned dynamics ensemble"""
     reward_scale: float = 0.01
     """rewards are multiplied by this for learning (Q and Q - MC are reported in raw reward units)"""
-    gamma: float = 0.99
-    """discount"""
-    tau: float = 0.05
-    """target network soft-update rate (fast, so that Q converges within a few thousand updates)"""
-    policy_noise: float = 0.2
-    """target policy smoothing noise std"""
-    noise_clip: float = 0.5
-    """target policy smoothing noise clip"""
-    policy_freq: int = 2
-    """actor update every policy_freq critic updates"""
-    hidden: int = 128
-    """hidden width of the MLPs"""
-    lr: float = 1e-3
-    """Adam learning rate"""
-    batch_size: int = 256
-    """minibatch size"""
-    total_steps: int = 6000
-    """agent gradient steps"""
-    eval_every: int = 500
-    """evaluate every this many steps"""
-    eval_episodes: int = 10
-    """evaluation episodes (run in parallel)"""
     mc_states: int = 128
     """edge-of-reach states used for the Q - Monte-Carlo diagnostic"""
     mc_horizon: int = 300
     """Monte-Carlo rollout length (gamma^H truncation)"""
-    threads: int = 1
-    """torch threads"""
 
 
 def check_args(args: Args) -> Args:
     if args.dataset not in D.DATASETS or not args.dataset.startswith("pendulum"):
         raise ValueError(f"--dataset {args.dataset!r}: RAVL needs a pendulum dataset "
                          f"({', '.join(d for d in D.DATASETS if d.startswith('pendulum'))})")
+    D.check_offline_args(args, positive=("policy_freq", "rollout_len", "rollout_batch", "rollout_every",
+                                         "buffer_rollouts", "ensemble", "mc_states", "mc_horizon"))
     if args.model not in ("true", "learned"):
         raise ValueError(f"--model must be 'true' or 'learned', got {args.model!r}")
     if args.pessimism not in ("none", "penalty", "ravl"):
         raise ValueError(f"--pessimism must be 'none', 'penalty' or 'ravl', got {args.pessimism!r}")
-    for k in ("rollout_len", "rollout_batch", "rollout_every", "buffer_rollouts", "ensemble", "batch_size",
-              "total_steps", "eval_every", "eval_episodes", "mc_states", "mc_horizon", "hidden", "threads"):
-        if getattr(args, k) <= 0:
-            raise ValueError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
     if args.reward_scale <= 0:
         raise ValueError(f"--reward-scale must be positive, got {args.reward_scale}")
     if args.data_episodes < 0:
@@ -172,7 +140,7 @@ def check_args(args: Args) -> Args:
     return args
 
 
-# ---- networks ----
+# ---- networks (the actor, D.Actor: a = tanh(mlp(s)), is algos/_offline_data.py's) ----
 class EnsembleLinear(nn.Module):
     """N independent linear layers applied in one batched matmul: x (N, B, i) -> (N, B, o)."""
 
@@ -209,16 +177,6 @@ class QEnsemble(nn.Module):
 
     def forward(self, s, a):  # -> (N, B)
         return self.net(torch.cat([s, a], -1)).squeeze(-1)
-
-
-class Actor(nn.Module):
-    def __init__(self, obs_dim, act_dim, h):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(obs_dim, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(),
-                                 nn.Linear(h, act_dim))
-
-    def forward(self, s):
-        return torch.tanh(self.net(s))
 
 
 # ---- dynamics models ----
@@ -311,6 +269,16 @@ def actor_loss(actor, qf, s):
     return -qf(s, actor(s)).min(0).values.mean()
 
 
+def mixed_batch(real, buf, n_real, batch_size):
+    """n_real dataset transitions and batch_size - n_real from the model buffer, uniformly -> (s, a, r, s', d)."""
+    mb = {k: torch.cat([b[k] for b in buf]) for k in buf[0]}
+    ridx = torch.randint(0, len(real["rewards"]), (n_real,))
+    midx = torch.randint(0, len(mb["obs"]), (batch_size - n_real,))
+    return tuple(torch.cat([real[k][ridx], mb[m][midx]]) for k, m in (
+        ("observations", "obs"), ("actions", "act"), ("rewards", "rew"), ("next_observations", "next_obs"),
+        ("terminals", "term")))
+
+
 def mc_returns(policy, obs, gamma, horizon):
     """Discounted return of the deterministic policy from each obs in the true dynamics, truncated at horizon."""
     g, disc = np.zeros(len(obs)), 1.0
@@ -324,11 +292,9 @@ def mc_returns(policy, obs, gamma, horizon):
 # ---- main ----
 def main(args: Args) -> dict:
     args = check_args(args)
-    torch.set_num_threads(args.threads)
-    common.set_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
     out_dir = args.out_dir or f"runs/{args.exp_name}-{args.model}-{args.pessimism}-s{args.seed}"
-    tracker = common.Tracker(out_dir, args, track=args.track, run_name=Path(out_dir).name)
+    tracker = D.start_run(args, out_dir)
+    rng = np.random.default_rng(args.seed)
     data = D.get_dataset(args.dataset, seed=args.data_seed, n_episodes=args.data_episodes or None)
     D.check_dataset(data)
     meta, n = data["meta"], len(data["rewards"])
@@ -342,14 +308,11 @@ def main(args: Args) -> dict:
         mloss = model.fit(data, args.model_steps, args.batch_size)
         tracker.log({"model/loss": mloss}, 0)
 
-    actor, qf = Actor(obs_dim, act_dim, args.hidden), QEnsemble(args.n_critics, obs_dim, act_dim, args.hidden)
+    actor, qf = D.Actor(obs_dim, act_dim, args.hidden), QEnsemble(args.n_critics, obs_dim, act_dim, args.hidden)
     actor_t, qf_t = copy.deepcopy(actor), copy.deepcopy(qf)
     opt_a = torch.optim.Adam(actor.parameters(), lr=args.lr)
     opt_c = torch.optim.Adam(qf.parameters(), lr=args.lr)
-
-    @torch.no_grad()
-    def policy(obs):
-        return actor(torch.as_tensor(obs, dtype=torch.float32)).numpy()
+    policy = D.policy_fn(actor)  # raw states: the dynamics models take them as they are
     policy.act_dim = act_dim
 
     buf, edge_states = [], None
@@ -368,10 +331,9 @@ def main(args: Args) -> dict:
 
     @torch.no_grad()
     def diagnostics():
-        ret = float(D.evaluate("pendulum", policy, args.eval_episodes, seed=10_000 + args.seed)[0].mean())
+        out = D.eval_policy("pendulum", policy, args)
         se = edge_states[rng.choice(len(edge_states), min(args.mc_states, len(edge_states)), replace=False)]
         sd = data["observations"][rng.integers(0, n, args.mc_states)]
-        out = {"eval/return": ret, "eval/score": D.normalized_score("pendulum", ret)}
         for name, st in (("edge", se), ("data", sd)):
             q = qf(torch.as_tensor(st), actor(torch.as_tensor(st))).min(0).values.numpy() / args.reward_scale
             mc = mc_returns(policy, st, args.gamma, args.mc_horizon)
@@ -386,29 +348,16 @@ def main(args: Args) -> dict:
     for step in bar:
         if step % args.rollout_every == 0:
             pen, edge_frac = collect()
-        mb = {k: torch.cat([b[k] for b in buf]) for k in buf[0]}
-        ridx = torch.randint(0, n, (n_real,))
-        midx = torch.randint(0, len(mb["obs"]), (args.batch_size - n_real,))
-        s = torch.cat([real["observations"][ridx], mb["obs"][midx]])
-        a = torch.cat([real["actions"][ridx], mb["act"][midx]])
-        r = torch.cat([real["rewards"][ridx], mb["rew"][midx]]) * args.reward_scale
-        s2 = torch.cat([real["next_observations"][ridx], mb["next_obs"][midx]])
-        d = torch.cat([real["terminals"][ridx], mb["term"][midx]])
-        lc, q = critic_loss(qf, qf_t, actor_t, s, a, r, s2, d, args.gamma, args.policy_noise, args.noise_clip)
+        s, a, r, s2, d = mixed_batch(real, buf, n_real, args.batch_size)
+        lc, q = critic_loss(qf, qf_t, actor_t, s, a, r * args.reward_scale, s2, d, args.gamma, args.policy_noise,
+                            args.noise_clip)
         if not torch.isfinite(lc):
             raise FloatingPointError(f"critic loss is {lc.item()} at step {step}")
-        opt_c.zero_grad()
-        lc.backward()
-        opt_c.step()
+        D.update(opt_c, lc)
         if step % args.policy_freq == 0:
             la = actor_loss(actor, qf, s)
-            opt_a.zero_grad()
-            la.backward()
-            opt_a.step()
-            with torch.no_grad():
-                for net, tgt in ((actor, actor_t), (qf, qf_t)):
-                    for p, pt in zip(net.parameters(), tgt.parameters()):
-                        pt.lerp_(p, args.tau)
+            D.update(opt_a, la)
+            D.soft_update(((actor, actor_t), (qf, qf_t)), args.tau)
         if step % args.eval_every == 0 or step == args.total_steps:
             hist.append({"step": step, **diagnostics()})
             tracker.log({**hist[-1], "loss/critic": lc.item(), "loss/actor": la.item(),
@@ -417,15 +366,10 @@ def main(args: Args) -> dict:
             bar.set_postfix(score=f"{hist[-1]['eval/score']:.1f}", q_edge=f"{hist[-1]['q/edge']:.0f}")
 
     save_plot(Path(out_dir) / "curve.png", hist, f"{args.model} dynamics, pessimism {args.pessimism}")
-    scores = [h["eval/score"] for h in hist]
-    summary = {"score_first": scores[0], "score_last": scores[-1], "score_best": max(scores),
-               "return_last": hist[-1]["eval/return"], "q_edge_last": hist[-1]["q/edge"],
-               "q_edge_minus_mc_last": hist[-1]["q/edge_minus_mc"],
-               "q_edge_minus_mc_max": max(h["q/edge_minus_mc"] for h in hist[1:]),  # after training starts
-               "q_data_minus_mc_last": hist[-1]["q/data_minus_mc"], "penalty_mean_last": pen,
-               "n_critics": args.n_critics, "behaviour_score": meta["behaviour_score"],
-               "wall_s": time.perf_counter() - t0}
-    return tracker.finish(summary)
+    return tracker.finish(D.summarise(
+        hist, meta, t0, q_edge_last=hist[-1]["q/edge"], q_edge_minus_mc_last=hist[-1]["q/edge_minus_mc"],
+        q_edge_minus_mc_max=max(h["q/edge_minus_mc"] for h in hist[1:]),  # after training starts
+        q_data_minus_mc_last=hist[-1]["q/data_minus_mc"], penalty_mean_last=pen, n_critics=args.n_critics))
 
 
 def save_plot(path, hist, title):

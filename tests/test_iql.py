@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from algos import _offline_data as D
 from algos import iql
 
 
@@ -31,7 +32,7 @@ def test_expectile_fit_approaches_max_as_tau_grows():
 
 def test_awr_loss_matches_naive_loop():
     torch.manual_seed(0)
-    actor = iql.Actor(3, 2, 16)
+    actor = D.Actor(3, 2, 16)
     s, a, adv = torch.randn(20, 3), torch.rand(20, 2) * 2 - 1, torch.randn(20) * 3
     pi = actor(s).detach()
     naive = sum(min(float(torch.exp(3.0 * adv[i])), 5.0) * float(((pi[i] - a[i]) ** 2).sum())

@@ -1,9 +1,11 @@
-"""algos/_offline_data.py: determinism, D4RL layout, terminals vs timeouts, exact pendulum dynamics, cache."""
+"""algos/_offline_data.py: determinism, D4RL layout, terminals vs timeouts, exact pendulum dynamics, cache; and the
+plumbing the offline RL scripts share (tensors, minibatches, updates, networks, evaluation, summary, checks)."""
 import json
 
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 
 from algos import _offline_data as D
 
@@ -184,3 +186,97 @@ def test_bad_inputs_have_clear_messages():
     d["rewards"][0] = np.nan
     with pytest.raises(ValueError, match="NaN"):
         D.check_dataset(d)
+
+
+# ---- the plumbing the offline RL scripts share ----
+def test_load_tensors_normalises_states_with_the_dataset_statistics(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLINE_DATA_DIR", str(tmp_path))
+    raw = D.get_dataset("toy-multimodal", seed=2)
+    meta, t, mean, std = D.load_tensors("toy-multimodal", seed=2)
+    assert meta["name"] == "toy-multimodal" and set(t) == set(D.KEYS)
+    obs, nxt = raw["observations"].astype(np.float64), raw["next_observations"].astype(np.float64)
+    np.testing.assert_allclose(mean.numpy(), obs.mean(0), atol=1e-5)
+    np.testing.assert_allclose(std.numpy(), obs.std(0, ddof=1) + 1e-3, rtol=1e-4)
+    np.testing.assert_allclose(t["observations"].numpy(), (obs - obs.mean(0)) / (obs.std(0, ddof=1) + 1e-3),
+                               atol=1e-4)
+    np.testing.assert_allclose(t["next_observations"].numpy(), (nxt - obs.mean(0)) / (obs.std(0, ddof=1) + 1e-3),
+                               atol=1e-4)  # next states use the same statistics as states
+    np.testing.assert_array_equal(t["actions"].numpy(), raw["actions"])
+    _, t_raw, mean0, std0 = D.load_tensors("toy-multimodal", seed=2, normalize=False)
+    np.testing.assert_array_equal(t_raw["observations"].numpy(), raw["observations"])
+    assert (mean0 == 0).all() and (std0 == 1).all()
+
+
+def test_sample_draws_whole_rows():
+    n = 50
+    t = {k: torch.arange(n, dtype=torch.float32)[:, None].expand(n, 3) * (i + 1) for i, k in enumerate(D.KEYS)}
+    t["rewards"], t["terminals"] = torch.arange(n, dtype=torch.float32) * 3, torch.arange(n, dtype=torch.float32) * 5
+    s, a, r, s2, d = D.sample(t, 64)
+    assert s.shape == (64, 3) and r.shape == (64,)
+    row = s[:, 0]
+    for x, mult in ((a[:, 0], 2), (r, 3), (s2[:, 0], 4), (d, 5)):
+        torch.testing.assert_close(x, row * mult)  # every key from the same row
+
+
+def test_update_and_soft_update():
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = torch.optim.SGD([w], lr=0.1)
+    for _ in range(2):  # gradients do not pile up across steps
+        before = w.detach().clone()
+        D.update(opt, (w ** 2).sum())
+        torch.testing.assert_close(w.detach(), before - 0.1 * 2 * before)
+    torch.manual_seed(0)
+    net, tgt = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    old = [p.detach().clone() for p in tgt.parameters()]
+    D.soft_update(((net, tgt),), 0.25)
+    for p, pt, p0 in zip(net.parameters(), tgt.parameters(), old):
+        torch.testing.assert_close(pt, p0 + 0.25 * (p - p0))
+        assert not pt.requires_grad or pt.grad is None
+    D.soft_update(((net, tgt),), 1.0)
+    for p, pt in zip(net.parameters(), tgt.parameters()):
+        torch.testing.assert_close(pt, p)
+
+
+def test_networks_and_policy_fn():
+    torch.manual_seed(0)
+    actor, critic = D.Actor(3, 2, 16), D.Critic(3, 2, 16)
+    s, a = torch.randn(7, 3) * 10, torch.rand(7, 2) * 2 - 1
+    assert actor(s).shape == (7, 2) and actor(s).abs().max() <= 1
+    q1, q2 = critic(s, a)
+    assert q1.shape == q2.shape == (7,) and not torch.allclose(q1, q2)  # two independent heads
+    torch.testing.assert_close(q1, critic.q1(torch.cat([s, a], -1)).squeeze(-1))
+    mean, std = torch.tensor([1.0, -1.0, 0.5]), torch.tensor([2.0, 0.5, 1.0])
+    obs = np.random.default_rng(0).normal(size=(7, 3)).astype(np.float32)
+    out = D.policy_fn(actor, mean, std)(obs)
+    assert isinstance(out, np.ndarray)
+    np.testing.assert_allclose(out, actor((torch.as_tensor(obs) - mean) / std).detach().numpy(), rtol=1e-6)
+
+
+def test_eval_policy_is_evaluate_and_its_score():
+    args = D.OfflineArgs(eval_episodes=6, seed=3)
+    pol = lambda o: D.toy_behaviour(o, (o[:, 0] > 0).astype(int), np.random.default_rng(0), 0.0)
+    out = D.eval_policy("toy", pol, args, goals=True)
+    ret, info = D.evaluate("toy", pol, 6, seed=10_003)
+    assert out["eval/return"] == pytest.approx(ret.mean())
+    assert out["eval/score"] == pytest.approx(D.normalized_score("toy", ret.mean()))
+    assert out["eval/goal_left"] + out["eval/goal_right"] == pytest.approx(float((info["goal"] >= 0).mean()))
+    assert set(D.eval_policy("toy", pol, args)) == {"eval/return", "eval/score"}
+
+
+def test_summarise_and_save_curve(tmp_path):
+    hist = [{"step": 0, "eval/score": 5.0, "eval/return": -3.0}, {"step": 10, "eval/score": 40.0, "eval/return": -1.0},
+            {"step": 20, "eval/score": 30.0, "eval/return": -2.0}]
+    s = D.summarise(hist, {"behaviour_score": 50.0}, t0=0.0, extra=7)
+    assert list(s) == ["score_first", "score_last", "score_best", "return_last", "extra", "behaviour_score", "wall_s"]
+    assert (s["score_first"], s["score_last"], s["score_best"], s["return_last"]) == (5.0, 30.0, 40.0, -2.0)
+    assert s["extra"] == 7 and s["behaviour_score"] == 50.0 and s["wall_s"] > 0
+    D.save_curve(tmp_path / "c.png", hist, "t")
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("kw,msg", [({"dataset": "hopper"}, "--dataset 'hopper'"), ({"eval_every": 0}, "--eval-every"),
+                                    ({"gamma": 1.5}, "--gamma"), ({"policy_freq": 0}, "--policy-freq")])
+def test_check_offline_args_names_the_flag(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        D.check_offline_args(D.TD3Args(**kw), positive=("policy_freq",))
+    D.check_offline_args(D.TD3Args(), positive=("policy_freq",))  # the defaults pass

@@ -53,7 +53,7 @@ def test_q_ensemble_equals_member_loop_and_target_uses_min():
             h = h @ layer.w[k] + layer.b[k, 0]
             h = torch.relu(h) if i < 2 else h
         torch.testing.assert_close(out[k], h.squeeze(-1))
-    actor = ravl.Actor(3, 1, 16)
+    actor = D.Actor(3, 1, 16)
     r, d = torch.randn(7), torch.zeros(7)
     loss, q = ravl.critic_loss(qf, qf, actor, s, a, r, s, d, 0.9, 0.0, 0.5)
     y = r + 0.9 * qf(s, actor(s)).min(0).values

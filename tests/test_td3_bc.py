@@ -1,13 +1,15 @@
 """algos/td3_bc.py: alpha = 0 is exactly behaviour cloning; it learns on pendulum-medium; clear errors."""
 import pytest
 import torch
+import tyro
 
+from algos import _offline_data as D
 from algos import td3_bc
 
 
 def test_alpha_zero_gradient_equals_bc_gradient():
     torch.manual_seed(0)
-    actor, critic = td3_bc.Actor(3, 1, 32), td3_bc.Critic(3, 1, 32)
+    actor, critic = D.Actor(3, 1, 32), D.Critic(3, 1, 32)
     s, a = torch.randn(64, 3), torch.rand(64, 1) * 2 - 1
     g_td3 = torch.autograd.grad(td3_bc.actor_loss(actor, critic, s, a, alpha=0.0), list(actor.parameters()))
     g_bc = torch.autograd.grad(td3_bc.bc_loss(actor, s, a), list(actor.parameters()))
@@ -19,7 +21,7 @@ def test_alpha_zero_gradient_equals_bc_gradient():
 
 def test_critic_target_uses_min_of_twins_and_done_mask():
     torch.manual_seed(0)
-    critic, actor = td3_bc.Critic(3, 1, 16), td3_bc.Actor(3, 1, 16)
+    critic, actor = D.Critic(3, 1, 16), D.Actor(3, 1, 16)
     s, a, s2 = torch.randn(8, 3), torch.rand(8, 1), torch.randn(8, 3)
     r, d = torch.randn(8), torch.ones(8)  # terminal: target is just r
     loss, _ = td3_bc.critic_loss(critic, critic, actor, s, a, r, s2, d, 0.99, 0.0, 0.5)
@@ -38,3 +40,11 @@ def test_learns_on_pendulum_medium(tmp_path):
 def test_bad_args(kw, msg, tmp_path):
     with pytest.raises(ValueError, match=msg):
         td3_bc.main(td3_bc.Args(out_dir=str(tmp_path), **kw))
+
+
+def test_cli_flags_of_the_shared_and_own_fields():
+    """Args extends D.TD3Args: the shared fields keep their flags and defaults next to TD3+BC's own."""
+    a = tyro.cli(td3_bc.Args, args=["--alpha", "0", "--policy-freq", "3", "--hidden", "64", "--no-normalize-states"])
+    assert (a.alpha, a.policy_freq, a.hidden, a.normalize_states) == (0.0, 3, 64, False)
+    assert (a.exp_name, a.dataset, a.tau, a.total_steps, a.policy_noise) == ("td3_bc", "pendulum-medium", 0.005,
+                                                                            10_000, 0.2)
