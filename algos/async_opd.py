@@ -18,7 +18,11 @@ q = teacher log-probs, b = behaviour log-probs:
   rkl-mc         multi-sample Monte Carlo: M = --mc-samples extra tokens per position drawn from b at
                  rollout time, their teacher scores cached; at learner time
                  loss = 1/M sum_m w_m (s(z_m) - q(z_m)).detach() s(z_m),  w_m = pi_theta(z_m)/b(z_m)  mc_rkl_loss
-                 (importance-corrected, so it stays unbiased under staleness: "MC correctability").
+                 Unbiased per prefix ("MC correctability"): at a given prefix, E_{z~b}[w (s - q) grad s] is the
+                 exact gradient of the local KL(pi_theta || pi_t) there, however stale b is. It is not unbiased
+                 for the on-policy objective: the prefixes themselves were sampled by the stale b, so a batch
+                 weights each prefix by its probability under b, not under pi_theta (nothing here reweights
+                 whole prefixes): a bias that is 0 at staleness 0 and grows as b drifts from pi_theta.
   rkl-sparse     reverse KL on the cached top-k support: KL(p~_s || p~_t) with both renormalised over
                  the k cached ids (biased when k < V; exact at k = V)                     sparse_rkl
 
@@ -28,7 +32,10 @@ loss equals the exact reverse KL.
 
 cache_bias_variance() measures, on one real batch, the bias and variance of the per-position gradient
 (w.r.t. the student logits) of the sparse, 1-sample and M-sample estimators against the exact reverse-KL
-gradient, for several k: benchmarks/async_opd_staleness.py tabulates it with accuracy vs staleness.
+gradient, for several k; for the sampled estimators it also gives the bias net of the Var/draws noise floor
+that the mean of finitely many draws keeps. The draws come from the student itself at fixed prefixes, so
+this is the cache's bias per prefix, not the stale-prefix bias above. benchmarks/async_opd_staleness.py
+tabulates it with accuracy vs staleness.
 
 B-93: rollout/length, rollout/truncated_frac and rollout/repeat_frac are logged every step.
 
@@ -222,8 +229,12 @@ def mc_rkl_loss(s_logp, z_ids, z_teacher, z_behav):
 def cache_bias_variance(s_logits, t_logp, ks=(1, 4, 16, 0), mc=(1, 4), draws: int = 64, seed: int = 0) -> list[dict]:
     """Bias and variance of per-position gradient estimators of KL(pi_s || pi_t) w.r.t. the student logits.
 
-    s_logits [N, V] (student), t_logp [N, V] (teacher). For each estimator: bias = mean over positions of
-    |E[g] - g_exact| (L2), var = mean over positions of E|g - E[g]|^2, both relative to |g_exact|^2 mean.
+    s_logits [N, V] (student), t_logp [N, V] (teacher). For each estimator, with g_bar the mean of `draws`
+    draws: rel_bias = mean over positions of |g_bar - g_exact|^2, rel_var = mean over positions of the draws'
+    spread mean_d |g_d - g_bar|^2, both relative to the mean |g_exact|^2. For a sampled estimator rel_bias is
+    not its squared bias: E|g_bar - g_exact|^2 = bias^2 + Var/draws, and Var/draws is the noise floor that an
+    unbiased estimator still shows. rel_bias_net = rel_bias - rel_var / (draws - 1) removes it (an unbiased
+    estimate of bias^2, since E[rel_var] = Var (draws - 1) / draws); it scatters around 0 when unbiased.
     """
     gen = torch.Generator().manual_seed(seed)
     s_logits = s_logits.detach()
@@ -240,8 +251,9 @@ def cache_bias_variance(s_logits, t_logp, ks=(1, 4, 16, 0), mc=(1, 4), draws: in
     for k in ks:
         cache = teacher_cache(t_logp, k)
         g = grad_of(lambda s: sparse_rkl(s, cache))
-        rows.append({"estimator": "sparse top-k", "k": k or t_logp.shape[-1], "M": 0,
-                     "rel_bias": (g - exact).pow(2).sum(-1).mean().item() / scale, "rel_var": 0.0})
+        bias = (g - exact).pow(2).sum(-1).mean().item() / scale
+        rows.append({"estimator": "sparse top-k", "k": k or t_logp.shape[-1], "M": 0, "draws": 1,
+                     "rel_bias": bias, "rel_var": 0.0, "rel_bias_net": bias})
     for M in mc:
         gs = []
         for _ in range(draws):
@@ -251,9 +263,10 @@ def cache_bias_variance(s_logits, t_logp, ks=(1, 4, 16, 0), mc=(1, 4), draws: in
             gs.append(grad_of(lambda s: mc_rkl_loss(s, z, c["extra_vals"], b)))
         gs = torch.stack(gs)
         mean = gs.mean(0)
-        rows.append({"estimator": f"{M}-sample MC", "k": 0, "M": M,
-                     "rel_bias": (mean - exact).pow(2).sum(-1).mean().item() / scale,
-                     "rel_var": (gs - mean).pow(2).sum(-1).mean().item() / scale})
+        bias = (mean - exact).pow(2).sum(-1).mean().item() / scale
+        var = (gs - mean).pow(2).sum(-1).mean().item() / scale
+        rows.append({"estimator": f"{M}-sample MC", "k": 0, "M": M, "draws": draws, "rel_bias": bias,
+                     "rel_var": var, "rel_bias_net": bias - var / max(draws - 1, 1)})
     return rows
 
 

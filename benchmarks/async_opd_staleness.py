@@ -1,12 +1,16 @@
 """A-10 (AsyncOPD): student accuracy vs rollout staleness per loss, and the teacher-cache bias/variance.
 
-    python benchmarks/async_opd_staleness.py                  # about 12 minutes on 2 shared cores
+    python benchmarks/async_opd_staleness.py                  # about 12 minutes per seed on 2 shared cores
     python benchmarks/async_opd_staleness.py --report-only    # rebuild the table from the committed CSV
-    python benchmarks/report.py                               # paste it into README.md
+    python benchmarks/report.py                               # paste it into benchmarks/README.md
 
 Part 1: algos/async_opd.py for variants fkl, rkl-stale, rkl-recompute, rkl-mc at staleness k in {0, 2, 8}.
 Part 2: on one real batch (tiny-0.6m rollouts scored by tiny-5m), the relative bias and variance of the
 per-position reverse-KL gradient estimators: sparse top-k for several k, 1-sample and 4-sample Monte Carlo.
+The Monte-Carlo rows' raw bias (squared distance of the mean of n = DRAWS draws from the exact gradient)
+contains the noise floor Var/n that even an unbiased estimator keeps; the table also gives the bias net of it,
+raw - Var_hat/(n - 1), computed from the rows' rel_bias, rel_var and draws (rows without a `draws` figure were
+made with DRAWS draws).
 Rows: benchmarks/results/async_opd.csv; table: benchmarks/results/async_opd.md.
 """
 from __future__ import annotations
@@ -26,13 +30,10 @@ CSV = "async_opd.csv"
 VARIANTS = ("fkl", "rkl-stale", "rkl-recompute", "rkl-mc")
 STALENESS = (0, 2, 8)
 STEPS, EVAL = 40, 300
+DRAWS, CACHE_PROMPTS = 256, 64  # part 2: draws per MC estimator, rollouts in the batch
 
 
 def run(seeds) -> None:
-    import numpy as np
-    import torch
-
-    import common
     from algos import async_opd as ao
 
     for seed in seeds:
@@ -42,12 +43,25 @@ def run(seeds) -> None:
                                     eval_examples=EVAL, out_dir=f"runs/bench_async_opd/{variant}_k{k}_s{seed}"))
                 append_rows(CSV, "async_opd", "algos/async_opd.py", f"{variant}|k={k}", seed, s,
                             f"python algos/async_opd.py --variant {variant} --staleness {k} --steps {STEPS} --seed {seed}")
-    # part 2: estimator bias and variance on one real batch
+    for r in cache_rows():
+        append_rows(CSV, "async_opd_cache", "algos/async_opd.py", f"{r['estimator']}|k={r['k']}|M={r['M']}", 0,
+                    {m: r[m] for m in ("rel_bias", "rel_var", "draws")},
+                    "python benchmarks/async_opd_staleness.py (cache_bias_variance)")
+
+
+def cache_rows(draws: int = DRAWS, n_prompts: int = CACHE_PROMPTS) -> list[dict]:
+    """Part 2: estimator bias and variance on one real batch (tiny-0.6m rollouts, tiny-5m scores)."""
+    import numpy as np
+    import torch
+
+    import common
+    from algos import async_opd as ao
+
     torch.manual_seed(0)
     student, tok = common.load_model("tiny-0.6m")
     teacher, _ = common.load_model("tiny-5m")
     task = common.make_task("add")
-    exs = task.sample("train", 64, np.random.default_rng(0))
+    exs = task.sample("train", n_prompts, np.random.default_rng(0))
     ro = common.generate(student, tok, common.encode_prompts(tok, [e.prompt for e in exs]), 1, 8)
     b = {k: getattr(ro, k) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
     with torch.no_grad():
@@ -58,11 +72,28 @@ def run(seeds) -> None:
         s_logits = student.get_output_embeddings()(h[:, b["prompt_ids"].shape[1] - 1:-1])
         t_logp = ao.completion_logprobs(teacher, **b)
     keep = b["completion_mask"].bool()
-    rows = ao.cache_bias_variance(s_logits[keep], t_logp[keep], ks=(1, 4, 16, 0), mc=(1, 4), draws=256)
-    for r in rows:
-        append_rows(CSV, "async_opd_cache", "algos/async_opd.py", f"{r['estimator']}|k={r['k']}|M={r['M']}", 0,
-                    {"rel_bias": r["rel_bias"], "rel_var": r["rel_var"]},
-                    "python benchmarks/async_opd_staleness.py (cache_bias_variance)")
+    return ao.cache_bias_variance(s_logits[keep], t_logp[keep], ks=(1, 4, 16, 0), mc=(1, 4), draws=draws)
+
+
+def net_of_noise(rel_bias: float, rel_var: float, draws: float) -> float:
+    """bias^2 net of the noise floor: E[rel_bias] = bias^2 + Var/n and E[rel_var] = Var (n - 1)/n, so
+    rel_bias - rel_var/(n - 1) estimates bias^2 without bias (as cache_bias_variance's rel_bias_net)."""
+    return rel_bias - rel_var / max(draws - 1, 1)
+
+
+def cache_table(by: dict) -> list[str]:
+    """The part-2 table from {config: {metric: [values]}}."""
+    lines = ["| estimator (one real batch) | cache k | samples M | relative bias² (raw) | relative variance | "
+             "relative bias² net of noise |", "|---|---|---|---|---|---|"]
+    for config, f in by.items():
+        if "rel_bias" not in f:
+            continue
+        est, k, m = config.split("|")
+        draws = statistics.mean(f["draws"]) if f.get("draws") else DRAWS
+        net = f"{net_of_noise(statistics.mean(f['rel_bias']), statistics.mean(f['rel_var']), draws):+.4f}"
+        lines.append(f"| {est} | {k[2:] if est.startswith('sparse') else '-'} | {m[2:] if m != 'M=0' else '-'} | "
+                     f"{statistics.mean(f['rel_bias']):.4f} | {statistics.mean(f['rel_var']):.3f} | {net} |")
+    return lines
 
 
 def fmt(vals, scale=100.0):
@@ -75,11 +106,13 @@ def fmt(vals, scale=100.0):
 def report() -> None:
     rows = read_rows(CSV)
     by = defaultdict(lambda: defaultdict(list))
-    meta = None
+    meta, meta_cache = None, None
     for r in rows:
         by[r["config"]][r["metric"]].append(float(r["value"]))
         if r["bench"] == "async_opd":
             meta = r
+        else:
+            meta_cache = r
     lines = ["| variant | acc k=0 | acc k=2 | acc k=8 | KL(s‖t) k=0 | KL(s‖t) k=2 | KL(s‖t) k=8 |",
              "|---|---|---|---|---|---|---|"]
     start = []
@@ -92,14 +125,7 @@ def report() -> None:
         accs = [fmt(c.get("eval_acc_end", [])) for c in cells]
         kls = [f"{statistics.mean(c['kl_reverse_end']):.3f}" if c.get("kl_reverse_end") else "-" for c in cells]
         lines.append(f"| `{v}` | " + " | ".join(accs + kls) + " |")
-    lines += ["", "| estimator (one real batch) | cache k | samples M | relative bias | relative variance |",
-              "|---|---|---|---|---|"]
-    for config, f in by.items():
-        if "rel_bias" not in f:
-            continue
-        est, k, m = config.split("|")
-        lines.append(f"| {est} | {k[2:] if est.startswith('sparse') else '-'} | {m[2:] if m != 'M=0' else '-'} | "
-                     f"{statistics.mean(f['rel_bias']):.3f} | {statistics.mean(f['rel_var']):.3f} |")
+    lines += [""] + cache_table(by)
     if meta:
         seeds = len(by[f"{VARIANTS[0]}|k=0"]["eval_acc_end"]) if by.get(f"{VARIANTS[0]}|k=0") else 0
         lines += ["", f"Top: `algos/async_opd.py`, student `tiny-0.6m` (held-out start {fmt(start)}%), teacher `tiny-5m`, "
@@ -109,8 +135,14 @@ def report() -> None:
                   f"by the student of k updates ago. {seeds} seed(s); differences of a few points are within noise at "
                   f"this size. Bottom: per-position gradient (w.r.t. the student logits) of KL(student‖teacher), "
                   f"bias² and variance relative to the exact gradient's squared norm, over all completion positions of "
-                  f"64 student rollouts (99-token vocabulary; k = 99 is the full vocabulary; 256 draws per MC "
-                  f"estimator). Hardware: {meta['hardware']}; {meta['versions']}; commit {meta['commit']}. "
+                  f"{CACHE_PROMPTS} student rollouts (99-token vocabulary; k = 99 is the full vocabulary; {DRAWS} draws "
+                  f"per MC estimator, sampled from the student at the rollout's own prefixes, so no staleness). Raw "
+                  f"bias² = squared distance of the mean of the {DRAWS} draws from the exact gradient: for an MC "
+                  f"estimator it includes the noise floor Var/{DRAWS}; net of noise = raw − variance/({DRAWS} − 1), "
+                  f"an unbiased estimate of the squared bias, which scatters around 0 for an unbiased estimator. "
+                  f"Hardware: {meta['hardware']}; {meta['versions']}; commit {meta['commit']}"
+                  + (f" (bottom: commit {meta_cache['commit']})" if meta_cache and
+                     meta_cache["commit"] != meta["commit"] else "") + ". "
                   f"Rows: `benchmarks/results/{CSV}`; command: `python benchmarks/async_opd_staleness.py`."]
     (RESULTS / "async_opd.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,6 +1,7 @@
 """algos/async_opd.py: the top-k cache at k = V is exact, identical teacher gives zero loss and gradient for
-every variant, the importance-weighted multi-sample estimator is unbiased under staleness, bias/variance
-ordering of the estimators, learning and bad input."""
+every variant, the importance-weighted multi-sample estimator is unbiased per prefix under a stale sampler but
+not over the stale prefix distribution, bias/variance ordering of the estimators and the bias net of the noise
+floor (also through the benchmark's code path on a tiny batch), learning and bad input."""
 from dataclasses import replace
 
 import pytest
@@ -49,8 +50,9 @@ def test_stale_and_recomputed_signals_agree_when_fresh():
                           torch.autograd.grad(b.sum(), logits)[0])
 
 
-def test_multi_sample_mc_is_unbiased_under_staleness():
-    """Draws from a stale b, importance-weighted to the current student: expected gradient = exact."""
+def test_multi_sample_mc_is_unbiased_per_prefix_under_staleness():
+    """At fixed prefixes, draws from a stale b importance-weighted to the current student: expected gradient =
+    the exact gradient of the local reverse KL at those prefixes."""
     logits = torch.randn(4, 6, generator=torch.Generator().manual_seed(4)).requires_grad_(True)
     t = rand_logp(4, 6, seed=5)
     behav = rand_logp(4, 6, seed=6) * 0.3 + torch.log_softmax(logits.detach(), -1) * 0.7
@@ -62,6 +64,29 @@ def test_multi_sample_mc_is_unbiased_under_staleness():
     assert torch.allclose(g_mc, g_exact, atol=1e-2), (g_mc, g_exact)
 
 
+def test_multi_sample_mc_is_biased_over_stale_prefixes():
+    """Two positions; the prefix of position 2 is the token sampled at position 1. Per prefix the MC estimator
+    is exact, but the prefixes come from the stale b: its expected gradient at position 2 weights each prefix
+    by b(y1), the on-policy gradient by pi_theta(y1). The header says so; this pins the difference."""
+    V, n = 4, 400000
+    gen = torch.Generator().manual_seed(11)
+    l1 = torch.randn(V, generator=gen) * 2  # student logits at position 1
+    l2 = (torch.randn(V, V, generator=gen) * 2).requires_grad_(True)  # student logits at position 2, per y1
+    t2 = torch.log_softmax(torch.randn(V, V, generator=gen) * 2, -1)  # teacher at position 2, per y1
+    b1 = torch.log_softmax(-l1, -1)  # a very stale sampler at position 1
+    s2 = torch.log_softmax(l2, -1)
+    g_rkl = torch.autograd.grad(ao.reverse_kl(s2, t2).sum(), l2, retain_graph=True)[0]  # [V, V]: per prefix
+    on_policy = torch.softmax(l1, -1)[:, None] * g_rkl
+    stale_weighted = b1.exp()[:, None] * g_rkl
+    y1 = torch.multinomial(b1.exp(), n, replacement=True, generator=gen)  # prefixes from b
+    b2 = s2.detach()[y1]  # b = the current student at position 2: isolates the prefix effect
+    z = torch.multinomial(b2.exp(), 1, generator=gen)
+    loss = ao.mc_rkl_loss(s2[y1], z, t2[y1].gather(-1, z), b2.gather(-1, z)).sum() / n
+    (g_mc,) = torch.autograd.grad(loss, l2)
+    assert torch.allclose(g_mc, stale_weighted, atol=2e-2), (g_mc, stale_weighted)
+    assert (g_mc - on_policy).abs().max() > 10 * 2e-2  # not the on-policy gradient
+
+
 def test_cache_bias_variance_ordering():
     s_logits, t = torch.randn(40, 20, generator=torch.Generator().manual_seed(8)) * 2, rand_logp(40, 20, seed=9)
     rows = {(r["estimator"], r["k"], r["M"]): r for r in ao.cache_bias_variance(s_logits, t, ks=(2, 8, 0), mc=(1, 4),
@@ -71,6 +96,43 @@ def test_cache_bias_variance_ordering():
     one, four = rows[("1-sample MC", 0, 1)], rows[("4-sample MC", 0, 4)]
     assert four["rel_var"] < 0.5 * one["rel_var"]  # about 1/M of the variance
     assert one["rel_bias"] < 0.1 * one["rel_var"]  # unbiased: what remains is the noise of the mean
+
+
+def test_bias_net_of_the_noise_floor():
+    """Raw bias of an MC row = bias^2 + Var/draws; the net column removes Var/draws: for the unbiased MC
+    estimators it falls to noise around 0 while the raw figure stays at the floor; the biased sparse rows
+    keep their bias."""
+    # 2000 positions: over seeds 0-7 the net / raw ratio had sd ~0.025 (|ratio| <= 0.05); the bounds are ~6 sd
+    s_logits, t = torch.randn(2000, 20, generator=torch.Generator().manual_seed(8)) * 2, rand_logp(2000, 20, seed=9)
+    draws = 40
+    rows = {(r["estimator"], r["M"]): r for r in ao.cache_bias_variance(s_logits, t, ks=(2,), mc=(1, 4), draws=draws)}
+    for M in (1, 4):
+        r = rows[(f"{M}-sample MC", M)]
+        assert r["draws"] == draws
+        assert abs(r["rel_bias_net"] - (r["rel_bias"] - r["rel_var"] / (draws - 1))) < 1e-9
+        floor = r["rel_var"] / draws
+        assert 0.85 * floor < r["rel_bias"] < 1.15 * floor  # the raw figure is the noise floor
+        assert abs(r["rel_bias_net"]) < 0.15 * r["rel_bias"], r  # net of it: noise around 0
+    sparse = rows[("sparse top-k", 0)]
+    assert sparse["rel_bias_net"] == sparse["rel_bias"] > 0.05
+
+
+def test_staleness_benchmark_cache_rows_on_a_tiny_batch():
+    """The benchmark's part 2 (real models, tiny batch) and its table with the net-of-noise column."""
+    from collections import defaultdict
+
+    from benchmarks import async_opd_staleness as bench
+
+    rows = bench.cache_rows(draws=6, n_prompts=4)
+    by = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        for m in ("rel_bias", "rel_var", "rel_bias_net", "draws"):
+            by[f"{r['estimator']}|k={r['k']}|M={r['M']}"][m].append(r[m])
+    lines = bench.cache_table(by)
+    assert "net of noise" in lines[0] and len(lines) == 2 + len(rows)
+    mc = [r for r in rows if r["M"]]
+    assert len(mc) == 2 and all(abs(r["rel_bias_net"] - (r["rel_bias"] - r["rel_var"] / 5)) < 1e-9 for r in mc)
+    assert all(f"{r['rel_bias_net']:+.4f}" in line for r, line in zip(rows, lines[2:]))
 
 
 SMALL = ao.Args(steps=40, eval_every=40, eval_examples=300, out_dir="", exp_name="t")
