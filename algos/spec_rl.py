@@ -1,42 +1,49 @@
-"""Speculative rollouts for GRPO: the rollout engine is speculative sampling, the update is plain GRPO.
+"""SPEC-RL: GRPO whose rollouts are speculative, with the previous epoch's rollouts as drafts.
 
-Parent: algos/grpo.py (the update is unchanged; `diff algos/grpo.py algos/spec_rl.py` shows the rollout).
-Papers (papers/000_*.txt): A-43 (lossless speculative decoding inside RL rollouts, NeMo-RL), A-36 SPEC-RL
-(the previous epoch's rollout of the same prompt is the draft), A-25 EfficientRollout (a quantized self-drafter
-stays coupled to the evolving policy; acceptance-aware draft length), B-20 Seer (drafts from sibling
-responses of the same group). The sampler is the one of algos/spec_decode.py, copied here.
+Papers: Liu et al., "SPEC-RL: Accelerating On-Policy Reinforcement Learning via Speculative Rollouts",
+arXiv:2509.23232 (the previous epoch's rollout of the same prompt is the draft); Iso et al., "Accelerating RL
+Post-Training Rollouts via System-Integrated Speculative Decoding", arXiv:2604.26779 (lossless speculation in
+RL rollouts); Kim, Lee, Oh et al., "EfficientRollout: System-Aware Self-Speculative Decoding for RL Rollouts",
+arXiv:2606.18967 (a quantised self-drafter; acceptance-aware draft length); Qin et al., "Seer: Online Context
+Learning for Fast Synchronous LLM Reinforcement Learning", arXiv:2511.14617 (drafts from sibling responses).
+
+Parent: algos/grpo.py; changed: Args, check_args, rollout, main.
+
+Parent: algos/spec_decode.py; changed: Args, check_args, main.
+
+The update is grpo.py's (update, grpo_loss); rollout changes: prompts come from a fixed pool revisited every
+epoch, and spec_decode.py's sampler (spec_generate, copied) samples each group with a drafter. Speculative
+sampling is lossless: the rollouts have the policy's own distribution, the behaviour log-probs are the target's
+processed log-probs, and the update stays on-policy (ratio 1).
 
 Equations (each implemented by the function named on the right):
-  accept draft x_j          u_j < min(1, p_j(x_j) / q_j(x_j))                                   accept_prob
-  reject at j               emit y ~ norm(max(0, p_j - q_j)); all accepted: bonus y ~ p_gamma     verify
-  SPEC-RL (A-36)            draft = the previous epoch's completion o'_i of the same prompt (row i of its group),
-                            q_j = pi_old(. | x, o'_<j), stored when o'_i was sampled; the longest accepted prefix
-                            is kept and sampling continues from the first rejection                PrevDrafter
-  sibling n-gram (B-20)     draft = majority continuation of the longest matching suffix in the group's
-                            other responses and the previous epoch's responses; q one-hot     NgramDrafter
-  self-draft (A-25)         q from an int8 (per-row absmax) copy of the current policy, re-made every step
-                                                                                           fake_int8_copy
-  frozen draft              q from a frozen model (default: the initial policy)               ModelDrafter
-  group advantage, clipped surrogate, aggregation: as algos/grpo.py                    group_advantages, ...
-  reused fraction           accepted draft tokens / generated tokens
-  tokens per target call    E[n] = (1 - alpha^(gamma+1)) / (1 - alpha)                   tokens_per_call_theory
-
-Because speculative sampling is lossless, the rollouts have the policy's own distribution: the behaviour
-log-probs are the target's processed log-probs, and GRPO's update is unchanged (on-policy, ratio 1).
+  accept draft x_j       u_j < min(1, p_j(x_j) / q_j(x_j))                                      accept_prob
+  reject at j            emit y ~ norm(max(0, p_j - q_j)); all accepted: bonus y ~ p_gamma        verify
+  SPEC-RL                draft = the previous epoch's completion o'_i of the same prompt (row i of its group),
+                         q_j = pi_old(. | x, o'_<j), stored when o'_i was sampled; the longest accepted prefix is
+                         kept and sampling continues from the first rejection                     PrevDrafter
+  sibling n-gram (Seer)  draft = majority continuation of the longest matching suffix in the group's other
+                         responses and the previous epoch's responses; q one-hot               NgramDrafter
+  self-draft             q from an int8 (per-row absmax) copy of the current policy, re-made every step
+                         (EfficientRollout)                                                  fake_int8_copy
+  frozen draft           q from a frozen model (default: the initial policy)                   ModelDrafter
+  group advantage, clipped surrogate, aggregation: as algos/grpo.py            group_advantages, grpo_loss
+  reused fraction        accepted draft tokens / generated tokens                                 SpecStats
+  tokens per target call E[n] = (1 - alpha^(gamma+1)) / (1 - alpha)                  tokens_per_call_theory
 
 Deviations:
-- Training prompts come from a fixed pool (--pool-size) revisited every epoch, so that SPEC-RL has a previous
-  rollout of each prompt; plain GRPO draws fresh prompts each step.
+- Training prompts come from a fixed pool (--pool-size, per process) revisited every epoch, so that SPEC-RL
+  has a previous rollout of each prompt; plain GRPO draws fresh prompts each step.
 - SPEC-RL's exactness: min(1, p_new / p_old) with residual resampling is exact when the draft is a fresh sample
   of p_old. Here p_new was trained on (among others) that very draft, so strictly the guarantee holds only up
-  to that dependence (the paper shares it); the output is then "very nearly" the policy's. After the reused
-  prefix we sample plainly (gamma = 0), as the paper continues generation from the first rejection. The paper's
-  lenience factor (accepting more than min(1, p/q)) is not implemented: we keep the rollouts lossless.
-- The A-25 self-drafter is fake-quantized (int8 weights rounded, compute in fp32): it reproduces the
-  distribution mismatch of a quantized drafter, not its speed (there is no int8 speed-up on this CPU path), and
-  there is no system-aware on/off toggle.
-- No vLLM engine, no multi-process launch, no resume, no kernels: the rollout engine is the speculative sampler
-  (HF model, KV cache with rollback). One process; PPO epochs = mini-batches = 1 (on-policy, ratio 1).
+  to that dependence (the paper shares it). After the reused prefix we sample plainly (gamma = 0), as the paper
+  continues generation from the first rejection. The paper's lenience (accepting more than min(1, p/q)) is not
+  implemented: the rollouts stay lossless. The full q [len, V] of every stored rollout is kept: cheap for the
+  tiny vocabulary, too much memory for a real one (where it would be kept sparse or recomputed).
+- The self-drafter is fake-quantized (int8 weights rounded, compute in fp32): it reproduces the distribution
+  mismatch of a quantized drafter, not its speed, and there is no system-aware on/off toggle.
+- No vLLM engine, no resume (the previous-epoch drafts are not checkpointed), no Triton kernels: the rollout
+  engine is the speculative sampler (HF model, KV cache with rollback).
 - Batched in lock-step: the batch needs as many target calls as its slowest row; we log both the batched calls
   and the per-sequence target forwards per token (what a continuous-batching engine would save).
 
@@ -44,20 +51,20 @@ Commands:
   python algos/spec_rl.py                              # SPEC-RL drafts, tiny-0.6m on add, 2-core CPU
   python algos/spec_rl.py --drafter none               # plain GRPO through the same sampler (the baseline)
   python algos/spec_rl.py --drafter prev+ngram         # SPEC-RL, then n-gram drafts after the first rejection
-  python algos/spec_rl.py --drafter ngram              # sibling / previous-epoch n-gram drafter (B-20)
+  python algos/spec_rl.py --drafter ngram              # sibling / previous-epoch n-gram drafter (Seer)
   python algos/spec_rl.py --drafter model              # frozen draft model (the initial policy): acceptance decays
-  python algos/spec_rl.py --drafter self               # int8 copy of the current policy: acceptance holds (A-25)
+  python algos/spec_rl.py --drafter self               # int8 copy of the current policy: acceptance holds
 Expected: held-out greedy accuracy on 2-digit addition rises by 10+ points (as plain GRPO) while SPEC-RL reuses
 most rollout tokens and needs fewer target forwards per token; see benchmarks/results/spec_rollout.md.
 """
 from __future__ import annotations
 
 import copy
-import json
+import math
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
@@ -79,36 +86,36 @@ class Args:
     exp_name: str = "spec_rl"
     """name of the run (the output folder is out_dir/exp_name)"""
     seed: int = 0
-    """random seed (prompts and sampling of step s depend only on seed and s)"""
+    """random seed: the pool, and the prompts and sampling of step s, depend only on (seed, s, rank)"""
     track: bool = False
     """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
     out_dir: str = "runs"
-    """where metrics.jsonl, summary.json and the curves go"""
+    """where metrics.jsonl, summary.json, the curves and checkpoints go"""
     # model and task
     model: str = "tiny-0.6m"
-    """the policy: tiny-0.6m, tiny-5m, a Hugging Face id or a local path"""
+    """tiny-0.6m, tiny-5m, smollm2-135m, a Hugging Face id or a local path"""
     task: str = "add"
-    """add, addsteps, jsonl:PATH or gsm8k"""
+    """add, addsteps, jsonl:PATH (prompt/answer records) or gsm8k"""
     digits: int = 2
-    """operand digits of the arithmetic tasks"""
+    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
     device: str = "auto"
     """auto (CUDA if present), cpu or cuda"""
     threads: int = 2
-    """torch CPU threads"""
+    """torch CPU threads per process"""
     # rollout
     drafter: Literal["prev", "prev+ngram", "ngram", "model", "self", "none"] = "prev"
-    """prev = SPEC-RL (last epoch's rollout; +ngram: n-gram drafts after a rejection), ngram = siblings (B-20),
-    model = frozen draft, self = int8 policy"""
+    """prev = SPEC-RL (last epoch's rollout; +ngram: n-gram drafts after a rejection), ngram = siblings (Seer),
+    model = frozen draft, self = int8 policy (EfficientRollout), none = plain sampling"""
     draft_model: str = ""
     """the frozen draft model of --drafter model ('' = a frozen copy of the initial policy)"""
     gamma: int = 4
     """draft tokens per round for ngram / model / self (prev drafts the whole previous completion)"""
     adaptive_gamma: bool = False
-    """pick gamma each round from the running acceptance estimate (A-25)"""
+    """pick gamma each round from the running acceptance estimate (EfficientRollout)"""
     pool_size: int = 512
     """training prompts in the fixed pool, revisited every epoch"""
     prompts_per_step: int = 32
-    """distinct prompts per rollout batch"""
+    """distinct prompts per rollout batch (per process)"""
     group_size: int = 8
     """completions per prompt (G)"""
     max_new_tokens: int = 8
@@ -121,37 +128,70 @@ class Args:
     adv_std_norm: bool = True
     """divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
     clip_eps_low: float = 0.2
-    """lower clip range"""
+    """lower clip range: ratio >= 1 - eps_low"""
     clip_eps_high: float = 0.2
-    """upper clip range"""
+    """upper clip range: ratio <= 1 + eps_high (DAPO's clip-higher uses 0.28)"""
+    kl_coef: float = 0.0
+    """weight of the k3 KL to the frozen initial policy (0 = no reference model)"""
     loss_agg: Literal["seq-mean", "token-mean", "const"] = "seq-mean"
-    """loss aggregation, as algos/grpo.py"""
+    """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
+    agg_const: int = 0
+    """the constant k of --loss-agg const (0 = max_new_tokens)"""
     # optimisation
     steps: int = 200
-    """rollout batches (one optimiser step each)"""
+    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
+    ppo_epochs: int = 1
+    """passes over each rollout batch"""
+    minibatches: int = 1
+    """optimiser steps per pass; the rollout batch is split into this many"""
+    micro_batch_size: int = 256
+    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
     lr: float = 1e-4
-    """learning rate (AdamW); >= 3e-4 is unstable on the tiny policy"""
+    """peak learning rate (AdamW); >= 3e-4 is unstable on the tiny policy, real LLMs want about 1e-6"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
+    warmup_steps: int = 0
+    """linear warm-up (optimiser steps)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
-    # eval
+    # eval and checkpoints
     eval_every: int = 40
     """rollout batches between held-out evaluations"""
     eval_examples: int = 500
     """held-out prompts for greedy accuracy"""
+    pass_k: int = 8
+    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
+    eval_hard: bool = True
+    """also evaluate one digit harder than training (out of distribution)"""
+    save_every: int = 0
+    """rollout batches between checkpoints (0 = only at the end)"""
 
 
 def check_args(args: Args) -> None:
+    """Fail early, naming the flag, instead of deep inside torch."""
     if args.group_size < 2:
         raise SystemExit(f"--group-size must be at least 2 for a group baseline, got {args.group_size}")
-    if args.prompts_per_step < 1 or args.steps < 1 or args.max_new_tokens < 1 or args.gamma < 0:
-        raise SystemExit("--prompts-per-step, --steps, --max-new-tokens must be positive and --gamma >= 0")
-    if args.pool_size < args.prompts_per_step:
-        raise SystemExit(f"--pool-size ({args.pool_size}) must be at least --prompts-per-step "
-                         f"({args.prompts_per_step})")
+    if args.prompts_per_step < 1 or args.steps < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--prompts-per-step, --steps and --max-new-tokens must be positive")
+    batch = args.prompts_per_step * args.group_size
+    if batch % args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} must divide the rollout batch "
+                         f"(prompts_per_step * group_size = {batch})")
+    if args.micro_batch_size < 1:
+        raise SystemExit("--micro-batch-size must be positive")
+    if not (0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0):
+        raise SystemExit("clip ranges need 0 <= eps_low < 1 and eps_high >= 0")
     if args.temperature <= 0:
         raise SystemExit("--temperature must be > 0 (greedy decoding is used for eval only)")
     if not 0 < args.top_p <= 1:
         raise SystemExit(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.gamma < 0:
+        raise SystemExit(f"--gamma must be >= 0, got {args.gamma}")
+    if args.pool_size < args.prompts_per_step:
+        raise SystemExit(f"--pool-size ({args.pool_size}) must be at least --prompts-per-step "
+                         f"({args.prompts_per_step})")
 
 
 # ---- the idea: advantage, clipped surrogate, KL, aggregation ----
@@ -195,7 +235,26 @@ def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, cons
         return per_seq_sum.sum() / (n_seqs * const)
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
-# ---- processed distributions ----
+
+def agg_const(args: Args) -> int:
+    """The constant k of --loss-agg const (default: the generation budget, as Dr. GRPO)."""
+    return args.agg_const or args.max_new_tokens
+
+
+def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """This micro-batch's share of J: clipped surrogate + kl_coef * k3 KL, aggregated over the step.
+
+    logp [b, C] (with grad); mb holds old, ref (or None), adv [b], mask [b, C]. Returns (loss, per-token stats).
+    """
+    tok_loss, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    stats = {"clipfrac": clipped}
+    if mb["ref"] is not None:
+        kl = k3_kl(logp, mb["ref"])
+        tok_loss, stats["kl"] = tok_loss + args.kl_coef * kl, kl
+    return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
+
+
+# ---- speculative sampling, as algos/spec_decode.py: processed distributions ----
 def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
                    greedy: bool = False) -> torch.Tensor:
     """The distribution the sampler draws from: softmax(z / T) restricted to the top-p nucleus, renormalised.
@@ -273,7 +332,8 @@ def speedup_theory(alpha: float, gamma: int, c: float) -> float:
 
 
 def best_gamma(alpha: float, c: float, gamma_max: int) -> int:
-    """The draft length that maximises speedup_theory (A-25's acceptance-aware draft length); 0 = do not draft."""
+    """The draft length that maximises speedup_theory (EfficientRollout's acceptance-aware draft length); 0 = do
+    not draft."""
     return max(range(gamma_max + 1), key=lambda g: (speedup_theory(alpha, g, c), -g))
 
 
@@ -543,8 +603,9 @@ def to_rollout(tok, prompts, group_size, comp, lps, eos_id) -> common.Rollout:
     return common.Rollout(ids, mask, cids, cmask, lp, finish, tok.batch_decode(cids, skip_special_tokens=True))
 
 
+# ---- SPEC-RL's drafter, the int8 self-drafter, and the rollout engine that holds them ----
 class PrevDrafter:
-    """SPEC-RL (A-36): the first round of each row drafts its previous-epoch completion with the stored q.
+    """SPEC-RL: the first round of each row drafts its previous-epoch completion with the stored q.
 
     With `then` (an NgramDrafter over the group's previous completions and siblings) the rows rejected in the
     first round keep drafting instead of decoding one token per call (--drafter prev+ngram)."""
@@ -587,7 +648,8 @@ class PrevDrafter:
 
 @torch.no_grad()
 def fake_int8_copy(model):
-    """A-25's self-drafter: a copy of the policy with every weight matrix rounded to int8 (per-row absmax)."""
+    """EfficientRollout's self-drafter: a copy of the policy with every weight matrix rounded to int8 (per-row
+    absmax)."""
     m = copy.deepcopy(model).eval().requires_grad_(False)
     for p in m.parameters():
         if p.dim() == 2:
@@ -596,29 +658,156 @@ def fake_int8_copy(model):
     return m
 
 
-# ---- eval and curves ----
-def save_curve(history: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    steps = [h["step"] for h in history if "rollout/reward" in h]
-    ax.plot(steps, [h["rollout/reward"] for h in history if "rollout/reward" in h], alpha=0.5, label="train reward")
-    ev = [h for h in history if "eval/acc" in h]
-    ax.plot([h["step"] for h in ev], [h["eval/acc"] for h in ev], "o-", label="held-out greedy acc")
-    if ev and "eval/acc_hard" in ev[0]:
-        ax.plot([h["step"] for h in ev], [h["eval/acc_hard"] for h in ev], "s--", label="harder (OOD) acc")
-    ax.set(xlabel="rollout batch", ylabel="accuracy / reward", ylim=(0, 1), title=title)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def make_drafter(args: Args, model, tok, device):
+    """The drafter of --drafter (None: plain sampling through the same loop, the baseline)."""
+    sampling = (tok.pad_token_id, args.temperature, args.top_p, False)
+    if args.drafter == "model":
+        dm, dtok = common.load_model(args.draft_model, device) if args.draft_model else (copy.deepcopy(model), tok)
+        if dtok.get_vocab() != tok.get_vocab():
+            raise SystemExit(f"--draft-model {args.draft_model} has a different tokenizer from --model")
+        return ModelDrafter(dm.eval().requires_grad_(False), *sampling)
+    if args.drafter == "self":  # its model is an int8 copy of the policy, re-made before every rollout
+        return ModelDrafter(None, *sampling)
+    ngram = NgramDrafter(args.group_size, model.config.vocab_size)
+    return {"ngram": ngram, "prev": PrevDrafter(args.group_size),
+            "prev+ngram": PrevDrafter(args.group_size, ngram, args.gamma)}.get(args.drafter)
 
 
-def run_eval(model, tok, task, examples, args) -> dict:
-    return {"eval/acc": common.evaluate(model, tok, task, examples, args.max_new_tokens)["acc"]}
+class Speculator:
+    """The rollout engine: the fixed prompt pool, the drafter, each prompt's last rollout, the running SpecStats."""
+
+    def __init__(self, args: Args, model, tok, task, device, rank: int = 0):
+        self.args, self.drafter, self.total = args, make_drafter(args, model, tok, device), SpecStats()
+        self.gamma = args.max_new_tokens if args.drafter.startswith("prev") else args.gamma
+        self.pool = task.sample("train", args.pool_size, np.random.default_rng([args.seed, 777, rank]))
+        self.pool_prompts = common.encode_prompts(tok, [e.prompt for e in self.pool])
+        self.memory: dict[int, list] = {}  # pool index -> [(completion tokens, q [len, V] or None)] * G
+
+    def batch_of(self, step: int) -> tuple[int, list[int]]:
+        """(epoch, pool indices) of rollout batch `step`: each epoch visits the pool once, in a new order."""
+        n = self.args.prompts_per_step
+        epoch, slot = divmod(step - 1, self.args.pool_size // n)
+        order = np.random.default_rng([self.args.seed, epoch]).permutation(self.args.pool_size)
+        return epoch, order[slot * n:(slot + 1) * n].tolist()
+
+    def summary(self, history: list[dict]) -> dict:
+        """Target forwards per token, reused fraction, acceptance overall and early / late in the run."""
+        s, train = self.total.summary(), [h for h in history if "rollout/alpha" in h]
+        later = [h for h in train if h["rollout/epoch"] >= 1] or train  # SPEC-RL has no draft in epoch 0
+        tenth = max(1, len(later) // 10)
+        return {**{k: s[k] for k in ("target_calls", "row_calls", "draft_calls", "row_calls_per_token",
+                                     "reused_frac", "alpha")},
+                "target_calls_per_step": s["target_calls"] / max(len(train), 1),
+                "alpha_early": float(np.mean([h["rollout/alpha"] for h in later[:tenth]])),
+                "alpha_late": float(np.mean([h["rollout/alpha"] for h in later[-tenth:]]))}
+
+
+# ---- rollout and update ----
+def rollout(model, tok, task, args: Args, step: int, device, spec: Speculator) -> dict:
+    """Sample G completions for each of prompts_per_step pool prompts speculatively; reward them; A_i per group.
+
+    The drafter sees what it may: SPEC-RL the group's rollout of the last epoch (with the q it was sampled
+    from), the n-gram drafter that rollout and the siblings, the self-drafter an int8 copy of the policy.
+    """
+    epoch, idx = spec.batch_of(step)
+    examples, prompts = [spec.pool[i] for i in idx], [spec.pool_prompts[i] for i in idx]
+    d, prev, G = spec.drafter, [spec.memory.get(i) for i in idx], args.group_size
+    if args.drafter == "self":
+        d.model = fake_int8_copy(model)
+    if args.drafter.startswith("prev"):
+        d.prior, d.plen = {g: m for g, m in enumerate(prev) if m}, [len(p) for p in prompts for _ in range(G)]
+    if args.drafter in ("ngram", "prev+ngram"):
+        ngram = d.then if args.drafter == "prev+ngram" else d  # n-grams also from last epoch's rollouts
+        ngram.extra = {g: [prompts[g] + t for t, _ in m] for g, m in enumerate(prev) if m}
+    model.eval()
+    comp, lps, st, probs = spec_generate(model, prompts, G, args.max_new_tokens, tok.pad_token_id, tok.eos_token_id,
+                                         d, spec.gamma, args.temperature, args.top_p, False, args.adaptive_gamma,
+                                         keep_probs=args.drafter.startswith("prev"))
+    model.train()
+    if args.drafter in ("prev", "prev+ngram", "ngram"):  # remember this visit: the next epoch's drafts
+        for g, i in enumerate(idx):
+            spec.memory[i] = [(comp[r], probs[r] if probs is not None else None) for r in range(g * G, (g + 1) * G)]
+    for f in fields(SpecStats):
+        setattr(spec.total, f.name, getattr(spec.total, f.name) + getattr(st, f.name))
+    ro = to_rollout(tok, prompts, G, comp, lps, tok.eos_token_id)
+    answers = [e.answer for e in examples for _ in range(G)]
+    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
+    batch = {k: getattr(ro, k).to(device) for k in
+             ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
+    s = st.summary()
+    batch.update(rewards=rewards, adv=group_advantages(rewards, G, args.adv_std_norm), finish_reasons=ro.finish_reasons,
+                 spec_metrics={"rollout/epoch": epoch, **{f"rollout/{k}": s[k] for k in (
+                     "alpha", "accept_rate", "mean_accepted", "target_calls", "row_calls_per_token", "reused_frac")}})
+    return batch
+
+
+def lr_factor(step: int, total: int, args: Args) -> float:
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return 1.0
+    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
+    """All-reduce (sum: the loss used global normalisers), NaN guard, clip, scheduled lr, step; returns the norm."""
+    if accel.num_processes > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad = accel.reduce(p.grad, "sum")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+    if not math.isfinite(grad_norm):  # the same all-reduced value on every rank, so all ranks stop together
+        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
+                         "intact. Lower --lr or check the rewards.")
+    for group in opt.param_groups:
+        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
+    opt.step()
+    return grad_norm
+
+
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+    """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
+
+    pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
+    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged.
+    """
+    B = batch["completion_ids"].shape[0]
+    micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
+    logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
+        batch["completion_mask"][idx], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+    on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
+    with torch.no_grad():
+        old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
+        ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
+    stats = {"pg": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
+    mismatch = 0.0 if on_policy else common.masked_mean((old - batch["logprobs"]).abs(),
+                                                        batch["completion_mask"].float()).item()
+    n_opt = 0
+    for _ in range(args.ppo_epochs):
+        for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
+            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
+                                  device=batch["adv"].device)
+            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            opt.zero_grad(set_to_none=True)
+            for idx in micro(mb_idx):
+                logp, ent = logprobs_of(model, idx, True)
+                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
+                      "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx]}
+                loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
+                loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
+                stats["pg"] += loss.item()
+                for k, v in {**token_stats, "entropy": ent}.items():
+                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
+                if on_policy:  # the only forward on the sampler's weights
+                    mismatch += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
+                                                  mb["mask"]).item() / max(n_tokens, 1)
+            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
+            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+            n_opt += 1
+    return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, "rollout/logprob_mismatch": mismatch}
 
 
 def save_drift(history: list[dict], path: Path, title: str) -> None:
@@ -642,160 +831,64 @@ def save_drift(history: list[dict], path: Path, title: str) -> None:
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
+    from accelerate import Accelerator
+
+    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
+    rank, is_main = accel.process_index, accel.is_main_process
     torch.set_num_threads(args.threads)
     common.set_seed(args.seed)
-    device = common.get_device(args.device)
     task = common.make_task(args.task, args.digits)
-    model, tok = common.load_model(args.model, device)
+    hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    model, tok = common.load_model(args.model, accel.device)
     model.train()
-    V = model.config.vocab_size
-    drafter = None
-    if args.drafter == "model":
-        if args.draft_model:
-            dm, dtok = common.load_model(args.draft_model, device)
-            if dtok.get_vocab() != tok.get_vocab():
-                raise SystemExit(f"--draft-model {args.draft_model} has a different tokenizer from --model")
-        else:
-            dm = copy.deepcopy(model)
-        drafter = ModelDrafter(dm.eval().requires_grad_(False), tok.pad_token_id, args.temperature, args.top_p,
-                               False)
-    elif args.drafter == "self":
-        drafter = ModelDrafter(None, tok.pad_token_id, args.temperature, args.top_p, False)
-    elif args.drafter == "ngram":
-        drafter = NgramDrafter(args.group_size, V)
-    elif args.drafter in ("prev", "prev+ngram"):
-        then = NgramDrafter(args.group_size, V) if args.drafter == "prev+ngram" else None
-        drafter = PrevDrafter(args.group_size, then, args.gamma)
-    gamma = args.max_new_tokens if args.drafter.startswith("prev") else args.gamma
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    spec = Speculator(args, model, tok, task, accel.device, rank)  # the rollout engine: speculative sampling
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     run_dir = Path(args.out_dir) / args.exp_name
-    eval_set = task.sample("test", args.eval_examples, np.random.default_rng(12345))  # as every script
-    pool = task.sample("train", args.pool_size, np.random.default_rng([args.seed, 777]))
-    pool_prompts = common.encode_prompts(tok, [e.prompt for e in pool])
-    memory: dict[int, list] = {}  # pool index -> [(completion tokens, q [len, V])] * G from its last visit
-    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name)
-    timer = common.Timer()
-    t_start = time.time()
-    totals = {"gen_tokens": 0, "gen_time": 0.0, "target_calls": 0, "row_calls": 0, "draft_calls": 0,
-              "reused": 0, "tested": 0, "alpha_sum": 0.0}
-    history: list[dict] = []
+    history, gen_tokens, gen_time = [], 0, 0.0
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
+    timer, t_start = common.Timer(), time.time()
+    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task)
 
     def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
-        tracker.log(metrics, step)
+        if tracker is not None:
+            tracker.log(metrics, step)
 
-    log(run_eval(model, tok, task, eval_set, args), 0)
-    per_epoch = args.pool_size // args.prompts_per_step
-    order = None
-    bar = tqdm(range(1, args.steps + 1), desc=f"spec_rl[{args.drafter}]", dynamic_ncols=True)
+    if is_main:
+        log(evaluate(), 0)
+    bar = tqdm(range(1, args.steps + 1), desc=f"spec_rl[{args.drafter}]", dynamic_ncols=True, disable=not is_main)
     for step in bar:
-        torch.manual_seed(hash((args.seed, step)) % 2**31)
-        epoch, slot = divmod(step - 1, per_epoch)
-        if slot == 0:  # a new pass over the fixed pool, in a new order
-            order = np.random.default_rng([args.seed, epoch]).permutation(args.pool_size)
-        idx = order[slot * args.prompts_per_step:(slot + 1) * args.prompts_per_step].tolist()
-        examples, prompts = [pool[i] for i in idx], [pool_prompts[i] for i in idx]
-
-        # ---- speculative rollout ----
-        if args.drafter == "self":
-            drafter.model = fake_int8_copy(model)
-        if args.drafter.startswith("prev"):
-            drafter.prior = {g: memory[i] for g, i in enumerate(idx) if i in memory}
-            drafter.plen = [len(p) for p in prompts for _ in range(args.group_size)]
-        ng = drafter.then if args.drafter == "prev+ngram" else drafter
-        if args.drafter in ("ngram", "prev+ngram"):
-            ng.extra = {g: [prompts[g] + t for t, _ in memory[i]] for g, i in enumerate(idx) if i in memory}
-        model.eval()
+        # Every random draw of this step depends on (seed, step, rank) only.
+        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
         with timer("gen"):
-            comp, lps, st, probs = spec_generate(model, prompts, args.group_size, args.max_new_tokens,
-                                                 tok.pad_token_id, tok.eos_token_id, drafter, gamma,
-                                                 args.temperature, args.top_p, False, args.adaptive_gamma,
-                                                 keep_probs=args.drafter.startswith("prev"))
-        model.train()
-        if args.drafter in ("prev", "prev+ngram", "ngram"):  # remember this visit for the next epoch
-            for g, i in enumerate(idx):
-                rows = range(g * args.group_size, (g + 1) * args.group_size)
-                memory[i] = [(comp[r], probs[r] if probs is not None else None) for r in rows]
-        ro = to_rollout(tok, prompts, args.group_size, comp, lps, tok.eos_token_id)
-        answers = [e.answer for e in examples for _ in range(args.group_size)]
-        rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)])
-        adv = group_advantages(rewards, args.group_size, args.adv_std_norm)
-        lengths = ro.completion_mask.sum(1).float()
-        s = st.summary()
-        totals["gen_tokens"] += int(lengths.sum())
-        totals["gen_time"] += timer.totals["gen"]
-        for key in ("target_calls", "row_calls", "draft_calls"):
-            totals[key] += s[key]
-        totals["reused"] += st.reused
-        totals["tested"] += st.tested
-        totals["alpha_sum"] += st.alpha_sum
-
-        # ---- GRPO update (on-policy: pi_old = pi_theta.detach(), ratio 1) ----
+            batch = rollout(model, tok, task, args, step, accel.device, spec)
         with timer("train"):
-            m = ro.completion_mask.float()
-            n_seqs, n_tokens = len(comp), int(m.sum())
-            opt.zero_grad(set_to_none=True)
-            logp, ent = common.token_logprobs(model, ro.prompt_ids.to(device), ro.prompt_mask.to(device),
-                                              ro.completion_ids.to(device), ro.completion_mask.to(device),
-                                              args.temperature, with_entropy=True)
-            m = m.to(device)
-            tok_loss, clipped = clipped_pg_loss(logp, logp.detach(), adv.to(device), args.clip_eps_low,
-                                                args.clip_eps_high)
-            loss = aggregate_loss(tok_loss, m, args.loss_agg, n_seqs, n_tokens, args.max_new_tokens)
-            if not torch.isfinite(loss):
-                raise SystemExit(f"non-finite loss at step {step}: lower --lr or check the rewards")
-            loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-            opt.step()
-        mismatch = common.masked_mean((logp.detach() - ro.logprobs.to(device)).abs(), m).item()
-
+            stats = update(model, opt, batch, grpo_loss, args, step, accel, ref_model)
         t = timer.pop()
-        groups = rewards.view(-1, args.group_size)
-        metrics = {
-            "rollout/reward": rewards.mean().item(), "rollout/length": lengths.mean().item(),
-            "rollout/zero_var_group_frac": (groups.std(1) == 0).float().mean().item(),
-            "rollout/tokens_per_s": lengths.sum().item() / max(t.get("gen", 1e-9), 1e-9),
-            "rollout/logprob_mismatch": mismatch,
-            "rollout/alpha": s["alpha"], "rollout/accept_rate": s["accept_rate"],
-            "rollout/mean_accepted": s["mean_accepted"], "rollout/target_calls": s["target_calls"],
-            "rollout/row_calls_per_token": s["row_calls_per_token"],
-            "rollout/reused_frac": s["reused_frac"], "rollout/epoch": epoch,
-            "loss/pg": loss.item(), "loss/entropy": common.masked_mean(ent.detach(), m).item(),
-            "loss/clipfrac": common.masked_mean(clipped, m).item(), "loss/grad_norm": grad_norm,
-            "perf/gen_s": t.get("gen", 0.0), "perf/train_s": t.get("train", 0.0),
-        }
-        if step % args.eval_every == 0 or step == args.steps:
-            metrics.update(run_eval(model, tok, task, eval_set, args))
+        gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
+        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
+                                            args.group_size, t["gen"]), **batch["spec_metrics"], **stats,
+                   "perf/lr": opt.param_groups[0]["lr"], **{f"perf/{k}_s": v for k, v in t.items()}}
+        if is_main and (step % args.eval_every == 0 or step == args.steps):
+            metrics.update(evaluate())
         log(metrics, step)
-        bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", alpha=f"{s['alpha']:.2f}",
-                        calls=s["target_calls"])
-
-    evals = [h for h in history if "eval/acc" in h]
-    train = [h for h in history if "rollout/reward" in h]
-    later = [h for h in train if h["rollout/epoch"] >= 1] or train  # SPEC-RL has no draft in epoch 0
-    tenth = max(1, len(later) // 10)
-    summary = {
-        "eval_acc_start": evals[0]["eval/acc"], "eval_acc_end": evals[-1]["eval/acc"],
-        "eval_acc_best": max(h["eval/acc"] for h in evals),
-        "train_reward_first": train[0]["rollout/reward"], "train_reward_last": train[-1]["rollout/reward"],
-        "gen_tokens": totals["gen_tokens"], "tokens_per_s": totals["gen_tokens"] / max(totals["gen_time"], 1e-9),
-        "wall_s": time.time() - t_start, "gen_s": totals["gen_time"],
-        "target_calls": totals["target_calls"], "row_calls": totals["row_calls"],
-        "draft_calls": totals["draft_calls"],
-        "target_calls_per_step": totals["target_calls"] / len(train),
-        "row_calls_per_token": totals["row_calls"] / max(totals["gen_tokens"], 1),
-        "reused_frac": totals["reused"] / max(totals["gen_tokens"], 1),
-        "alpha": totals["alpha_sum"] / max(totals["tested"], 1),
-        "alpha_early": float(np.mean([h["rollout/alpha"] for h in later[:tenth]])),
-        "alpha_late": float(np.mean([h["rollout/alpha"] for h in later[-tenth:]])),
-        "logprob_mismatch": float(np.mean([h["rollout/logprob_mismatch"] for h in train])),
-    }
-    save_curve(history, run_dir / "curve.png", f"GRPO with {args.drafter} drafts on {task.name} ({args.model})")
+        if is_main:
+            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", alpha=f"{metrics['rollout/alpha']:.2f}",
+                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
+        if is_main and (args.save_every and step % args.save_every == 0 or step == args.steps):
+            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
+                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
+                                    "gen_tokens": gen_tokens, "gen_time": gen_time})
+    if not is_main:
+        return {}
+    summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start), **spec.summary(history),
+               "gen_s": gen_time}
+    common.save_curve(history, run_dir / "curve.png", f"GRPO with {args.drafter} drafts on {task.name} ({args.model})")
     save_drift(history, run_dir / "drift.png", f"drafter {args.drafter}: acceptance as the policy trains")
-    print(f"held-out greedy accuracy {summary['eval_acc_start']:.3f} -> {summary['eval_acc_end']:.3f} in "
-          f"{summary['wall_s']:.0f}s; {summary['target_calls']} batched target calls, "
-          f"{summary['row_calls_per_token']:.3f} target forwards per token, reused {summary['reused_frac']:.2f}")
     return tracker.finish(summary)
 
 
