@@ -270,12 +270,15 @@ def lr_factor(step: int, total: int, args: Args) -> float:
 
 
 def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
-    """All-reduce (sum: the loss used global normalisers), clip, set the scheduled lr, step; returns the norm."""
+    """All-reduce (sum: the loss used global normalisers), NaN guard, clip, scheduled lr, step; returns the norm."""
     if accel.num_processes > 1:
         for p in model.parameters():
             if p.grad is not None:
                 p.grad = accel.reduce(p.grad, "sum")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+    if not math.isfinite(grad_norm):  # the same all-reduced value on every rank, so all ranks stop together
+        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
+                         "intact. Lower --lr or check the rewards.")
     for group in opt.param_groups:
         group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
     opt.step()
@@ -313,16 +316,13 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
                 mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
                       "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx]}
                 loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
-                if not torch.isfinite(loss):
-                    raise SystemExit(f"non-finite loss at step {step}; the last checkpoint is intact. "
-                                     "Lower --lr or check the rewards.")
-                loss.backward()
+                loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
                 stats["pg"] += loss.item()
                 for k, v in {**token_stats, "entropy": ent}.items():
-                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / n_tokens
+                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
                 if on_policy:  # the only forward on the sampler's weights
                     mismatch += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
-                                                  mb["mask"]).item() / n_tokens
+                                                  mb["mask"]).item() / max(n_tokens, 1)
             opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
             stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
             n_opt += 1
