@@ -217,7 +217,8 @@ def speedup_theory(alpha: float, gamma: int, c: float) -> float:
 
 
 def best_gamma(alpha: float, c: float, gamma_max: int) -> int:
-    """The draft length that maximises speedup_theory (A-25's acceptance-aware draft length); 0 = do not draft."""
+    """The draft length that maximises speedup_theory (EfficientRollout's acceptance-aware draft length); 0 = do
+    not draft."""
     return max(range(gamma_max + 1), key=lambda g: (speedup_theory(alpha, g, c), -g))
 
 
