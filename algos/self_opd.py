@@ -17,7 +17,8 @@ Per completion token t of rollout i (s = student log-probs at x, q = teacher log
                the KL channel's weight lambda(step) is --kl-coef for --kl-warmup steps, then decays
                linearly to 0 over --kl-decay steps.                           critical_masks, trace_loss
                Key spans (programmatic): answer digits that receive a carry (and the "+1" carry terms of a
-               scratchpad). Error span: the first --error-span tokens from the first wrong character.
+               scratchpad, in columns that really receive one). Error span: the first --error-span tokens
+               from the first wrong character.
   grpo         plain on-policy GRPO with the verifier reward (the reference for the table).
 
 Logged every step: student entropy and response length on rollouts (A-17's leakage symptoms), the
@@ -42,6 +43,7 @@ Expected: held-out greedy accuracy on 2-digit addition rises from ~36% by 20+ po
 """
 from __future__ import annotations
 
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -173,21 +175,26 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
 
 
+def receives_carry(a: int, b: int, i: int) -> bool:
+    """Whether column i (0 = units) of a + b receives a carry from the columns to its right."""
+    return i > 0 and a % 10 ** i + b % 10 ** i >= 10 ** i
+
+
 def carry_in_digits(a: int, b: int) -> set[int]:
     """Indices (from the left) of the digits of a + b that receive a carry (incl. a leading carry digit)."""
     s = str(a + b)
-    out = set()
-    for i in range(1, len(s)):  # i = column from the right
-        if a % 10 ** i + b % 10 ** i >= 10 ** i:
-            out.add(len(s) - 1 - i)
-    return out
+    return {len(s) - 1 - i for i in range(1, len(s)) if receives_carry(a, b, i)}
+
+
+SCRATCH_STEP = re.compile(r"(?:^|(?<=;))\d\+\d(\+1)?=\d+")  # one column of the scratchpad: x+y[+1]=s
 
 
 def critical_masks(task, examples, texts: list[str], correct: list[float], C: int):
     """(key [B, C], err [B, C]) token masks for a character-level tokenizer (one character = one token).
 
     key: on correct rollouts, the answer digits that receive a carry, and the "+1" carry terms of a
-    scratchpad. err: on wrong rollouts, --error-span tokens from the first character that differs from the
+    scratchpad: the third term of a column step "x+y+1=s" whose column really receives a carry (an operand 1,
+    as in "3+1=4", or a "+1" written where no carry comes in, is not marked). err: on wrong rollouts, --error-span tokens from the first character that differs from the
     reference (the answer for add, the worked solution for addsteps); at EOS if the response is a prefix.
     """
     B = len(texts)
@@ -199,9 +206,9 @@ def critical_masks(task, examples, texts: list[str], correct: list[float], C: in
             for j in carry_in_digits(a, b):
                 if start + j < C:
                     key[i, start + j] = 1
-            for j in range(len(t) - 1):
-                if t[j:j + 2] == "+1" and t[j + 2:j + 3] == "=":
-                    key[i, j + 1] = 1
+            for col, m in enumerate(SCRATCH_STEP.finditer(t)):  # step col adds column col (units first)
+                if m.group(1) and receives_carry(a, b, col) and m.end(1) - 1 < C:
+                    key[i, m.end(1) - 1] = 1  # the "1" of a third term "+1" where a carry really comes in
         else:
             ref = ex.answer if task.kind == "add" else ex.solution
             first = next((j for j in range(min(len(t), len(ref))) if t[j] != ref[j]), min(len(t), len(ref)))

@@ -63,6 +63,22 @@ def test_critical_masks_mark_carries_and_first_error():
     assert [t[j] for j in key[0].nonzero().flatten().tolist()] == ["1", "1", "3"]  # "+1" term, carried digits
 
 
+@pytest.mark.parametrize("a,b,text,marked", [
+    (23, 41, "3+1=4;2+4=6;=64", []),  # no carry: the operand 1 of "3+1=" is not a carry term
+    (51, 1, "1+1=2;5+0=5;=52", []),
+    (19, 1, "9+1=10;1+0+1=2;=20", [11, 16]),  # operand "+1=" in step 1 unmarked; carry "+1" and the carried "2"
+    (19, 11, "9+1=10;1+1+1=3;=30", [11, 16]),
+    (47, 85, "7+5=12;4+8+1=13;=132", [11, 17, 18]),
+    (155, 250, "5+0=5;5+5=10;1+2+1=4;=405", [17, 22]),  # carry into the hundreds only
+    (23, 41, "3+1=4;2+4+1=6;=64", []),  # a "+1" written where no carry exists is not a carry span
+])
+def test_carry_spans_mark_only_real_carries(a, b, text, marked):
+    task = common.make_task("addsteps", digits=3)
+    key, _ = so.critical_masks(task, [task.make(a, b)], [text], [1.0], 30)
+    assert key[0].nonzero().flatten().tolist() == marked, [text[j] for j in key[0].nonzero().flatten().tolist()]
+    assert all(text[j] in "0123456789" for j in marked)
+
+
 def test_kl_channel_schedule():
     a = so.Args(kl_coef=2.0, kl_warmup=3, kl_decay=4)
     assert [so.kl_channel_weight(s, a) for s in (1, 3, 5, 7, 9)] == [2.0, 2.0, 1.0, 0.0, 0.0]
