@@ -28,8 +28,8 @@ CSV = "self_opd.csv"
 CONFIGS = [("opsd", "opsd", {}), ("pw-opsd", "pw-opsd", {}), ("trace", "trace", {}), ("grpo", "grpo", {}),
            ("trace-grpo-settings", "trace", {"lr": 1e-4, "group_size": 8}),
            ("grpo-grpo-settings", "grpo", {"lr": 1e-4, "group_size": 8})]
-LABELS = {"opsd": "all-token OPSD", "pw-opsd": "position-weighted OPSD (A-15)",
-          "trace": "TRACE span routing (A-17)", "grpo": "GRPO (no distillation)",
+LABELS = {"opsd": "all-token OPSD", "pw-opsd": "position-weighted OPSD",
+          "trace": "TRACE span routing", "grpo": "GRPO (no distillation)",
           "trace-grpo-settings": "TRACE, lr 1e-4, 8 samples", "grpo-grpo-settings": "GRPO, lr 1e-4, 8 samples"}
 
 
@@ -79,8 +79,10 @@ def report() -> None:
                      f"{fmt(m['length_first'])} -> {fmt(m['length_last'])} | {len(m['eval_acc_end'])} |")
     if meta:
         start = by["opsd"]["eval_acc_start"] if by.get("opsd") else []
-        lines += ["", f"`algos/self_opd.py` defaults (tiny-0.6m, 2-digit `add`, the model is its own teacher with "
-                      f"the answer in its prompt), one run per configuration and seed; held-out greedy accuracy starts at "
+        lines += ["", f"`algos/self_opd.py` defaults (tiny-0.6m, 2-digit `add`, the model is its own teacher: the same "
+                      f"weights, no gradient, prompted with the worked column-by-column scratchpad up to its final "
+                      f"`=`, e.g. `47+85:7+5=12;4+8+1=13;=`, while the student sees `47+85=`), one run per "
+                      f"configuration and seed; held-out greedy accuracy starts at "
                       f"{fmt(start, 100)}%. Entropy and length: mean over the first and last 5 rollout batches. "
                       f"Mean ± std over seeds. Hardware: {meta['hardware']}; {meta['versions']}; commit "
                       f"{meta['commit']}. Rows: `benchmarks/results/{CSV}`; command: "
@@ -90,7 +92,8 @@ def report() -> None:
                       "rows use `algos/grpo.py`'s lr 1e-4 and 8 samples (its own 400-batch default gains +27 points, "
                       "defaults table). 2-digit answers are 3-4 tokens, so length cannot "
                       "shrink, and 3-digit accuracy is near zero for every mode: the entropy column is the only one of "
-                      "A-17's three symptoms this task can show."]
+                      "the three leakage symptoms named by TRACE's paper (entropy rise, shorter reasoning, OOD loss) "
+                      "that this task can show."]
     (RESULTS / "self_opd.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -161,3 +161,12 @@ def test_variants_run(tmp_path, variant):
 def test_bad_input(tmp_path, change, msg):
     with pytest.raises(SystemExit, match=msg):
         ao.main(replace(SMALL, out_dir=str(tmp_path), **change))
+
+
+def test_staleness_table_generator_reproduces_the_committed_table(tmp_path, monkeypatch):
+    """benchmarks/async_opd_staleness.py rebuilds benchmarks/results/async_opd.md from the committed CSV exactly."""
+    from benchmarks import async_opd_staleness as bench
+
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    bench.report()
+    assert (tmp_path / "async_opd.md").read_text() == (bench.ROOT / "benchmarks/results/async_opd.md").read_text()

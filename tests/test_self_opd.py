@@ -164,3 +164,13 @@ def test_modes_run(tmp_path, mode):
 def test_bad_input(tmp_path, change, msg):
     with pytest.raises(SystemExit, match=msg):
         so.main(replace(so.Args(out_dir=str(tmp_path)), **change))
+
+
+def test_modes_table_generator_reproduces_the_committed_table(tmp_path, monkeypatch):
+    """benchmarks/self_opd_modes.py rebuilds benchmarks/results/self_opd.md from the committed CSV exactly (its
+    caption says what the teacher sees: the worked scratchpad, not the answer)."""
+    from benchmarks import self_opd_modes as bench
+
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    bench.report()
+    assert (tmp_path / "self_opd.md").read_text() == (bench.ROOT / "benchmarks/results/self_opd.md").read_text()
