@@ -1,4 +1,6 @@
-"""AsyncOPD (A-10): on-policy distillation from stale rollouts, with a finite teacher-score cache.
+"""AsyncOPD: on-policy distillation from stale rollouts, with a finite teacher-score cache.
+
+Paper: "AsyncOPD: How Stale Can On-Policy Distillation Be?", arXiv:2606.24143.
 
 Parent: algos/opd.py (the losses are copied from there). Asynchronous OPD samples rollouts with a student
 snapshot that is --staleness k optimiser steps old (simulated exactly: the sampler loads the weights of k
@@ -37,7 +39,9 @@ that the mean of finitely many draws keeps. The draws come from the student itse
 this is the cache's bias per prefix, not the stale-prefix bias above. benchmarks/async_opd_staleness.py
 tabulates it with accuracy vs staleness.
 
-B-93: rollout/length, rollout/truncated_frac and rollout/repeat_frac are logged every step.
+The truncation-collapse signals of StableOPD ("Demystifying OPD: Length Inflation and Stabilization Strategies
+for Large Language Models", arXiv:2604.08527), rollout/length, rollout/truncated_frac and rollout/repeat_frac,
+are logged every step.
 
 Deviations:
 - Staleness is simulated in one process (a snapshot k updates old samples); no throughput claim.
@@ -271,7 +275,7 @@ def cache_bias_variance(s_logits, t_logp, ks=(1, 4, 16, 0), mc=(1, 4), draws: in
 
 
 def repeat_frac(texts: list[str], n: int = 3) -> float:
-    """Fraction of completions containing some character n-gram at least twice (B-93)."""
+    """Fraction of completions containing some character n-gram at least twice (StableOPD's repetition signal)."""
     def rep(t):
         grams = [t[i:i + n] for i in range(len(t) - n + 1)]
         return len(grams) != len(set(grams))

@@ -1,4 +1,7 @@
-"""OPD: on-policy distillation, and the "dense bridge" (A-6) from a teacher to a student.
+"""OPD: on-policy distillation, and the "dense bridge" from a teacher to a student.
+
+Bridge paper: "Beyond GRPO and On-Policy Distillation: An Empirical Sparse-to-Dense Reward Principle for
+Language-Model Post-Training", arXiv:2605.12483.
 
 The student samples; a frozen teacher scores every generated token; the student minimises a per-token
 divergence to the teacher at its own prefixes. At each completion position t with student log-probs s(.)
@@ -14,12 +17,14 @@ and teacher log-probs q(.) over the vocabulary (both at the student's prefix x, 
                        on a mix of student (fraction --gkd-student-frac) and teacher rollouts   gen_jsd
   aggregation          token mean over all completion tokens of the step.
 
---schedule bridge (A-6, "reward-density principle"): stage 1, --bridge-warmup steps of forward KL on teacher
-rollouts; stage 2, --steps of OPD (--loss) on student rollouts; stage 3, optional --grpo-steps of GRPO on the
-student with the verifier reward (the only stage that uses labels). benchmarks/a6_bridge.py compares, at
-a fixed budget of labelled prompts, GRPO on the student vs GRPO on the teacher followed by the bridge.
+--schedule bridge (the bridge paper's "reward-density principle"): stage 1, --bridge-warmup steps of forward
+KL on teacher rollouts; stage 2, --steps of OPD (--loss) on student rollouts; stage 3, optional --grpo-steps
+of GRPO on the student with the verifier reward (the only stage that uses labels). benchmarks/opd_bridge.py
+compares, at a fixed budget of labelled prompts, GRPO on the student vs GRPO on the teacher followed by the
+bridge.
 
-B-93 (StableOPD, truncation collapse): every step logs rollout/length, rollout/truncated_frac and
+StableOPD ("Demystifying OPD: Length Inflation and Stabilization Strategies for Large Language Models",
+arXiv:2604.08527; truncation collapse): every step logs rollout/length, rollout/truncated_frac and
 rollout/repeat_frac (completions with a repeated character 3-gram). The two fixes are flags:
 --ref-coef (k3 KL of the student to its initial self on the sampled tokens, the reference-based divergence
 constraint) and --mix-teacher-frac (that fraction of each batch's prompts is rolled out by the teacher and
@@ -28,7 +33,8 @@ distilled with forward KL: rollout mixture distillation).
 Deviations:
 - The KL is "local": the per-position divergence at the sampled prefix, with no gradient through the
   choice of future tokens (the sequence-level reverse KL would add a return over later positions). This is
-  what Thinking Machines' OPD and A-10 use; the sampled estimator uses per-token rewards with discount 0.
+  what Thinking Machines' OPD and AsyncOPD (arXiv:2606.24143) use; the sampled estimator uses per-token
+  rewards with discount 0.
 - Full-vocabulary log-probs of both models are materialised for the completion tokens ([B, C, V]). Fine for
   the 99-token tiny vocabulary; a large vocabulary wants a top-k teacher cache (algos/async_opd.py).
 - StableOPD's abstract names its two fixes but not their exact form; the k3 penalty and the forward-KL
@@ -41,10 +47,10 @@ Commands:
   python algos/opd.py                                     # tiny-5m teacher -> tiny-0.6m student, ~2 min
   python algos/opd.py --loss rkl                          # exact full-vocabulary reverse KL
   python algos/opd.py --loss gkd --gkd-student-frac 0.5   # GKD-style mixture
-  python algos/opd.py --schedule bridge --bridge-warmup 30 --grpo-steps 50    # A-6 bridge (+ student GRPO)
+  python algos/opd.py --schedule bridge --bridge-warmup 30 --grpo-steps 50    # the dense bridge (+ student GRPO)
   python algos/opd.py --teacher runs/grpo/checkpoint      # any teacher sharing the tokenizer
 Expected: held-out greedy accuracy of tiny-0.6m on 2-digit addition rises from 35.8% by 10+ points toward
-the teacher's ~71% (measured: 35.8% -> 53.8% in 129 s on 2 shared cores); benchmarks/results/a6_bridge.md
+the teacher's ~71% (measured: 35.8% -> 53.8% in 129 s on 2 shared cores); benchmarks/results/opd_bridge.md
 has the bridge comparison.
 """
 from __future__ import annotations

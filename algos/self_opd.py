@@ -1,5 +1,9 @@
 """Self-OPD: the policy is its own teacher when its prompt also shows privileged context.
 
+Papers: "When Are Teacher Tokens Reliable? Position-Weighted On-Policy Self-Distillation for Reasoning"
+(PW-OPSD), arXiv:2605.21606; "TRACE: Distilling Where It Matters via Token-Routed Self On-Policy Alignment",
+arXiv:2605.10194.
+
 OPSD: the student samples y ~ pi_theta(. | x); the teacher is the same weights (no gradient) given the
 privileged prompt x* (x plus the worked solution or the answer), scoring the same tokens. On the tiny world
 the privileged context of `add` ("47+85=") is the worked scratchpad the model already knows how to read
@@ -10,9 +14,9 @@ Per completion token t of rollout i (s = student log-probs at x, q = teacher log
   clipped FKL  f_it = sum_v p_t(v) (q(v) - s(v)),   weighted by c_it = min(1, --kl-clip / f_it) (no grad):
                each token's pull is capped, so a few far-off tokens cannot dominate.      clipped_fkl
   opsd         L = token-mean_it c_it f_it                                    (all-token baseline)
-  pw-opsd      L = token-mean_it w_it c_it f_it,  w_it = 2 (t+1) / (|y_i| + 1)  (A-15: increasing in the
+  pw-opsd      L = token-mean_it w_it c_it f_it,  w_it = 2 (t+1) / (|y_i| + 1)  (PW-OPSD: increasing in the
                position, mean 1 over each sequence)                          position_weights
-  trace        (A-17) GRPO on all tokens outside the critical spans, plus a KL channel on the spans:
+  trace        (TRACE) GRPO on all tokens outside the critical spans, plus a KL channel on the spans:
                forward KL on key spans of correct rollouts, reverse KL on the error span of wrong ones;
                the KL channel's weight lambda(step) is --kl-coef for --kl-warmup steps, then decays
                linearly to 0 over --kl-decay steps.                           critical_masks, trace_loss
@@ -21,21 +25,21 @@ Per completion token t of rollout i (s = student log-probs at x, q = teacher log
                from the first wrong character.
   grpo         plain on-policy GRPO with the verifier reward (the reference for the table).
 
-Logged every step: student entropy and response length on rollouts (A-17's leakage symptoms), the
-truncated fraction and repetition (B-93); held-out accuracy, and out-of-distribution accuracy one digit
-harder, at every evaluation.
+Logged every step: student entropy and response length on rollouts (TRACE's leakage symptoms), the
+truncated fraction and repetition (StableOPD's collapse signals); held-out accuracy, and out-of-distribution
+accuracy one digit harder, at every evaluation.
 
 Deviations:
 - The privileged teacher is the current weights (not a frozen copy), as in OPSD; no gradient through it.
-- A-15's exact clipping of the forward-KL target is not in the abstract: we cap each token's loss weight.
-- Spans are marked programmatically (carries), not by an annotator or the model (A-17's online variant).
-- The branch-viability diagnostic / AUROC of A-15 is not implemented.
+- PW-OPSD's exact clipping of the forward-KL target is not in the abstract: we cap each token's loss weight.
+- Spans are marked programmatically (carries), not by an annotator or the model (TRACE's online variant).
+- The branch-viability diagnostic / AUROC of PW-OPSD is not implemented.
 - TRACE's GRPO term is on-policy (ratio 1), seq-mean, as algos/grpo.py with its defaults.
 
 Commands:
   python algos/self_opd.py                           # PW-OPSD on add, tiny-0.6m, ~2 min on 2 cores
   python algos/self_opd.py --mode opsd               # all-token OPSD
-  python algos/self_opd.py --mode trace              # A-17 span routing (GRPO elsewhere)
+  python algos/self_opd.py --mode trace              # TRACE span routing (GRPO elsewhere)
   python algos/self_opd.py --mode grpo               # the GRPO reference
   python algos/self_opd.py --privileged answer       # show the answer instead of the worked solution
 Expected: held-out greedy accuracy on 2-digit addition rises from ~36% by 20+ points in 100 steps
@@ -81,7 +85,7 @@ class Args:
     threads: int = 1
     """torch CPU threads"""
     mode: Literal["opsd", "pw-opsd", "trace", "grpo"] = "pw-opsd"
-    """all-token OPSD, position-weighted OPSD (A-15), critical-span routing (A-17) or plain GRPO"""
+    """all-token OPSD, position-weighted OPSD (PW-OPSD), critical-span routing (TRACE) or plain GRPO"""
     privileged: Literal["solution", "answer"] = "solution"
     """what the teacher's prompt adds: the worked solution or only the final answer"""
     kl_clip: float = 2.0
@@ -194,8 +198,9 @@ def critical_masks(task, examples, texts: list[str], correct: list[float], C: in
 
     key: on correct rollouts, the answer digits that receive a carry, and the "+1" carry terms of a
     scratchpad: the third term of a column step "x+y+1=s" whose column really receives a carry (an operand 1,
-    as in "3+1=4", or a "+1" written where no carry comes in, is not marked). err: on wrong rollouts, --error-span tokens from the first character that differs from the
-    reference (the answer for add, the worked solution for addsteps); at EOS if the response is a prefix.
+    as in "3+1=4", or a "+1" written where no carry comes in, is not marked). err: on wrong rollouts,
+    --error-span tokens from the first character that differs from the reference (the answer for add, the
+    worked solution for addsteps); at EOS if the response is a prefix.
     """
     B = len(texts)
     key, err = torch.zeros(B, C), torch.zeros(B, C)

@@ -2,8 +2,12 @@
 
 Papers: Leviathan et al., "Fast Inference from Transformers via Speculative Decoding", arXiv:2211.17192;
 Chen et al., "Accelerating Large Language Model Decoding with Speculative Sampling", arXiv:2302.01318.
-The baseline of the speculative-rollout papers in papers/: A-43 (speculative decoding inside RL rollouts),
-A-36 (SPEC-RL), A-25 (acceptance-aware draft length), B-20 (Seer: drafts from sibling responses).
+The baseline of the speculative-rollout papers: "Accelerating RL Post-Training Rollouts via System-Integrated
+Speculative Decoding", arXiv:2604.26779 (speculative decoding inside RL rollouts); "SPEC-RL: Accelerating
+On-Policy Reinforcement Learning via Speculative Rollouts", arXiv:2509.23232; "EfficientRollout: System-Aware
+Self-Speculative Decoding for RL Rollouts", arXiv:2606.18967 (acceptance-aware draft length); "Seer: Online
+Context Learning for Fast Synchronous LLM Reinforcement Learning", arXiv:2511.14617 (drafts from sibling
+responses).
 
 Equations (each implemented by the function named on the right):
   processed distributions  p = topp(softmax(z_target / T)), q = topp(softmax(z_draft / T))      process_logits
@@ -18,12 +22,12 @@ Equations (each implemented by the function named on the right):
   expected acceptance      alpha = E_x[ sum_v min(p(v), q(v)) ]  (per tested position)             spec_generate
   tokens per target call   E[n] = (1 - alpha^(gamma+1)) / (1 - alpha)                          tokens_per_call_theory
   speedup with cost c      S = E[n] / (gamma c + 1),  c = cost(draft call) / cost(target call)    speedup_theory
-  acceptance-aware gamma   gamma* = argmax_gamma S(alpha_hat, gamma, c)  (A-25)                    best_gamma
+  acceptance-aware gamma   gamma* = argmax_gamma S(alpha_hat, gamma, c)  (EfficientRollout)        best_gamma
 
 Drafters (all give the same output distribution; they differ in acceptance and cost):
   model   a smaller model with the same tokenizer (tiny-0.6m for the tiny-5m target), q = its processed probs
   ngram   a suffix / n-gram drafter over text already generated: the prompt and the sibling responses of the
-          same group (B-20); deterministic, so q is one-hot and a draft x is accepted with probability p(x).
+          same group (Seer); deterministic, so q is one-hot and a draft x is accepted with probability p(x).
           With --waves 2 the first rows of each group are generated first and the rest draft from them
           (Seer's staggered "divided rollout"; in lock-step nothing is ever ahead to copy from).
   none    plain autoregressive sampling through the same loop (gamma = 0), the reference for call counts.
@@ -115,7 +119,7 @@ class Args:
     gamma: int = 4
     """draft tokens per round (the maximum when --adaptive-gamma)"""
     adaptive_gamma: bool = False
-    """pick gamma each round to maximise the expected speedup at the running acceptance estimate (A-25)"""
+    """pick gamma each round to maximise the expected speedup at the running acceptance estimate (EfficientRollout)"""
     draft_cost: float = -1.0
     """c = draft call cost / target call cost for --adaptive-gamma (-1 = measure it as we go)"""
     ngram_max: int = 4

@@ -1,4 +1,6 @@
-"""A-10 (AsyncOPD): student accuracy vs rollout staleness per loss, and the teacher-cache bias/variance.
+"""AsyncOPD: student accuracy vs rollout staleness per loss, and the teacher-cache bias/variance.
+
+Paper: "AsyncOPD: How Stale Can On-Policy Distillation Be?", arXiv:2606.24143.
 
     python benchmarks/async_opd_staleness.py                  # about 12 minutes per seed on 2 shared cores
     python benchmarks/async_opd_staleness.py --report-only    # rebuild the table from the committed CSV

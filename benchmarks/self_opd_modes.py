@@ -1,12 +1,14 @@
-"""A-15 / A-17: self-distillation modes side by side (algos/self_opd.py, every other setting at its default).
+"""PW-OPSD / TRACE: self-distillation modes side by side (algos/self_opd.py, every other setting at its default).
 
     python benchmarks/self_opd_modes.py                  # 6 configurations x 3 seeds, about 12 minutes
     python benchmarks/self_opd_modes.py --report-only    # rebuild the table from the committed CSV
     python benchmarks/report.py                          # paste it into README.md
 
-The claims under test (PAPERS.md section 3, row 22): position-weighted OPSD beats uniform (all-token) OPSD
-(A-15); all-token self-distillation raises entropy, shortens outputs and hurts out-of-distribution accuracy,
-while critical-span routing (TRACE) does not (A-17). Out of distribution = one digit more than training.
+The claims under test: position-weighted OPSD beats uniform (all-token) OPSD ("When Are Teacher Tokens
+Reliable? Position-Weighted On-Policy Self-Distillation for Reasoning", arXiv:2605.21606); all-token
+self-distillation raises entropy, shortens outputs and hurts out-of-distribution accuracy, while critical-span
+routing does not ("TRACE: Distilling Where It Matters via Token-Routed Self On-Policy Alignment",
+arXiv:2605.10194). Out of distribution = one digit more than training.
 Rows: benchmarks/results/self_opd.csv; table: benchmarks/results/self_opd.md.
 """
 from __future__ import annotations
