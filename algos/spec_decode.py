@@ -1,5 +1,6 @@
 """Speculative sampling: a cheap drafter proposes gamma tokens, the target verifies them in one forward pass.
 
+Parent: none (algos/spec_rl.py copies its sampler, drafters and KV cache).
 Papers: Leviathan et al., "Fast Inference from Transformers via Speculative Decoding", arXiv:2211.17192;
 Chen et al., "Accelerating Large Language Model Decoding with Speculative Sampling", arXiv:2302.01318.
 The baseline of the speculative-rollout papers: "Accelerating RL Post-Training Rollouts via System-Integrated
