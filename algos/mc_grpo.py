@@ -1,0 +1,490 @@
+"""MC-GRPO: Median-Centered Group Relative Policy Optimization, for training with few rollouts per prompt.
+
+Paper: Kim et al., "MC-GRPO: Median-Centered Group Relative Policy Optimization for Small-Rollout Reinforcement
+Learning", arXiv:2601.22582 (authors' code: github.com/lotusroot-kim/MC-GRPO). With a small group G the mean
+baseline is noisy and flips the sign of some advantages, reversing their update. MC-GRPO samples one extra
+rollout (G+1, an odd group), centres on the group median, and drops the one rollout that sits at the median
+(the pivot, advantage 0) before the update, so G samples carry gradient as in G-rollout GRPO. The abstract
+reports the accuracy gap between G=2 and G=8 shrinking to within 1%.
+
+Parent: algos/grpo.py; changed: Args, check_args, rollout, main.
+
+Equations (each implemented by the function named on the right):
+  median advantage  A_i = r_i - median(r_1..r_{G+1}),  G even so that G+1 is odd          median_advantages
+                    pivot p = the rollout at the median (stable order): A_p = 0 and it is removed from the
+                    batch before the update, so G rollouts per prompt carry gradient               (rollout)
+                    (--mad-norm: also divide by MAD + 1e-3 and rescale a group's non-zero advantages by
+                    (G+1)/#non-zero, as the authors' code)
+                    with 0/1 rewards the median is the majority label: only the minority gets +-1
+  mean baseline     --baseline mean: GRPO's A_i = (r_i - mean(r_1..r_G)) / (std + eps) from G rollouts
+                    (the comparison arm)                                                   group_advantages
+  sign flip         sample i is flipped when sign(A_i) = -sign(E[r | o_i] - E[r | q]) (the true advantage
+                    sign); counted on the rollouts that carry gradient                       sign_flip_counts
+  graded reward     --reward partial: r = (exact answer + the verifier's partial credit) / 2 (sums tasks);
+                    --reward-noise s adds N(0, s^2) to the training reward                   train_rewards
+  clipped surrogate, k3 KL and --loss-agg aggregation: grpo.py's (clipped_pg_loss, k3_kl, aggregate_loss,
+                    grpo_loss or kernel_grpo_loss), on the G kept rollouts per prompt
+
+Deviations from the paper:
+- Advantages are r - median without scaling by default (the abstract's form). The authors' code divides by
+  MAD + 1e-3 and rescales non-zero advantages (--mad-norm); with 0/1 rewards the MAD of 3 or more rewards is
+  always 0, so that division only multiplies every advantage by 1000.
+- The pivot is the middle element of a stable sort of the G+1 rewards (torch.median may pick any tied index);
+  other rollouts tied with the median keep A = 0 and stay in the batch, as in the authors' code.
+- The reward is the exact verifier (0/1); --reward partial and --reward-noise make it graded or noisy, the
+  setting where a mean baseline can flip signs (with 0/1 rewards and a mean that includes the sample itself it
+  cannot). rollout/reward logs the exact-answer reward of the trained rollouts, whatever --reward is.
+- gen_tokens and tokens_per_s count every generated token, the pivot's included; rollout/length and
+  rollout/tokens_per_s are over the G trained rollouts per prompt.
+- grpo.py's other deviations hold (KL off by default, sample std, pi_old handling, accelerate all-reduce).
+
+Commands:
+  python algos/mc_grpo.py                                       # tiny default: add, G=8 (9 rollouts), 2-core CPU
+  python algos/mc_grpo.py --group-size 2                        # the small-rollout regime (3 rollouts per prompt)
+  python algos/mc_grpo.py --baseline mean --group-size 2        # GRPO with the same flags, for comparison
+  python algos/mc_grpo.py --task sums3 --digits 1 --reward partial --reward-noise 0.2 --max-new-tokens 24
+  python algos/mc_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm --device cuda \
+      --max-new-tokens 512 --prompts-per-step 64 --group-size 2 --lr 1e-6                  # one GPU
+  accelerate launch --num_processes 4 algos/mc_grpo.py --model ... --device cuda       # several GPUs
+Expected: held-out greedy accuracy on 2-digit addition rises by 10+ points in the default run (400 rollout
+batches, a few minutes on 2 cores); sign-flip rates of mean vs median baselines at G = 2, 4, 8 in
+benchmarks/results/mc_grpo.md (python benchmarks/mc_grpo_table.py).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    # bookkeeping
+    exp_name: str = "mc_grpo"
+    """name of the run (the output folder is out_dir/exp_name)"""
+    seed: int = 0
+    """random seed: prompts and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
+    track: bool = False
+    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
+    out_dir: str = "runs"
+    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
+    # model and task
+    model: str = "tiny-0.6m"
+    """tiny-0.6m, tiny-5m, smollm2-135m, a Hugging Face id or a local path"""
+    task: str = "add"
+    """add, addsteps, jsonl:PATH (prompt/answer records) or gsm8k"""
+    digits: int = 2
+    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
+    device: str = "auto"
+    """auto (CUDA if present), cpu or cuda"""
+    threads: int = 2
+    """torch CPU threads per process"""
+    # rollout
+    engine: Literal["hf", "vllm"] = "hf"
+    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
+    vllm_gpu_memory: float = 0.3
+    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
+    prompts_per_step: int = 32
+    """distinct prompts per rollout batch (per process)"""
+    group_size: int = 8
+    """G: completions per prompt that carry gradient (even; the median baseline samples G+1)"""
+    max_new_tokens: int = 8
+    """generation budget per completion"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer scores with the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    # objective
+    baseline: Literal["median", "mean"] = "median"
+    """median: MC-GRPO (G+1 rollouts, the pivot dropped); mean: GRPO's group mean over G rollouts"""
+    mad_norm: bool = False
+    """median baseline: divide by the group MAD + 1e-3 and rescale non-zero advantages (the authors' code)"""
+    adv_std_norm: bool = True
+    """mean baseline: divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
+    reward: Literal["correct", "partial"] = "correct"
+    """training reward: the exact answer (0/1), or its mean with the verifier's partial credit (sums tasks)"""
+    reward_noise: float = 0.0
+    """std of Gaussian noise added to the training reward (0 = none)"""
+    clip_eps_low: float = 0.2
+    """lower clip range: ratio >= 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """upper clip range: ratio <= 1 + eps_high (DAPO's clip-higher uses 0.28)"""
+    kl_coef: float = 0.0
+    """weight of the k3 KL to the frozen initial policy (0 = no reference model)"""
+    loss_agg: Literal["seq-mean", "token-mean", "const"] = "seq-mean"
+    """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
+    agg_const: int = 0
+    """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    # optimisation
+    steps: int = 400
+    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
+    ppo_epochs: int = 1
+    """passes over each rollout batch"""
+    minibatches: int = 1
+    """optimiser steps per pass; the rollout batch is split into this many"""
+    micro_batch_size: int = 256
+    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
+    lr: float = 1e-4
+    """peak learning rate (AdamW); 1e-3 collapses the tiny policy, real LLMs want about 1e-6"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
+    warmup_steps: int = 0
+    """linear warm-up (optimiser steps)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    kernels: bool = False
+    """use the Triton kernels (fused log-prob, fused clipped loss) when a GPU is present"""
+    # eval and checkpoints
+    eval_every: int = 25
+    """rollout batches between held-out evaluations"""
+    eval_examples: int = 500
+    """held-out prompts for greedy accuracy"""
+    pass_k: int = 8
+    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
+    eval_hard: bool = True
+    """also evaluate one digit harder than training (out of distribution)"""
+    save_every: int = 0
+    """rollout batches between checkpoints (0 = only at the end)"""
+    resume: str = ""
+    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
+
+
+def check_args(args: Args) -> None:
+    """Fail early, naming the flag, instead of deep inside torch."""
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size must be at least 2 for a group baseline, got {args.group_size}")
+    if args.prompts_per_step < 1 or args.steps < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--prompts-per-step, --steps and --max-new-tokens must be positive")
+    batch = args.prompts_per_step * args.group_size
+    if batch % args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} must divide the rollout batch "
+                         f"(prompts_per_step * group_size = {batch})")
+    if args.micro_batch_size < 1:
+        raise SystemExit("--micro-batch-size must be positive")
+    if not (0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0):
+        raise SystemExit("clip ranges need 0 <= eps_low < 1 and eps_high >= 0")
+    if args.temperature <= 0:
+        raise SystemExit("--temperature must be > 0 (greedy decoding is used for eval only)")
+    if args.engine == "vllm" and not torch.cuda.is_available():
+        raise SystemExit("--engine vllm needs a CUDA GPU; use --engine hf on CPU")
+    if args.baseline == "median" and args.group_size % 2:
+        raise SystemExit(f"--group-size must be even with the median baseline (G+1 = {args.group_size + 1} "
+                         f"rollouts must be odd for a single pivot), got {args.group_size}")
+    if args.reward == "partial" and not args.task.startswith("sums"):
+        raise SystemExit(f"--reward partial needs a task with partial credit (sums, sums<N>, sumsmix), got "
+                         f"--task {args.task}")
+    if not args.reward_noise >= 0:
+        raise SystemExit(f"--reward-noise must be >= 0, got {args.reward_noise}")
+
+
+# ---- the idea: advantage, clipped surrogate, KL, aggregation ----
+def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True, eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std_g r + eps); rewards [B] group-major -> advantages [B]."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(1, keepdim=True)
+    if std_norm:
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def median_advantages(rewards: torch.Tensor, n: int, mad_norm: bool = False, eps: float = 1e-3):
+    """A_i = r_i - median of its group of n (odd) rewards; rewards [B] group-major -> (advantages [B], pivot [B]).
+
+    The pivot is the middle of a stable sort (exactly one per group): its advantage is 0 and the caller drops it.
+    mad_norm (the authors' code): divide by MAD + eps, then scale a group's non-zero advantages by n / #non-zero.
+    """
+    r = rewards.view(-1, n)
+    mid = torch.argsort(r, dim=1, stable=True)[:, n // 2:n // 2 + 1]  # [P, 1] index of the median rollout
+    adv = r - r.gather(1, mid)
+    if mad_norm:
+        mad = adv.abs().median(1, keepdim=True).values
+        adv = adv / (mad + eps)
+        nonzero = ~torch.isclose(adv, torch.zeros_like(adv), atol=1e-6)
+        adv = torch.where(nonzero, adv * n / nonzero.sum(1, keepdim=True).clamp(min=1), adv)
+    pivot = torch.zeros_like(r, dtype=torch.bool).scatter_(1, mid, True)
+    return adv.reshape(-1), pivot.view(-1)
+
+
+def sign_flip_counts(rewards: torch.Tensor, values: torch.Tensor, prompt_values: torch.Tensor, baseline: str) -> dict:
+    """How often a baseline gives a sample the wrong advantage sign, against the true sign of E[r|o_i] - E[r|q].
+
+    rewards, values (E[r | o_i]) [P, n]; prompt_values (E[r | q]) [P]. mean: A = r - group mean over all n;
+    median: A = r - median (n odd), the pivot not counted. Returns counts of flipped (A * true < 0), zero
+    advantages (A = 0 while the true sign is not) and counted samples.
+    """
+    P, n = rewards.shape
+    if baseline == "median":
+        adv, pivot = median_advantages(rewards.reshape(-1), n)
+    else:
+        adv, pivot = group_advantages(rewards.reshape(-1), n, std_norm=False), torch.zeros(P * n, dtype=torch.bool)
+    true = (values - prompt_values[:, None]).reshape(-1)
+    keep = ~pivot
+    return {"flipped": int(((adv * true < 0) & keep).sum()), "zero": int(((adv == 0) & (true != 0) & keep).sum()),
+            "counted": int(keep.sum())}
+
+
+def clipped_pg_loss(logp, old_logp, adv, eps_low: float, eps_high: float):
+    """Per-token PPO-clip loss -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); logp [B, C], adv [B].
+
+    Returns (loss [B, C], clipped [B, C] as float: where the clipped branch was the active one).
+    """
+    ratio = torch.exp(logp - old_logp)
+    a = adv.unsqueeze(1)
+    unclipped, clipped = ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def k3_kl(logp, ref_logp):
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, const: int):
+    """This micro-batch's share of the step loss; summing the shares over micro-batches gives J.
+
+    token_loss, mask: [b, C]; n_seqs, n_tokens: counted over the whole optimiser step (all ranks).
+    """
+    per_seq_sum = (token_loss * mask).sum(1)
+    if mode == "seq-mean":
+        return (per_seq_sum / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if mode == "token-mean":
+        return per_seq_sum.sum() / max(n_tokens, 1)
+    if mode == "const":
+        return per_seq_sum.sum() / (n_seqs * const)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def agg_const(args: Args) -> int:
+    """The constant k of --loss-agg const (default: the generation budget, as Dr. GRPO)."""
+    return args.agg_const or args.max_new_tokens
+
+
+def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """This micro-batch's share of J: clipped surrogate + kl_coef * k3 KL, aggregated over the step.
+
+    logp [b, C] (with grad); mb holds old, ref (or None), adv [b], mask [b, C]. Returns (loss, per-token stats).
+    """
+    tok_loss, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    stats = {"clipfrac": clipped}
+    if mb["ref"] is not None:
+        kl = k3_kl(logp, mb["ref"])
+        tok_loss, stats["kl"] = tok_loss + args.kl_coef * kl, kl
+    return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
+
+
+def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """grpo_loss from the fused Triton kernel (--kernels on a GPU): the same value and gradient.
+
+    The kernel normalises inside the micro-batch (token or sequence mean); rescaling by this micro-batch's
+    share of the step's sequences or tokens gives aggregate_loss's step-level normaliser.
+    """
+    from kernels.clipped_pg_loss import clipped_pg_loss as fused
+
+    mask = mb["mask"]
+    loss, kst = fused(logp, mb["old"], mb["adv"], mask, args.clip_eps_low, args.clip_eps_high, ref_logp=mb["ref"],
+                      beta=args.kl_coef, reduction="seq_mean" if args.loss_agg == "seq-mean" else "token_mean")
+    mb_tokens = float(mask.sum())
+    scale = {"seq-mean": mask.shape[0] / n_seqs, "token-mean": mb_tokens / max(n_tokens, 1),
+             "const": mb_tokens / (n_seqs * agg_const(args))}[args.loss_agg]
+    return loss * scale, {"clipfrac": torch.full_like(mask, float(kst["clip_frac"]))}  # micro-batch mean
+
+
+# ---- rollout and update ----
+def train_rewards(scores: list, args: Args, rng) -> torch.Tensor:
+    """The reward the advantages see: exact answer, or its mean with partial credit; plus optional noise.
+
+    scores: the verifier's (reward, components) per completion.
+    """
+    r = np.array([c if args.reward == "correct" else (c + comp["partial"]) / 2 for c, comp in scores], dtype=float)
+    if args.reward_noise > 0:
+        r = r + rng.normal(0.0, args.reward_noise, size=r.shape)
+    return torch.tensor(r, dtype=torch.float32)
+
+
+def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
+    """G (mean) or G+1 (median) completions per prompt; rewards; advantages; the median's pivot rows dropped."""
+    n = args.group_size + (args.baseline == "median")
+    examples = task.sample("train", args.prompts_per_step, rng)
+    ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), n,
+                         args.max_new_tokens, args.temperature, args.top_p, engine=engine)
+    answers = [e.answer for e in examples for _ in range(n)]
+    scores = [task.verify(t, a) for t, a in zip(ro.texts, answers)]
+    r_train = train_rewards(scores, args, rng).to(device)
+    if args.baseline == "median":
+        adv, pivot = median_advantages(r_train, n, args.mad_norm)
+    else:
+        adv, pivot = group_advantages(r_train, n, args.adv_std_norm), torch.zeros_like(r_train, dtype=torch.bool)
+    keep = (~pivot).nonzero().squeeze(1)  # G rows per prompt, group-major
+    batch = {k: getattr(ro, k).to(device)[keep] for k in
+             ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
+    batch.update(rewards=torch.tensor([c for c, _ in scores], device=device)[keep], adv=adv[keep],
+                 finish_reasons=[ro.finish_reasons[i] for i in keep.tolist()],
+                 gen_tokens=int(ro.completion_mask.sum()))
+    return batch
+
+
+def lr_factor(step: int, total: int, args: Args) -> float:
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return 1.0
+    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
+    """All-reduce (sum: the loss used global normalisers), NaN guard, clip, scheduled lr, step; returns the norm."""
+    if accel.num_processes > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad = accel.reduce(p.grad, "sum")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+    if not math.isfinite(grad_norm):  # the same all-reduced value on every rank, so all ranks stop together
+        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
+                         "intact. Lower --lr or check the rewards.")
+    for group in opt.param_groups:
+        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
+    opt.step()
+    return grad_norm
+
+
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+    """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
+
+    pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
+    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged.
+    """
+    B = batch["completion_ids"].shape[0]
+    micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
+    logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
+        batch["completion_mask"][idx], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+    on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
+    with torch.no_grad():
+        old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
+        ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
+    stats = {"pg": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
+    mismatch = 0.0 if on_policy else common.masked_mean((old - batch["logprobs"]).abs(),
+                                                        batch["completion_mask"].float()).item()
+    n_opt = 0
+    for _ in range(args.ppo_epochs):
+        for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
+            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
+                                  device=batch["adv"].device)
+            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            opt.zero_grad(set_to_none=True)
+            for idx in micro(mb_idx):
+                logp, ent = logprobs_of(model, idx, True)
+                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
+                      "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx]}
+                loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
+                loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
+                stats["pg"] += loss.item()
+                for k, v in {**token_stats, "entropy": ent}.items():
+                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
+                if on_policy:  # the only forward on the sampler's weights
+                    mismatch += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
+                                                  mb["mask"]).item() / max(n_tokens, 1)
+            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
+            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+            n_opt += 1
+    return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, "rollout/logprob_mismatch": mismatch}
+
+
+# ---- main ----
+def main(args: Args) -> dict:
+    check_args(args)
+    from accelerate import Accelerator
+
+    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
+    rank, is_main = accel.process_index, accel.is_main_process
+    torch.set_num_threads(args.threads)
+    common.set_seed(args.seed)
+    task = common.make_task(args.task, args.digits)
+    hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    model, tok = common.load_model(args.model, accel.device)
+    model.train()
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    engine = common.VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
+        if args.engine == "vllm" else None
+    use_kernels = args.kernels and accel.device.type == "cuda"
+    fused_logprob = None
+    if use_kernels:  # Triton: the fused lm_head + log-softmax (the loss kernel is in kernel_grpo_loss)
+        from kernels.fused_logprob import fused_linear_logprob as fused_logprob
+    loss_fn = kernel_grpo_loss if use_kernels else grpo_loss
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    run_dir = Path(args.out_dir) / args.exp_name
+    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
+    if args.resume and engine is not None:
+        engine.sync_weights(model)
+    start_step, history = state.get("step", 0), state.get("history", [])
+    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
+    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
+    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task, engine)
+
+    def log(metrics: dict, step: int):
+        history.append({"step": step, **metrics})
+        if tracker is not None:
+            tracker.log(metrics, step)
+
+    if start_step == 0 and is_main:
+        log(evaluate(), 0)
+    bar = tqdm(range(start_step + 1, args.steps + 1), desc="mc_grpo", dynamic_ncols=True, disable=not is_main,
+               initial=start_step, total=args.steps)
+    for step in bar:
+        # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
+        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
+        rng = np.random.default_rng([args.seed, step, rank])
+        with timer("gen"):
+            batch = rollout(model, tok, task, args, rng, accel.device, engine)
+        with timer("train"):
+            stats = update(model, opt, batch, loss_fn, args, step, accel, ref_model, fused_logprob)
+        if engine is not None:
+            with timer("sync"):
+                engine.sync_weights(model)
+        t = timer.pop()
+        gen_tokens, gen_time = gen_tokens + batch["gen_tokens"], gen_time + t["gen"]  # the pivots' tokens too
+        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
+                                            args.group_size, t["gen"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
+                   **{f"perf/{k}_s": v for k, v in t.items()}}
+        if is_main and (step % args.eval_every == 0 or step == args.steps):
+            metrics.update(evaluate())
+        log(metrics, step)
+        if is_main:
+            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
+                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
+        if is_main and (args.save_every and step % args.save_every == 0 or step == args.steps):
+            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
+                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
+                                    "gen_tokens": gen_tokens, "gen_time": gen_time})
+    if not is_main:
+        return {}
+    summary = common.summarize(history, gen_tokens, gen_time, time.time() - t_start)
+    method = "MC-GRPO" if args.baseline == "median" else "GRPO (mean baseline)"
+    common.save_curve(history, run_dir / "curve.png", f"{method}, G={args.group_size}, on {task.name} ({args.model})")
+    return tracker.finish(summary)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
