@@ -1,7 +1,7 @@
 """BroRL's mass balance: one policy-gradient step on a softmax policy, and how the number of rollouts N decides
 whether every correct token gains probability mass. No language model; seconds on a CPU.
 
-Paper: Hu et al., "BroRL: Scaling Reinforcement Learning via Broadened Exploration", arXiv:2510.01180. Its
+Paper: "BroRL: Scaling Reinforcement Learning via Broadened Exploration", arXiv:2510.01180. Its
 one-step analysis: tokens sampled in the rollouts always expand the correct mass; unsampled tokens can add or
 remove mass depending on their distribution and the net reward; as N grows the unsampled part fades, and in
 simulation a large enough N makes every correct token gain. BroRL's practical advice (hundreds of rollouts per

@@ -1,6 +1,6 @@
 """MC-GRPO: Median-Centered Group Relative Policy Optimization, for training with few rollouts per prompt.
 
-Paper: Kim et al., "MC-GRPO: Median-Centered Group Relative Policy Optimization for Small-Rollout Reinforcement
+Paper: "MC-GRPO: Median-Centered Group Relative Policy Optimization for Small-Rollout Reinforcement
 Learning", arXiv:2601.22582 (authors' code: github.com/lotusroot-kim/MC-GRPO). With a small group G the mean
 baseline is noisy and flips the sign of some advantages, reversing their update. MC-GRPO samples one extra
 rollout (G+1, an odd group), centres on the group median, and drops the one rollout that sits at the median
@@ -18,8 +18,9 @@ Equations (each implemented by the function named on the right):
                     with 0/1 rewards the median is the majority label: only the minority gets +-1
   mean baseline     --baseline mean: GRPO's A_i = (r_i - mean(r_1..r_G)) / (std + eps) from G rollouts
                     (the comparison arm)                                                   group_advantages
-  sign flip         sample i is flipped when sign(A_i) = -sign(E[r | o_i] - E[r | q]) (the true advantage
-                    sign); counted on the rollouts that carry gradient                       sign_flip_counts
+  sign flip         sample i is flipped when sign(A_i) = -sign(v_i - E[r | q]), v_i = r_i (the baseline's error
+                    alone) or E[r | o_i] (reward noise too); counted on the rollouts that carry gradient
+                                                                                            sign_flip_counts
   graded reward     --reward partial: r = (exact answer + the verifier's partial credit) / 2 (sums tasks);
                     --reward-noise s adds N(0, s^2) to the training reward                   train_rewards
   clipped surrogate, k3 KL and --loss-agg aggregation: grpo.py's (clipped_pg_loss, k3_kl, aggregate_loss,
@@ -47,7 +48,7 @@ Commands:
       --max-new-tokens 512 --prompts-per-step 64 --group-size 2 --lr 1e-6                  # one GPU
   accelerate launch --num_processes 4 algos/mc_grpo.py --model ... --device cuda       # several GPUs
 Expected: held-out greedy accuracy on 2-digit addition rises by 10+ points in the default run (400 rollout
-batches, a few minutes on 2 cores); sign-flip rates of mean vs median baselines at G = 2, 4, 8 in
+batches, a few minutes on 2 cores; tests/test_mc_grpo.py measured 35.3 -> 47.3% after 80); sign-flip rates of mean vs median baselines at G = 2, 4, 8 in
 benchmarks/results/mc_grpo.md (python benchmarks/mc_grpo_table.py).
 """
 from __future__ import annotations
@@ -221,9 +222,10 @@ def median_advantages(rewards: torch.Tensor, n: int, mad_norm: bool = False, eps
 
 
 def sign_flip_counts(rewards: torch.Tensor, values: torch.Tensor, prompt_values: torch.Tensor, baseline: str) -> dict:
-    """How often a baseline gives a sample the wrong advantage sign, against the true sign of E[r|o_i] - E[r|q].
+    """How often a baseline gives a sample the wrong advantage sign, against the true sign of v_i - E[r|q].
 
-    rewards, values (E[r | o_i]) [P, n]; prompt_values (E[r | q]) [P]. mean: A = r - group mean over all n;
+    rewards, values [P, n]: values = rewards counts the baseline's errors alone, values = E[r | o_i] counts reward
+    noise too; prompt_values (E[r | q]) [P]. mean: A = r - group mean over all n;
     median: A = r - median (n odd), the pivot not counted. Returns counts of flipped (A * true < 0), zero
     advantages (A = 0 while the true sign is not) and counted samples.
     """

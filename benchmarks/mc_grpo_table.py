@@ -4,7 +4,7 @@
     python benchmarks/mc_grpo_table.py --train          # also the training comparison (2 seeds x 4 runs, minutes)
     python benchmarks/mc_grpo_table.py --report-only    # rebuilds the table and the plot from the CSVs
 
-The claim (Kim et al., "MC-GRPO: Median-Centered Group Relative Policy Optimization for Small-Rollout
+The claim ("MC-GRPO: Median-Centered Group Relative Policy Optimization for Small-Rollout
 Reinforcement Learning", arXiv:2601.22582): with few rollouts the mean baseline is noisy and flips the sign of
 some advantages; a median over G+1 rollouts (the pivot dropped) flips fewer, and the accuracy gap between G=2
 and G=8 shrinks (to within 1% in the paper).
