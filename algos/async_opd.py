@@ -2,9 +2,9 @@
 
 Paper: "AsyncOPD: How Stale Can On-Policy Distillation Be?", arXiv:2606.24143.
 
-Parent: algos/opd.py (the losses are copied from there). Asynchronous OPD samples rollouts with a student
-snapshot that is --staleness k optimiser steps old (simulated exactly: the sampler loads the weights of k
-updates ago), and the teacher's scores are not full-vocabulary logits but a finite cache per position.
+Asynchronous OPD samples rollouts with a student snapshot that is --staleness k optimiser steps old
+(simulated exactly: the sampler loads the weights of k updates ago), and the teacher's scores are not
+full-vocabulary logits but a finite cache per position.
 
 Per completion position t (prefix sampled by the stale policy b = pi_{theta_{n-k}}), s = log pi_theta (now),
 q = teacher log-probs, b = behaviour log-probs:
@@ -18,7 +18,7 @@ q = teacher log-probs, b = behaviour log-probs:
   rkl-recompute  the signal recomputed under the current student at learner time:
                  r_t = -(s(y_t) - q(y_t)).detach()
   rkl-mc         multi-sample Monte Carlo: M = --mc-samples extra tokens per position drawn from b at
-                 rollout time, their teacher scores cached; at learner time
+                 rollout time (mc_draws), their teacher scores cached; at learner time
                  loss = 1/M sum_m w_m (s(z_m) - q(z_m)).detach() s(z_m),  w_m = pi_theta(z_m)/b(z_m)  mc_rkl_loss
                  Unbiased per prefix ("MC correctability"): at a given prefix, E_{z~b}[w (s - q) grad s] is the
                  exact gradient of the local KL(pi_theta || pi_t) there, however stale b is. It is not unbiased
@@ -27,6 +27,8 @@ q = teacher log-probs, b = behaviour log-probs:
                  whole prefixes): a bias that is 0 at staleness 0 and grows as b drifts from pi_theta.
   rkl-sparse     reverse KL on the cached top-k support: KL(p~_s || p~_t) with both renormalised over
                  the k cached ids (biased when k < V; exact at k = V)                     sparse_rkl
+  aggregation    token mean over the step's completion tokens (each variant per token: token_loss)
+                                                                                          async_opd_loss
 
 Teacher cache (teacher_cache): the top-k teacher log-probs per position plus the teacher log-prob of every
 token the estimator will need (the sampled token, and the M Monte Carlo tokens); with k = V the sparse
@@ -41,7 +43,17 @@ tabulates it with accuracy vs staleness.
 
 The truncation-collapse signals of StableOPD ("Demystifying OPD: Length Inflation and Stabilization Strategies
 for Large Language Models", arXiv:2604.08527), rollout/length, rollout/truncated_frac and rollout/repeat_frac,
-are logged every step.
+are logged every step, and rollout/logprob_mismatch (opd.py's sampler-vs-trainer gap) is here the staleness:
+the mean |log pi_theta(y_t) - log b(y_t)| on the sampled tokens.
+
+Parent: algos/opd.py; changed: Args, check_args, rollout, lr_at, main.
+
+What changes from OPD: the sampler is a snapshot k updates old (main keeps the last k + 1 weights), and the
+loss_fn fed to opd.py's `update` is async_opd_loss, which reads the teacher only through the finite cache
+(teacher_cache, token_loss). rollout samples every prompt with the stale student; for rkl-mc it also draws the
+Monte Carlo tokens from b and keeps b's log-probs of them (rollout-time quantities). The teacher's forward
+stays in `update` (learner time): the teacher is frozen, so its scores are those a rollout-time cache would
+hold. lr_at: warm-up only (no decay). Eval, metrics, summary and curve are common.py's.
 
 Deviations:
 - Staleness is simulated in one process (a snapshot k updates old samples); no throughput claim.
@@ -56,13 +68,14 @@ Commands:
   python algos/async_opd.py --variant fkl --staleness 8 --cache-k 8
   python algos/async_opd.py --variant rkl-mc --mc-samples 4 --staleness 2
 Expected: held-out greedy accuracy of tiny-0.6m on 2-digit addition rises from 35% toward the teacher's
-~72%; in 40 steps fkl keeps ~44% at every staleness, rkl-stale collapses (47% at k = 0, 2% at k = 2),
-rkl-mc keeps 49% at k = 2 (results: benchmarks/results/async_opd.md).
+~72%; in 40 steps (3 seeds, benchmarks/results/async_opd.md) fkl keeps 44.9 / 45.2 / 45.2% at k = 0 / 2 / 8,
+rkl-stale collapses (46.9% at k = 0, 2.3% at k = 2), rkl-mc keeps 48.2% at k = 2 (50.1% at k = 0).
 """
 from __future__ import annotations
 
 import collections
 import copy
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -138,6 +151,7 @@ class Args:
 
 
 def check_args(args: Args) -> None:
+    """Fail early, naming the flag, instead of deep inside torch."""
     if args.staleness < 0:
         raise SystemExit(f"--staleness must be >= 0, got {args.staleness}")
     if args.cache_k < 0:
@@ -153,28 +167,30 @@ def check_args(args: Args) -> None:
 
 
 def check_teacher(tok_s, tok_t, student, teacher, name: str) -> None:
+    """The teacher must share the student's tokenizer: same vocabulary and same output size."""
     vs, vt = tok_s.get_vocab(), tok_t.get_vocab()
     if vs != vt:
+        diff = len(set(vs.items()) ^ set(vt.items()))
         raise SystemExit(f"--teacher {name}: its tokenizer differs from the student's ({len(vt)} vs {len(vs)} "
-                         "tokens); OPD needs one shared vocabulary")
+                         f"tokens, {diff} mismatched entries); OPD needs one shared vocabulary")
     ns, nt = student.get_output_embeddings().weight.shape[0], teacher.get_output_embeddings().weight.shape[0]
     if ns != nt:
         raise SystemExit(f"--teacher {name}: output layer has {nt} logits, the student's has {ns}")
 
 
-# ---- divergences (copied from algos/opd.py) ----
-def reverse_kl(s_logp, t_logp):
-    """KL(pi_s || pi_t) per position over the last axis."""
+# ---- divergences (as algos/opd.py) ----
+def reverse_kl(s_logp: torch.Tensor, t_logp: torch.Tensor) -> torch.Tensor:
+    """KL(pi_s || pi_t) per position: sum_v p_s (s - q); inputs [..., V] log-probs -> [...]."""
     return (s_logp.exp() * (s_logp - t_logp)).sum(-1)
 
 
-def forward_kl(s_logp, t_logp):
-    """KL(pi_t || pi_s) per position over the last axis."""
+def forward_kl(s_logp: torch.Tensor, t_logp: torch.Tensor) -> torch.Tensor:
+    """KL(pi_t || pi_s) per position: sum_v p_t (q - s)."""
     return (t_logp.exp() * (t_logp - s_logp)).sum(-1)
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0):
-    """Full-vocabulary log-probs at every completion position, [B, C, V]."""
+    """Full-vocabulary log-probs at every completion position, [B, C, V] (the decoder runs once)."""
     ids = torch.cat([prompt_ids, completion_ids], 1)
     mask = torch.cat([prompt_mask, completion_mask], 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
@@ -217,6 +233,12 @@ def rkl_sampled_loss(s_tok, signal_logp, t_tok, weight=None):
     r = -(signal_logp - t_tok).detach()
     w = 1.0 if weight is None else weight.detach()
     return -w * r * s_tok
+
+
+def mc_draws(behav_logp: torch.Tensor, m: int, gen=None) -> torch.Tensor:
+    """M tokens per position drawn from the behaviour policy b (with replacement): [..., V] -> [..., M]."""
+    z = torch.multinomial(behav_logp.exp().reshape(-1, behav_logp.shape[-1]), m, replacement=True, generator=gen)
+    return z.view(*behav_logp.shape[:-1], m)
 
 
 def mc_rkl_loss(s_logp, z_ids, z_teacher, z_behav):
@@ -274,29 +296,13 @@ def cache_bias_variance(s_logits, t_logp, ks=(1, 4, 16, 0), mc=(1, 4), draws: in
     return rows
 
 
-def repeat_frac(texts: list[str], n: int = 3) -> float:
-    """Fraction of completions containing some character n-gram at least twice (StableOPD's repetition signal)."""
-    def rep(t):
-        grams = [t[i:i + n] for i in range(len(t) - n + 1)]
-        return len(grams) != len(set(grams))
-    return float(np.mean([rep(t) for t in texts])) if texts else 0.0
+def token_loss(variant, s_logp, t_logp, b_tok, tokens, args, z=None, z_behav=None):
+    """Per-token loss [B, C] of one variant; t_logp is only read through the finite cache.
 
-
-def run_eval(model, tok, task, hard_task, eval_sets, args) -> dict:
-    out = {"eval/acc": common.evaluate(model, tok, task, eval_sets["main"], args.max_new_tokens)["acc"]}
-    if hard_task is not None:
-        out["eval/acc_hard"] = common.evaluate(model, tok, hard_task, eval_sets["hard"], args.max_new_tokens + 2)["acc"]
-    return out
-
-
-def token_loss(variant, s_logp, t_logp, b_tok, tokens, args, gen=None, behav_logp=None):
-    """Per-token loss [B, C] of one variant; t_logp is only read through the finite cache."""
-    need = tokens[..., None]
-    z = None
-    if variant == "rkl-mc":
-        z = torch.multinomial(behav_logp.exp().reshape(-1, behav_logp.shape[-1]), args.mc_samples,
-                              replacement=True, generator=gen).view(*tokens.shape, args.mc_samples)
-        need = torch.cat([need, z], -1)
+    b_tok [B, C]: the behaviour's log-probs of the sampled tokens; rkl-mc: z [B, C, M], the rollout-time draws
+    from b (mc_draws), and z_behav, their behaviour log-probs.
+    """
+    need = tokens[..., None] if z is None else torch.cat([tokens[..., None], z], -1)
     cache = teacher_cache(t_logp, args.cache_k, need)
     t_tok = cache["extra_vals"][..., 0]
     s_tok = s_logp.gather(-1, tokens[..., None]).squeeze(-1)
@@ -311,8 +317,109 @@ def token_loss(variant, s_logp, t_logp, b_tok, tokens, args, gen=None, behav_log
     if variant == "rkl-recompute":
         return rkl_sampled_loss(s_tok, s_tok, t_tok)
     if variant == "rkl-mc":
-        return mc_rkl_loss(s_logp, z, cache["extra_vals"][..., 1:], behav_logp.gather(-1, z))
+        return mc_rkl_loss(s_logp, z, cache["extra_vals"][..., 1:], z_behav)
     raise ValueError(f"unknown variant {variant!r}")
+
+
+def async_opd_loss(s_logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """The batch's loss: the variant's per-token loss (token_loss), token-mean over the step's n_tokens.
+
+    s_logp [b, C, V] (with grad); mb holds the teacher's log-probs [b, C, V] (read through the cache), the
+    sampler's log-probs of the sampled tokens (b's) and, for rkl-mc, the draws. Returns (loss, per-token stats).
+    """
+    tl = token_loss(args.variant, s_logp, mb["teacher"], mb["logprobs"], mb["completion_ids"], args,
+                    mb.get("mc_ids"), mb.get("mc_behaviour"))
+    return common.masked_sum(tl, mb["mask"]) / n_tokens, {}
+
+
+def repeat_frac(texts: list[str], n: int = 3) -> float:
+    """Fraction of completions containing some character n-gram at least twice (StableOPD's repetition signal)."""
+    def rep(t):
+        grams = [t[i:i + n] for i in range(len(t) - n + 1)]
+        return len(grams) != len(set(grams))
+    return float(np.mean([rep(t) for t in texts])) if texts else 0.0
+
+
+# ---- rollout and update ----
+def rollout(behaviour, tok, task, args: Args, rng, device, gen=None) -> list[dict]:
+    """Sample every prompt with the stale behaviour policy b (G completions each; rewarded for the metrics).
+
+    Returns one batch (opd.py's keys). rkl-mc: also M draws per position from b (with `gen`) and b's log-probs
+    of them, taken at rollout time as an asynchronous sampler would.
+    """
+    examples = task.sample("train", args.prompts_per_step, rng)
+    ro = common.generate(behaviour, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
+                         args.max_new_tokens, args.temperature)
+    answers = [e.answer for e in examples for _ in range(args.group_size)]
+    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
+    batch = {k: getattr(ro, k).to(device) for k in
+             ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
+    batch.update(rewards=rewards, finish_reasons=ro.finish_reasons, texts=ro.texts, source="student")
+    if args.variant == "rkl-mc":
+        with torch.no_grad():
+            behav_logp = completion_logprobs(behaviour, batch["prompt_ids"], batch["prompt_mask"],
+                                             batch["completion_ids"], batch["completion_mask"], args.temperature)
+        batch["mc_ids"] = mc_draws(behav_logp, args.mc_samples, gen)
+        batch["mc_behaviour"] = behav_logp.gather(-1, batch["mc_ids"])
+    return [batch]
+
+
+def teacher_logprobs(teacher, mb: dict, args: Args) -> torch.Tensor:
+    """The teacher's log-probs [b, C, V] at the student's prefixes (x, y_<t) of this part's completions."""
+    return completion_logprobs(teacher, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                               mb["completion_mask"], args.temperature)
+
+
+def lr_at(step: int, args: Args) -> float:
+    """Learning rate of a 1-based step: --lr times a linear warm-up over --warmup-steps (no decay)."""
+    return args.lr * min(1.0, step / max(args.warmup_steps, 1))
+
+
+def optimizer_step(model, opt, args: Args, step: int) -> float:
+    """NaN guard, clip, this step's lr (lr_at), step; returns the norm. One process: no all-reduce."""
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+    if not math.isfinite(grad_norm):
+        raise SystemExit(f"non-finite loss or gradient at step {step}; lower --lr")
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, args)
+    opt.step()
+    return grad_norm
+
+
+def update(model, opt, parts: list[dict], loss_fn, args: Args, step: int, teacher, ref_model=None) -> dict:
+    """One optimiser step on one rollout batch; each part (one sampler's rollouts) is one micro-batch, its
+    loss normalised by counts over the whole step (n_seqs, n_tokens), so the parts add up to J.
+
+    The teacher's forward runs here (teacher_logprobs, no grad): the losses need the full-vocabulary log-probs
+    of the student and of the teacher at every completion position. The sampler-vs-trainer log-prob gap is
+    measured on the student's part (the only forward on the sampler's weights).
+    """
+    n_seqs = sum(len(p["completion_ids"]) for p in parts)
+    n_tokens = sum(int(p["completion_mask"].sum()) for p in parts)
+    stats = {"loss/total": 0.0}
+    opt.zero_grad(set_to_none=True)
+    for part in parts:
+        ids = [part[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+        mask = part["completion_mask"].float()
+        s_logp = completion_logprobs(model, *ids, args.temperature)  # [b, C, V], with grad
+        with torch.no_grad():
+            t_logp = teacher_logprobs(teacher, part, args)
+            ref = None if ref_model is None or part["source"] != "student" else completion_logprobs(
+                ref_model, *ids, args.temperature).gather(-1, part["completion_ids"][..., None]).squeeze(-1)
+        loss, token_stats = loss_fn(s_logp, {**part, "mask": mask, "teacher": t_logp, "ref": ref}, n_seqs,
+                                    n_tokens, args)
+        loss.backward()  # a NaN here reaches the gradient: optimizer_step stops the run
+        stats["loss/total"] += loss.item()
+        with torch.no_grad():
+            token_stats = {**token_stats, "kl/reverse": reverse_kl(s_logp, t_logp),
+                           "kl/forward": forward_kl(s_logp, t_logp), "loss/entropy": -(s_logp.exp() * s_logp).sum(-1)}
+            if part["source"] == "student":
+                s_tok = s_logp.gather(-1, part["completion_ids"][..., None]).squeeze(-1)
+                stats["rollout/logprob_mismatch"] = common.masked_mean((s_tok - part["logprobs"]).abs(), mask).item()
+        for k, v in token_stats.items():
+            stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mask).item() / n_tokens
+    stats["loss/grad_norm"] = optimizer_step(model, opt, args, step)
+    return stats
 
 
 # ---- main ----
@@ -323,6 +430,7 @@ def main(args: Args) -> dict:
     device = common.get_device(args.device)
     task = common.make_task(args.task, args.digits)
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
     model, tok = common.load_model(args.model, device)
     teacher, tok_t = common.load_model(args.teacher, device)
     check_teacher(tok, tok_t, model, teacher, args.teacher)
@@ -331,88 +439,53 @@ def main(args: Args) -> dict:
     snapshots = collections.deque(maxlen=args.staleness + 1)  # weights after each of the last k+1 updates
     snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    run_dir = Path(args.out_dir) / args.exp_name
-    eval_rng = np.random.default_rng(12345)
-    eval_sets = {"main": task.sample("test", args.eval_examples, eval_rng)}
-    if hard_task is not None:
-        eval_sets["hard"] = hard_task.sample("test", min(args.eval_examples, 300), eval_rng)
-    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name)
-    t_start, gen_tokens, gen_time, history = time.time(), 0, 0.0, []
-    timer = common.Timer()
 
-    def log(metrics, step):
+    run_dir = Path(args.out_dir) / args.exp_name
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name)
+    timer, t_start = common.Timer(), time.time()
+    gen_tokens, gen_time, history = 0, 0.0, []
+    evaluate = lambda m, hard=hard_task: common.run_eval(m, tok, task, eval_sets, args.max_new_tokens,  # noqa: E731
+                                                         hard_task=hard)
+
+    def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
         tracker.log(metrics, step)
 
-    teacher_acc = run_eval(teacher, tok, task, None, eval_sets, args)["eval/acc"]
-    log({**run_eval(model, tok, task, hard_task, eval_sets, args), "eval/teacher_acc": teacher_acc}, 0)
-    for step in tqdm(range(1, args.steps + 1), desc=f"async_opd[{args.variant},k={args.staleness}]", dynamic_ncols=True):
+    teacher_acc = evaluate(teacher, None)["eval/acc"]
+    log({**evaluate(model), "eval/teacher_acc": teacher_acc}, 0)
+    desc = f"async_opd[{args.variant},k={args.staleness}]"
+    for step in tqdm(range(1, args.steps + 1), desc=desc, dynamic_ncols=True):
         torch.manual_seed(hash((args.seed, step)) % 2**31)
         rng = np.random.default_rng([args.seed, step])
         gen = torch.Generator().manual_seed(hash((args.seed, step, 1)) % 2**31)
         behaviour.load_state_dict(snapshots[0])  # the oldest kept: k updates behind (fewer at the start)
-        examples = task.sample("train", args.prompts_per_step, rng)
         with timer("gen"):
-            ro = common.generate(behaviour, tok, common.encode_prompts(tok, [e.prompt for e in examples]),
-                                 args.group_size, args.max_new_tokens, args.temperature)
-        b = {k: getattr(ro, k).to(device) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
-        m = b["completion_mask"].float()
-        gen_tokens += int(m.sum())
-        gen_time += timer.totals.get("gen", 0.0)
+            parts = rollout(behaviour, tok, task, args, rng, device, gen)
         with timer("train"):
-            with torch.no_grad():  # rollout-time quantities: the teacher's scores and the behaviour policy's
-                t_logp = completion_logprobs(teacher, **b, temperature=args.temperature)
-                behav_logp = completion_logprobs(behaviour, **b, temperature=args.temperature) \
-                    if args.variant == "rkl-mc" else None
-            b_tok = ro.logprobs.to(device)
-            s_logp = completion_logprobs(model, **b, temperature=args.temperature)
-            tl = token_loss(args.variant, s_logp, t_logp, b_tok, b["completion_ids"], args, gen, behav_logp)
-            loss = common.masked_mean(tl, m)
-            if not torch.isfinite(loss):
-                raise SystemExit(f"non-finite loss at step {step}; lower --lr")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-            for g in opt.param_groups:
-                g["lr"] = args.lr * min(1.0, step / max(args.warmup_steps, 1))
-            opt.step()
+            stats = update(model, opt, parts, async_opd_loss, args, step, teacher)
         snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         t = timer.pop()
-        with torch.no_grad():
-            s_tok = s_logp.gather(-1, b["completion_ids"][..., None]).squeeze(-1)
-            metrics = {
-                "rollout/reward": float(np.mean([task.verify(tx, e.answer)[0] for tx, e in
-                                                 zip(ro.texts, [e for e in examples for _ in range(args.group_size)])])),
-                "rollout/length": m.sum(1).mean().item(),
-                "rollout/truncated_frac": float(np.mean([f == "length" for f in ro.finish_reasons])),
-                "rollout/repeat_frac": repeat_frac(ro.texts),
-                "rollout/staleness_logratio": common.masked_mean((s_tok - b_tok).abs(), m).item(),
-                "kl/reverse": common.masked_mean(reverse_kl(s_logp, t_logp), m).item(),
-                "kl/forward": common.masked_mean(forward_kl(s_logp, t_logp), m).item(),
-                "loss/total": loss.item(), "loss/grad_norm": grad_norm,
-                "perf/gen_s": t.get("gen", 0.0), "perf/train_s": t.get("train", 0.0),
-            }
+        b = parts[0]
+        gen_tokens, gen_time = gen_tokens + int(b["completion_mask"].sum()), gen_time + t["gen"]
+        metrics = {**common.rollout_metrics(b["rewards"], b["completion_mask"], b["finish_reasons"], args.group_size,
+                                            t["gen"]),
+                   "rollout/repeat_frac": repeat_frac(b["texts"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
+                   **{f"perf/{k}_s": v for k, v in t.items()}}
         if step % args.eval_every == 0 or step == args.steps:
-            metrics.update(run_eval(model, tok, task, hard_task, eval_sets, args))
+            metrics.update(evaluate(model))
         log(metrics, step)
 
-    evals = [h for h in history if "eval/acc" in h]
     train = [h for h in history if "rollout/reward" in h]
     last = train[-10:]
-    summary = {
-        "eval_acc_start": evals[0]["eval/acc"], "eval_acc_end": evals[-1]["eval/acc"],
-        "eval_acc_best": max(h["eval/acc"] for h in evals), "teacher_acc": teacher_acc,
-        "train_reward_first": train[0]["rollout/reward"], "train_reward_last": train[-1]["rollout/reward"],
-        "gen_tokens": gen_tokens, "tokens_per_s": gen_tokens / max(gen_time, 1e-9), "wall_s": time.time() - t_start,
-        "kl_reverse_end": float(np.mean([h["kl/reverse"] for h in last])),
-        "kl_forward_end": float(np.mean([h["kl/forward"] for h in last])),
-        "truncated_frac_max": max(h["rollout/truncated_frac"] for h in train),
-        "length_mean": float(np.mean([h["rollout/length"] for h in train])),
-    }
-    if "eval/acc_hard" in evals[-1]:
-        summary["eval_acc_hard_start"], summary["eval_acc_hard_end"] = evals[0]["eval/acc_hard"], evals[-1]["eval/acc_hard"]
-    print(f"[{args.variant}, k={args.staleness}] student held-out accuracy {summary['eval_acc_start']:.3f} -> "
-          f"{summary['eval_acc_end']:.3f} (teacher {teacher_acc:.3f}), final KL(s||t) {summary['kl_reverse_end']:.3f}")
+    summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start), "teacher_acc": teacher_acc,
+               "kl_reverse_end": float(np.mean([h["kl/reverse"] for h in last])),
+               "kl_forward_end": float(np.mean([h["kl/forward"] for h in last])),
+               "truncated_frac_max": max(h["rollout/truncated_frac"] for h in train),
+               "length_mean": float(np.mean([h["rollout/length"] for h in train]))}
+    common.save_curve(history, run_dir / "curve.png", f"AsyncOPD {args.variant}, k={args.staleness} on {task.name}",
+                      {"teacher": teacher_acc})
+    print(f"[{args.variant}, k={args.staleness}] teacher held-out accuracy {teacher_acc:.3f}, final KL(s||t) "
+          f"{summary['kl_reverse_end']:.3f}")
     return tracker.finish(summary)
 
 

@@ -1,7 +1,8 @@
 """OPD: on-policy distillation, and the "dense bridge" from a teacher to a student.
 
-Bridge paper: "Beyond GRPO and On-Policy Distillation: An Empirical Sparse-to-Dense Reward Principle for
-Language-Model Post-Training", arXiv:2605.12483.
+Papers: Agarwal et al., "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes",
+arXiv:2306.13649 (OPD with a per-token divergence; GKD); the bridge: "Beyond GRPO and On-Policy Distillation:
+An Empirical Sparse-to-Dense Reward Principle for Language-Model Post-Training", arXiv:2605.12483.
 
 The student samples; a frozen teacher scores every generated token; the student minimises a per-token
 divergence to the teacher at its own prefixes. At each completion position t with student log-probs s(.)
@@ -15,13 +16,14 @@ and teacher log-probs q(.) over the vocabulary (both at the student's prefix x, 
                        (--loss fkl: at student prefixes; --loss fkl-teacher: on teacher rollouts, i.e. KD)
   GKD                  JSD_beta = beta KL(p_t || m) + (1-beta) KL(p_s || m), m = beta p_t + (1-beta) p_s,
                        on a mix of student (fraction --gkd-student-frac) and teacher rollouts   gen_jsd
-  aggregation          token mean over all completion tokens of the step.
+  aggregation          token mean over all completion tokens of the step                 opd_loss
+                       (each kind per token: token_divergence; who rolls out what: rollout_plan)
 
 --schedule bridge (the bridge paper's "reward-density principle"): stage 1, --bridge-warmup steps of forward
 KL on teacher rollouts; stage 2, --steps of OPD (--loss) on student rollouts; stage 3, optional --grpo-steps
-of GRPO on the student with the verifier reward (the only stage that uses labels). benchmarks/opd_bridge.py
-compares, at a fixed budget of labelled prompts, GRPO on the student vs GRPO on the teacher followed by the
-bridge.
+of GRPO on the student with the verifier reward (the only stage that uses labels; group_advantages, -A_i log pi
+aggregated seq-mean by aggregate_loss). benchmarks/opd_bridge.py compares, at a fixed budget of labelled
+prompts, GRPO on the student vs GRPO on the teacher followed by the bridge.
 
 StableOPD ("Demystifying OPD: Length Inflation and Stabilization Strategies for Large Language Models",
 arXiv:2604.08527; truncation collapse): every step logs rollout/length, rollout/truncated_frac and
@@ -29,6 +31,18 @@ rollout/repeat_frac (completions with a repeated character 3-gram). The two fixe
 --ref-coef (k3 KL of the student to its initial self on the sampled tokens, the reference-based divergence
 constraint) and --mix-teacher-frac (that fraction of each batch's prompts is rolled out by the teacher and
 distilled with forward KL: rollout mixture distillation).
+
+Parent: algos/grpo.py; changed: Args, check_args, rollout, optimizer_step, update, main.
+
+What changes from GRPO: the per-token signal is the teacher's log-probs, not a verifier's reward. rollout is
+grpo's with a second sampler: the student rolls out its share of the step's prompts and the teacher the rest,
+each share one part of the batch (rewarded by the verifier for the metrics and for the bridge's GRPO stage).
+`update` is changed because the teacher's forward must happen inside it: the divergences need the
+full-vocabulary log-probs of the student and of the teacher at every completion position ([b, C, V]), where
+grpo's update scores only the sampled tokens; each part is one micro-batch (the two samplers' completions have
+their own lengths), with one optimiser step per batch and no pi_old (the losses are on-policy). The loss_fn
+fed to it is opd_loss. optimizer_step is grpo's without the all-reduce (one process) and with OPD's learning
+rate (lr_at). Eval, rollout metrics, summary and curve are common.py's.
 
 Deviations:
 - The KL is "local": the per-position divergence at the sampled prefix, with no gradient through the
@@ -42,6 +56,8 @@ Deviations:
 - The bridge's GRPO stage is on-policy (one update per batch, ratio 1), the same gradient as algos/grpo.py
   with its defaults.
 - The teacher may be any model with the student's tokenizer (vocabularies are checked to be identical).
+- One process (no `accelerate launch`); the learning rate warms up over --warmup-steps and decays linearly
+  toward 10% at the last step (lr_at).
 
 Commands:
   python algos/opd.py                                     # tiny-5m teacher -> tiny-0.6m student, ~2 min
@@ -56,6 +72,7 @@ has the bridge comparison.
 from __future__ import annotations
 
 import copy
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -145,10 +162,10 @@ class Args:
 
 
 def check_args(args: Args) -> None:
+    """Fail early, naming the flag, instead of deep inside torch."""
     if args.steps < 0 or args.bridge_warmup < 0 or args.grpo_steps < 0:
         raise SystemExit("--steps, --bridge-warmup and --grpo-steps must be >= 0")
-    total = args.steps + (args.bridge_warmup + args.grpo_steps if args.schedule == "bridge" else 0)
-    if total < 1:
+    if total_steps(args) < 1:
         raise SystemExit("nothing to train: --steps (and the bridge stages) add up to 0")
     if args.prompts_per_step < 1 or args.group_size < 1 or args.max_new_tokens < 1:
         raise SystemExit("--prompts-per-step, --group-size and --max-new-tokens must be positive")
@@ -206,15 +223,33 @@ def sampled_rkl_loss(s_tok: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
 
 
 def k3_kl(logp, ref_logp):
-    """Schulman's k3 estimator of KL(pi_theta || pi_ref) on sampled tokens (>= 0)."""
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: (r - group mean) / (group std + eps), rewards [B] group-major."""
+def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True, eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std_g r + eps); rewards [B] group-major -> advantages [B]."""
     r = rewards.view(-1, group_size)
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
+    adv = r - r.mean(1, keepdim=True)
+    if std_norm:
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, const: int):
+    """This micro-batch's share of the step loss; summing the shares over micro-batches gives J.
+
+    token_loss, mask: [b, C]; n_seqs, n_tokens: counted over the whole optimiser step (all ranks).
+    """
+    per_seq_sum = (token_loss * mask).sum(1)
+    if mode == "seq-mean":
+        return (per_seq_sum / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if mode == "token-mean":
+        return per_seq_sum.sum() / max(n_tokens, 1)
+    if mode == "const":
+        return per_seq_sum.sum() / (n_seqs * const)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0):
@@ -242,15 +277,40 @@ def token_divergence(kind: str, s_logp, t_logp, tokens, beta: float = 0.5):
     raise ValueError(f"unknown divergence {kind!r}")
 
 
+def opd_loss(s_logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """This part's share of J. s_logp [b, C, V] (with grad); mb holds the teacher's log-probs [b, C, V], the
+    sampled tokens and mask [b, C], the part's loss kind, ref (the initial student's log-probs of the tokens,
+    or None) and adv [b].
+
+    Distillation: the per-token divergence (+ ref_coef * k3 KL to the initial student on the student's
+    rollouts), token-mean over the step's n_tokens. The bridge's GRPO stage: -A_i log pi(y_t), seq-mean (GRPO
+    at ratio 1: the same gradient as grpo_loss). Returns (loss, per-token stats).
+    """
+    tokens, mask = mb["completion_ids"], mb["mask"]
+    s_tok = s_logp.gather(-1, tokens[..., None]).squeeze(-1)
+    if mb["kind"] == "grpo":
+        return aggregate_loss(-(mb["adv"][:, None] * s_tok), mask, "seq-mean", n_seqs, n_tokens, 0), {}
+    tok_loss, stats = token_divergence(mb["kind"], s_logp, mb["teacher"], tokens, args.gkd_beta), {}
+    if mb["ref"] is not None:
+        rk = k3_kl(s_tok, mb["ref"])
+        tok_loss, stats["kl/ref"] = tok_loss + args.ref_coef * rk, rk
+    return common.masked_sum(tok_loss, mask) / n_tokens, stats
+
+
 def repeat_frac(texts: list[str], n: int = 3) -> float:
-    """Fraction of completions containing some character n-gram at least twice (B-93's repetition)."""
+    """Fraction of completions containing some character n-gram at least twice (StableOPD's repetition signal)."""
     def rep(t):
         grams = [t[i:i + n] for i in range(len(t) - n + 1)]
         return len(grams) != len(set(grams))
     return float(np.mean([rep(t) for t in texts])) if texts else 0.0
 
 
-# ---- helpers of the loop ----
+# ---- rollout and update ----
+def total_steps(args: Args) -> int:
+    """Optimiser steps of the whole run: --steps, plus the bridge's warm-up and GRPO stages."""
+    return args.steps + (args.bridge_warmup + args.grpo_steps if args.schedule == "bridge" else 0)
+
+
 def stage_of(step: int, args: Args) -> str:
     """'warmup' (FKL on teacher rollouts), 'opd' or 'grpo' for a 1-based step."""
     if args.schedule == "opd":
@@ -260,36 +320,101 @@ def stage_of(step: int, args: Args) -> str:
     return "opd" if step <= args.bridge_warmup + args.steps else "grpo"
 
 
-def run_eval(model, tok, task, hard_task, eval_sets, args) -> dict:
-    out = {"eval/acc": common.evaluate(model, tok, task, eval_sets["main"], args.max_new_tokens)["acc"]}
-    if hard_task is not None:
-        out["eval/acc_hard"] = common.evaluate(model, tok, hard_task, eval_sets["hard"], args.max_new_tokens + 2)["acc"]
-    return out
+def rollout_plan(stage: str, n: int, args: Args) -> tuple[int, str | None, str | None]:
+    """How many of the step's n prompts the student rolls out (the rest: the teacher), and each part's loss kind."""
+    if stage == "warmup" or (stage == "opd" and args.loss == "fkl-teacher"):
+        return 0, None, "fkl-teacher"
+    if stage == "opd" and args.loss == "gkd":
+        return round(args.gkd_student_frac * n), "gkd", "gkd"
+    if stage == "opd":  # StableOPD's rollout mixture: a share of teacher rollouts, distilled with forward KL
+        return n - round(args.mix_teacher_frac * n), args.loss, "fkl-teacher"
+    return n, "grpo", None
 
 
-def save_curve(history: list[dict], path: Path, title: str, teacher_acc: float) -> None:
-    import matplotlib
+def rollout(model, tok, task, args: Args, rng, device, teacher=None, stage: str = "opd") -> list[dict]:
+    """Sample the step's prompts: the student rolls out its share (G completions each), the teacher the rest.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Returns one batch per sampler that rolled out (the student's first), each with grpo's keys (rewards from
+    the verifier; A_i per group only for the GRPO stage) plus the texts, the loss kind and the source.
+    """
+    examples = task.sample("train", args.prompts_per_step, rng)
+    n_student, s_kind, t_kind = rollout_plan(stage, len(examples), args)
+    parts = []
+    for source, policy, exs, kind in (("student", model, examples[:n_student], s_kind),
+                                      ("teacher", teacher, examples[n_student:], t_kind)):
+        if not exs:
+            continue
+        ro = common.generate(policy, tok, common.encode_prompts(tok, [e.prompt for e in exs]), args.group_size,
+                             args.max_new_tokens, args.temperature)
+        answers = [e.answer for e in exs for _ in range(args.group_size)]
+        rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
+        batch = {k: getattr(ro, k).to(device) for k in
+                 ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
+        batch.update(rewards=rewards, adv=group_advantages(rewards, args.group_size) if kind == "grpo" else None,
+                     finish_reasons=ro.finish_reasons, texts=ro.texts, kind=kind, source=source)
+        parts.append(batch)
+    return parts
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    tr = [h for h in history if "rollout/reward" in h]
-    ax.plot([h["step"] for h in tr], [h["rollout/reward"] for h in tr], alpha=0.4, label="rollout reward")
-    ev = [h for h in history if "eval/acc" in h]
-    ax.plot([h["step"] for h in ev], [h["eval/acc"] for h in ev], "o-", label="held-out greedy acc")
-    if ev and "eval/acc_hard" in ev[0]:
-        ax.plot([h["step"] for h in ev], [h["eval/acc_hard"] for h in ev], "s--", label="harder (OOD) acc")
-    ax.axhline(teacher_acc, color="gray", ls=":", label="teacher acc")
-    ax.set(xlabel="step", ylabel="accuracy / reward", ylim=(0, 1), title=title)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+
+def teacher_logprobs(teacher, mb: dict, args: Args) -> torch.Tensor:
+    """The teacher's log-probs [b, C, V] at the student's prefixes (x, y_<t) of this part's completions."""
+    return completion_logprobs(teacher, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                               mb["completion_mask"], args.temperature)
 
 
-def batch_of(ro, device) -> dict:
-    return {k: getattr(ro, k).to(device) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+def lr_at(step: int, args: Args) -> float:
+    """Learning rate of a 1-based step: --lr times a linear warm-up over --warmup-steps and a linear decay
+    from 1 toward 0.1 at the last step; the bridge's GRPO stage runs at a constant --grpo-lr."""
+    if stage_of(step, args) == "grpo":
+        return args.grpo_lr
+    return args.lr * min(1.0, step / max(args.warmup_steps, 1)) * (1 - 0.9 * (step - 1) / total_steps(args))
+
+
+def optimizer_step(model, opt, args: Args, step: int) -> float:
+    """NaN guard, clip, this step's lr (lr_at), step; returns the norm. One process: no all-reduce."""
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+    if not math.isfinite(grad_norm):
+        raise SystemExit(f"non-finite loss or gradient at step {step}; lower --lr")
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, args)
+    opt.step()
+    return grad_norm
+
+
+def update(model, opt, parts: list[dict], loss_fn, args: Args, step: int, teacher, ref_model=None) -> dict:
+    """One optimiser step on one rollout batch; each part (one sampler's rollouts) is one micro-batch, its
+    loss normalised by counts over the whole step (n_seqs, n_tokens), so the parts add up to J.
+
+    The teacher's forward runs here (teacher_logprobs, no grad): the losses need the full-vocabulary log-probs
+    of the student and of the teacher at every completion position. The sampler-vs-trainer log-prob gap is
+    measured on the student's part (the only forward on the sampler's weights).
+    """
+    n_seqs = sum(len(p["completion_ids"]) for p in parts)
+    n_tokens = sum(int(p["completion_mask"].sum()) for p in parts)
+    stats = {"loss/total": 0.0}
+    opt.zero_grad(set_to_none=True)
+    for part in parts:
+        ids = [part[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+        mask = part["completion_mask"].float()
+        s_logp = completion_logprobs(model, *ids, args.temperature)  # [b, C, V], with grad
+        with torch.no_grad():
+            t_logp = teacher_logprobs(teacher, part, args)
+            ref = None if ref_model is None or part["source"] != "student" else completion_logprobs(
+                ref_model, *ids, args.temperature).gather(-1, part["completion_ids"][..., None]).squeeze(-1)
+        loss, token_stats = loss_fn(s_logp, {**part, "mask": mask, "teacher": t_logp, "ref": ref}, n_seqs,
+                                    n_tokens, args)
+        loss.backward()  # a NaN here reaches the gradient: optimizer_step stops the run
+        stats["loss/total"] += loss.item()
+        with torch.no_grad():
+            token_stats = {**token_stats, "kl/reverse": reverse_kl(s_logp, t_logp),
+                           "kl/forward": forward_kl(s_logp, t_logp), "loss/entropy": -(s_logp.exp() * s_logp).sum(-1)}
+            if part["source"] == "student":
+                s_tok = s_logp.gather(-1, part["completion_ids"][..., None]).squeeze(-1)
+                stats["rollout/logprob_mismatch"] = common.masked_mean((s_tok - part["logprobs"]).abs(), mask).item()
+        for k, v in token_stats.items():
+            stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mask).item() / n_tokens
+    stats["loss/grad_norm"] = optimizer_step(model, opt, args, step)
+    return stats
 
 
 # ---- main ----
@@ -300,6 +425,7 @@ def main(args: Args) -> dict:
     device = common.get_device(args.device)
     task = common.make_task(args.task, args.digits)
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
     model, tok = common.load_model(args.model, device)
     teacher, tok_t = common.load_model(args.teacher, device)
     check_teacher(tok, tok_t, model, teacher, args.teacher)
@@ -307,137 +433,58 @@ def main(args: Args) -> dict:
     model.train()
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.ref_coef > 0 else None
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+
     run_dir = Path(args.out_dir) / args.exp_name
-    eval_rng = np.random.default_rng(12345)  # the same held-out prompts in every script
-    eval_sets = {"main": task.sample("test", args.eval_examples, eval_rng)}
-    if hard_task is not None:
-        eval_sets["hard"] = hard_task.sample("test", min(args.eval_examples, 300), eval_rng)
     tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name)
-    timer = common.Timer()
-    t_start, gen_tokens, gen_time, history = time.time(), 0, 0.0, []
-    labelled_prompts = 0
+    timer, t_start = common.Timer(), time.time()
+    gen_tokens, gen_time, history, labelled_prompts = 0, 0.0, [], 0
+    evaluate = lambda m: common.run_eval(m, tok, task, eval_sets, args.max_new_tokens,  # noqa: E731
+                                         hard_task=hard_task)
 
     def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
         tracker.log(metrics, step)
 
-    teacher_eval = run_eval(teacher, tok, task, hard_task, eval_sets, args)
-    log({**run_eval(model, tok, task, hard_task, eval_sets, args),
-         "eval/teacher_acc": teacher_eval["eval/acc"]}, 0)
-    total = args.steps + (args.bridge_warmup + args.grpo_steps if args.schedule == "bridge" else 0)
-    G = args.group_size
+    teacher_eval = evaluate(teacher)
+    log({**evaluate(model), "eval/teacher_acc": teacher_eval["eval/acc"]}, 0)
+    total = total_steps(args)
     for step in tqdm(range(1, total + 1), desc=f"opd[{args.loss},{args.schedule}]", dynamic_ncols=True):
         torch.manual_seed(hash((args.seed, step)) % 2**31)
         rng = np.random.default_rng([args.seed, step])
         stage = stage_of(step, args)
-        if stage == "grpo" and step == args.bridge_warmup + args.steps + 1:
-            for g in opt.param_groups:
-                g["lr"] = args.grpo_lr
-        examples = task.sample("train", args.prompts_per_step, rng)
-        prompts = common.encode_prompts(tok, [e.prompt for e in examples])
-        # which prompts the student rolls out (the rest: the teacher), and the loss on each part
-        if stage == "warmup" or (stage == "opd" and args.loss == "fkl-teacher"):
-            n_student, s_kind, t_kind = 0, None, "fkl-teacher"
-        elif stage == "opd" and args.loss == "gkd":
-            n_student, s_kind, t_kind = round(args.gkd_student_frac * len(prompts)), "gkd", "gkd"
-        elif stage == "opd":
-            n_student = len(prompts) - round(args.mix_teacher_frac * len(prompts))
-            s_kind, t_kind = args.loss, "fkl-teacher"
-        else:
-            n_student, s_kind, t_kind = len(prompts), "grpo", None
         with timer("gen"):
-            ro_s = common.generate(model, tok, prompts[:n_student], G, args.max_new_tokens, args.temperature) \
-                if n_student else None
-            ro_t = common.generate(teacher, tok, prompts[n_student:], G, args.max_new_tokens, args.temperature) \
-                if n_student < len(prompts) else None
-        parts = [(ro, kind) for ro, kind in ((ro_s, s_kind), (ro_t, t_kind)) if ro is not None]
-        n_tokens = sum(int(ro.completion_mask.sum()) for ro, _ in parts)
-        gen_tokens += n_tokens
-        gen_time += timer.totals.get("gen", 0.0)
-
-        stats = {"loss": 0.0, "rkl": 0.0, "fkl": 0.0, "entropy": 0.0, "ref_kl": 0.0}
-        opt.zero_grad(set_to_none=True)
+            parts = rollout(model, tok, task, args, rng, device, teacher, stage)
         with timer("train"):
-            for ro, kind in parts:
-                b = batch_of(ro, device)
-                m = b["completion_mask"].float()
-                s_logp = completion_logprobs(model, **b, temperature=args.temperature)
-                s_tok = s_logp.gather(-1, b["completion_ids"][..., None]).squeeze(-1)
-                with torch.no_grad():
-                    t_logp = completion_logprobs(teacher, **b, temperature=args.temperature)
-                if kind == "grpo":
-                    answers = [e.answer for e in examples for _ in range(G)]
-                    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
-                    adv = group_advantages(rewards, G)
-                    # seq-mean of -A log pi (ratio 1), rescaled to share the token-mean denominator
-                    per_seq = (-(adv[:, None] * s_tok) * m).sum(1) / m.sum(1).clamp(min=1)
-                    tok_loss_sum = per_seq.sum() * n_tokens / len(per_seq)
-                    labelled_prompts += len(examples)
-                else:
-                    tok_loss = token_divergence(kind, s_logp, t_logp, b["completion_ids"], args.gkd_beta)
-                    if ref_model is not None and ro is ro_s:
-                        with torch.no_grad():
-                            ref_tok = completion_logprobs(ref_model, **b, temperature=args.temperature).gather(
-                                -1, b["completion_ids"][..., None]).squeeze(-1)
-                        rk = k3_kl(s_tok, ref_tok)
-                        tok_loss = tok_loss + args.ref_coef * rk
-                        stats["ref_kl"] += common.masked_sum(rk.detach(), m).item() / n_tokens
-                    tok_loss_sum = common.masked_sum(tok_loss, m)
-                loss = tok_loss_sum / n_tokens
-                if not torch.isfinite(loss):
-                    raise SystemExit(f"non-finite loss at step {step}; lower --lr")
-                loss.backward()
-                with torch.no_grad():
-                    stats["loss"] += loss.item()
-                    stats["rkl"] += common.masked_sum(reverse_kl(s_logp, t_logp), m).item() / n_tokens
-                    stats["fkl"] += common.masked_sum(forward_kl(s_logp, t_logp), m).item() / n_tokens
-                    ent = -(s_logp.exp() * s_logp).sum(-1)
-                    stats["entropy"] += common.masked_sum(ent, m).item() / n_tokens
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-            if stage != "grpo":
-                for g in opt.param_groups:
-                    g["lr"] = args.lr * min(1.0, step / max(args.warmup_steps, 1)) * (1 - 0.9 * (step - 1) / total)
-            opt.step()
+            stats = update(model, opt, parts, opd_loss, args, step, teacher, ref_model)
         t = timer.pop()
-        own = ro_s if ro_s is not None else ro_t  # the rollouts of the trained-on policy this step
-        answers = [e.answer for e in examples[:n_student] for _ in range(G)] if ro_s is not None else \
-            [e.answer for e in examples[n_student:] for _ in range(G)]
-        reward = float(np.mean([task.verify(tx, a)[0] for tx, a in zip(own.texts, answers)]))
-        metrics = {
-            "stage": {"warmup": 0, "opd": 1, "grpo": 2}[stage],
-            "rollout/reward": reward, "rollout/source_student": float(ro_s is not None),
-            "rollout/length": own.completion_mask.sum(1).float().mean().item(),
-            "rollout/truncated_frac": float(np.mean([f == "length" for f in own.finish_reasons])),
-            "rollout/repeat_frac": repeat_frac(own.texts),
-            "loss/total": stats["loss"], "kl/reverse": stats["rkl"], "kl/forward": stats["fkl"],
-            "kl/ref": stats["ref_kl"], "loss/entropy": stats["entropy"], "loss/grad_norm": grad_norm,
-            "perf/gen_s": t.get("gen", 0.0), "perf/train_s": t.get("train", 0.0),
-        }
+        gen_tokens, gen_time = gen_tokens + sum(int(p["completion_mask"].sum()) for p in parts), gen_time + t["gen"]
+        labelled_prompts += args.prompts_per_step if stage == "grpo" else 0
+        own = parts[0]  # the rollouts of the policy being trained where it sampled, else the teacher's
+        metrics = {"stage": {"warmup": 0, "opd": 1, "grpo": 2}[stage],
+                   **common.rollout_metrics(own["rewards"], own["completion_mask"], own["finish_reasons"],
+                                            args.group_size, t["gen"]),
+                   "rollout/source_student": float(own["source"] == "student"),
+                   "rollout/repeat_frac": repeat_frac(own["texts"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
+                   **{f"perf/{k}_s": v for k, v in t.items()}}
         if step % args.eval_every == 0 or step == total:
-            metrics.update(run_eval(model, tok, task, hard_task, eval_sets, args))
+            metrics.update(evaluate(model))
         log(metrics, step)
 
-    evals = [h for h in history if "eval/acc" in h]
     train = [h for h in history if "rollout/reward" in h]
     student_rows = [h for h in train if h["rollout/source_student"]] or train
-    summary = {
-        "eval_acc_start": evals[0]["eval/acc"], "eval_acc_end": evals[-1]["eval/acc"],
-        "eval_acc_best": max(h["eval/acc"] for h in evals), "teacher_acc": teacher_eval["eval/acc"],
-        "train_reward_first": train[0]["rollout/reward"], "train_reward_last": train[-1]["rollout/reward"],
-        "gen_tokens": gen_tokens, "tokens_per_s": gen_tokens / max(gen_time, 1e-9), "wall_s": time.time() - t_start,
-        "kl_reverse_end": train[-1]["kl/reverse"], "kl_forward_end": train[-1]["kl/forward"],
-        "truncated_frac_max": max(h["rollout/truncated_frac"] for h in student_rows),
-        "length_mean": float(np.mean([h["rollout/length"] for h in student_rows])),
-        "labelled_prompts": labelled_prompts,
-    }
-    if "eval/acc_hard" in evals[-1]:
-        summary["eval_acc_hard_start"], summary["eval_acc_hard_end"] = evals[0]["eval/acc_hard"], evals[-1]["eval/acc_hard"]
+    summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start),
+               "teacher_acc": teacher_eval["eval/acc"],
+               "kl_reverse_end": train[-1]["kl/reverse"], "kl_forward_end": train[-1]["kl/forward"],
+               "truncated_frac_max": max(h["rollout/truncated_frac"] for h in student_rows),
+               "length_mean": float(np.mean([h["rollout/length"] for h in student_rows])),
+               "labelled_prompts": labelled_prompts}
+    if hard_task is not None:
         summary["teacher_acc_hard"] = teacher_eval["eval/acc_hard"]
-    save_curve(history, run_dir / "curve.png", f"OPD {args.loss}/{args.schedule} on {task.name}", summary["teacher_acc"])
+    common.save_curve(history, run_dir / "curve.png", f"OPD {args.loss}/{args.schedule} on {task.name}",
+                      {"teacher": summary["teacher_acc"]})
     if args.save:
         common.save_checkpoint(run_dir / "checkpoint", model, tok, None, {"step": total})
-    print(f"student held-out greedy accuracy {summary['eval_acc_start']:.3f} -> {summary['eval_acc_end']:.3f} "
-          f"(teacher {summary['teacher_acc']:.3f}) in {summary['wall_s']:.0f}s")
+    print(f"teacher held-out greedy accuracy {summary['teacher_acc']:.3f}")
     return tracker.finish(summary)
 
 

@@ -24,10 +24,20 @@ Per completion token t of rollout i (s = student log-probs at x, q = teacher log
                scratchpad, in columns that really receive one). Error span: the first --error-span tokens
                from the first wrong character.
   grpo         plain on-policy GRPO with the verifier reward (the reference for the table).
+  Each mode's loss and aggregation (token-mean for opsd and pw-opsd, seq-mean for trace and grpo):
+  self_opd_loss.
 
-Logged every step: student entropy and response length on rollouts (TRACE's leakage symptoms), the
-truncated fraction and repetition (StableOPD's collapse signals); held-out accuracy, and out-of-distribution
-accuracy one digit harder, at every evaluation.
+Logged every step: student entropy (loss/entropy) and response length on rollouts (TRACE's leakage
+symptoms), the truncated fraction and repetition (StableOPD's collapse signals); held-out accuracy, and
+out-of-distribution accuracy one digit harder, at every evaluation.
+
+Parent: algos/opd.py; changed: Args, check_args, rollout, teacher_logprobs, lr_at, main.
+
+What changes from OPD: the teacher is the student's own weights, shown x* instead of x: teacher_logprobs scores
+the completions after the privileged prompt that rollout builds next to each rollout (the sampler never sees
+it). The loss_fn fed to opd.py's `update` is self_opd_loss. rollout samples every prompt with the student and
+always rewards it (trace and grpo use A_i; trace also gets its span marks and this step's KL-channel weight);
+lr_at is constant.
 
 Deviations:
 - The privileged teacher is the current weights (not a frozen copy), as in OPSD; no gradient through it.
@@ -47,6 +57,7 @@ Expected: held-out greedy accuracy on 2-digit addition rises from ~36% by 20+ po
 """
 from __future__ import annotations
 
+import math
 import re
 import sys
 import time
@@ -123,6 +134,7 @@ class Args:
 
 
 def check_args(args: Args) -> None:
+    """Fail early, naming the flag, instead of deep inside torch."""
     if args.steps < 1 or args.prompts_per_step < 1 or args.max_new_tokens < 1:
         raise SystemExit("--steps, --prompts-per-step and --max-new-tokens must be positive")
     if args.mode in ("trace", "grpo") and args.group_size < 2:
@@ -151,14 +163,14 @@ def privileged_prompt(ex: common.Example, task, mode: str) -> str:
 
 
 # ---- the idea: per-token weights and losses ----
-def forward_kl(s_logp, t_logp):
-    """KL(pi_t || pi_s) per position over the last axis."""
-    return (t_logp.exp() * (t_logp - s_logp)).sum(-1)
-
-
-def reverse_kl(s_logp, t_logp):
-    """KL(pi_s || pi_t) per position over the last axis."""
+def reverse_kl(s_logp: torch.Tensor, t_logp: torch.Tensor) -> torch.Tensor:
+    """KL(pi_s || pi_t) per position: sum_v p_s (s - q); inputs [..., V] log-probs -> [...]."""
     return (s_logp.exp() * (s_logp - t_logp)).sum(-1)
+
+
+def forward_kl(s_logp: torch.Tensor, t_logp: torch.Tensor) -> torch.Tensor:
+    """KL(pi_t || pi_s) per position: sum_v p_t (q - s)."""
+    return (t_logp.exp() * (t_logp - s_logp)).sum(-1)
 
 
 def clipped_fkl(s_logp, t_logp, clip: float):
@@ -174,9 +186,28 @@ def position_weights(mask: torch.Tensor) -> torch.Tensor:
     return 2 * pos / (length + 1) * mask
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True, eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std_g r + eps); rewards [B] group-major -> advantages [B]."""
     r = rewards.view(-1, group_size)
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
+    adv = r - r.mean(1, keepdim=True)
+    if std_norm:
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, const: int):
+    """This micro-batch's share of the step loss; summing the shares over micro-batches gives J.
+
+    token_loss, mask: [b, C]; n_seqs, n_tokens: counted over the whole optimiser step (all ranks).
+    """
+    per_seq_sum = (token_loss * mask).sum(1)
+    if mode == "seq-mean":
+        return (per_seq_sum / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if mode == "token-mean":
+        return per_seq_sum.sum() / max(n_tokens, 1)
+    if mode == "const":
+        return per_seq_sum.sum() / (n_seqs * const)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
 def receives_carry(a: int, b: int, i: int) -> bool:
@@ -248,7 +279,7 @@ def trace_loss(s_logp, t_logp, s_tok, adv, cmask, key, err, kl_weight: float, er
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0):
-    """Full-vocabulary log-probs at every completion position, [B, C, V]."""
+    """Full-vocabulary log-probs at every completion position, [B, C, V] (the decoder runs once)."""
     ids = torch.cat([prompt_ids, completion_ids], 1)
     mask = torch.cat([prompt_mask, completion_mask], 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
@@ -257,18 +288,33 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     return torch.log_softmax(logits, -1)
 
 
+def self_opd_loss(s_logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """The batch's loss for --mode. s_logp [b, C, V] (with grad); mb holds the teacher's log-probs at x*
+    [b, C, V], the sampled tokens and mask [b, C], and for trace and grpo adv [b] (trace: key, err, kl_weight).
+
+    opsd, pw-opsd: token-mean over the step's n_tokens; trace, grpo: seq-mean (aggregate_loss).
+    Returns (loss, per-token stats).
+    """
+    mask, t_logp = mb["mask"], mb["teacher"]
+    if args.mode in ("opsd", "pw-opsd"):
+        tl = clipped_fkl(s_logp, t_logp, args.kl_clip)
+        if args.mode == "pw-opsd":
+            tl = tl * position_weights(mask)
+        return common.masked_sum(tl, mask) / n_tokens, {}
+    s_tok = s_logp.gather(-1, mb["completion_ids"][..., None]).squeeze(-1)
+    if args.mode == "grpo":
+        return aggregate_loss(-(mb["adv"][:, None] * s_tok), mask, "seq-mean", n_seqs, n_tokens, 0), {}
+    tl = trace_loss(s_logp, t_logp, s_tok, mb["adv"], mask, mb["key"], mb["err"], mb["kl_weight"], args.error_rkl)
+    return aggregate_loss(tl, mask, "seq-mean", n_seqs, n_tokens, 0), {"trace/key_frac": mb["key"],
+                                                                       "trace/err_frac": mb["err"]}
+
+
 def repeat_frac(texts: list[str], n: int = 3) -> float:
+    """Fraction of completions containing some character n-gram at least twice (StableOPD's repetition signal)."""
     def rep(t):
         grams = [t[i:i + n] for i in range(len(t) - n + 1)]
         return len(grams) != len(set(grams))
     return float(np.mean([rep(t) for t in texts])) if texts else 0.0
-
-
-def run_eval(model, tok, task, hard_task, eval_sets, args) -> dict:
-    out = {"eval/acc": common.evaluate(model, tok, task, eval_sets["main"], args.max_new_tokens)["acc"]}
-    if hard_task is not None:
-        out["eval/acc_hard"] = common.evaluate(model, tok, hard_task, eval_sets["hard"], args.max_new_tokens + 2)["acc"]
-    return out
 
 
 @torch.no_grad()
@@ -276,6 +322,92 @@ def privileged_eval(model, tok, task, examples, args) -> float:
     """Greedy accuracy of the teacher view: the same model given the privileged prompt."""
     exs = [common.Example(privileged_prompt(e, task, args.privileged), e.answer, e.solution) for e in examples]
     return common.evaluate(model, tok, task, exs, args.max_new_tokens)["acc"]
+
+
+# ---- rollout and update ----
+def rollout(model, tok, task, args: Args, rng, device, step: int = 1) -> list[dict]:
+    """Sample G completions per prompt from the plain prompt x; reward them (A_i per group for trace, grpo).
+
+    Returns one batch (opd.py's keys) that also carries the teacher's view, x* (privileged_prompt, left-padded;
+    never given to the sampler), and for trace the span marks and this step's KL-channel weight.
+    """
+    examples = task.sample("train", args.prompts_per_step, rng)
+    ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
+                         args.max_new_tokens, args.temperature)
+    rep = [e for e in examples for _ in range(args.group_size)]
+    rewards = torch.tensor([task.verify(t, e.answer)[0] for t, e in zip(ro.texts, rep)], device=device)
+    batch = {k: getattr(ro, k).to(device) for k in
+             ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
+    x_star, x_star_mask = common.left_pad(common.encode_prompts(
+        tok, [privileged_prompt(e, task, args.privileged) for e in rep]), tok.pad_token_id)
+    batch.update(rewards=rewards, finish_reasons=ro.finish_reasons, texts=ro.texts, source="student",
+                 privileged_ids=x_star.to(device), privileged_mask=x_star_mask.to(device))
+    if args.mode in ("trace", "grpo"):
+        batch["adv"] = group_advantages(rewards, args.group_size)
+    if args.mode == "trace":
+        m = batch["completion_mask"].float()
+        key, err = critical_masks(task, rep, ro.texts, rewards.tolist(), m.shape[1])
+        batch.update(key=key.to(device) * m, err=error_mask(err.to(device), args.error_span, m),
+                     kl_weight=kl_channel_weight(step, args))
+    return [batch]
+
+
+def teacher_logprobs(teacher, mb: dict, args: Args) -> torch.Tensor:
+    """The teacher's log-probs [b, C, V]: the same weights, scoring the completions after x* (x*, y_<t)."""
+    return completion_logprobs(teacher, mb["privileged_ids"], mb["privileged_mask"], mb["completion_ids"],
+                               mb["completion_mask"], args.temperature)
+
+
+def lr_at(step: int, args: Args) -> float:
+    """Learning rate of a step: a constant --lr."""
+    return args.lr
+
+
+def optimizer_step(model, opt, args: Args, step: int) -> float:
+    """NaN guard, clip, this step's lr (lr_at), step; returns the norm. One process: no all-reduce."""
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+    if not math.isfinite(grad_norm):
+        raise SystemExit(f"non-finite loss or gradient at step {step}; lower --lr")
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, args)
+    opt.step()
+    return grad_norm
+
+
+def update(model, opt, parts: list[dict], loss_fn, args: Args, step: int, teacher, ref_model=None) -> dict:
+    """One optimiser step on one rollout batch; each part (one sampler's rollouts) is one micro-batch, its
+    loss normalised by counts over the whole step (n_seqs, n_tokens), so the parts add up to J.
+
+    The teacher's forward runs here (teacher_logprobs, no grad): the losses need the full-vocabulary log-probs
+    of the student and of the teacher at every completion position. The sampler-vs-trainer log-prob gap is
+    measured on the student's part (the only forward on the sampler's weights).
+    """
+    n_seqs = sum(len(p["completion_ids"]) for p in parts)
+    n_tokens = sum(int(p["completion_mask"].sum()) for p in parts)
+    stats = {"loss/total": 0.0}
+    opt.zero_grad(set_to_none=True)
+    for part in parts:
+        ids = [part[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+        mask = part["completion_mask"].float()
+        s_logp = completion_logprobs(model, *ids, args.temperature)  # [b, C, V], with grad
+        with torch.no_grad():
+            t_logp = teacher_logprobs(teacher, part, args)
+            ref = None if ref_model is None or part["source"] != "student" else completion_logprobs(
+                ref_model, *ids, args.temperature).gather(-1, part["completion_ids"][..., None]).squeeze(-1)
+        loss, token_stats = loss_fn(s_logp, {**part, "mask": mask, "teacher": t_logp, "ref": ref}, n_seqs,
+                                    n_tokens, args)
+        loss.backward()  # a NaN here reaches the gradient: optimizer_step stops the run
+        stats["loss/total"] += loss.item()
+        with torch.no_grad():
+            token_stats = {**token_stats, "kl/reverse": reverse_kl(s_logp, t_logp),
+                           "kl/forward": forward_kl(s_logp, t_logp), "loss/entropy": -(s_logp.exp() * s_logp).sum(-1)}
+            if part["source"] == "student":
+                s_tok = s_logp.gather(-1, part["completion_ids"][..., None]).squeeze(-1)
+                stats["rollout/logprob_mismatch"] = common.masked_mean((s_tok - part["logprobs"]).abs(), mask).item()
+        for k, v in token_stats.items():
+            stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mask).item() / n_tokens
+    stats["loss/grad_norm"] = optimizer_step(model, opt, args, step)
+    return stats
 
 
 # ---- main ----
@@ -289,107 +421,56 @@ def main(args: Args) -> dict:
         raise SystemExit("--mode trace marks critical spans programmatically: only the arithmetic tasks "
                          "(add, addsteps) have span marks")
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
     model, tok = common.load_model(args.model, device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    run_dir = Path(args.out_dir) / args.exp_name
-    eval_rng = np.random.default_rng(12345)
-    eval_sets = {"main": task.sample("test", args.eval_examples, eval_rng)}
-    if hard_task is not None:
-        eval_sets["hard"] = hard_task.sample("test", min(args.eval_examples, 300), eval_rng)
-    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name)
-    t_start, gen_tokens, gen_time, history = time.time(), 0, 0.0, []
-    timer = common.Timer()
-    G = args.group_size
 
-    def log(metrics, step):
+    run_dir = Path(args.out_dir) / args.exp_name
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name)
+    timer, t_start = common.Timer(), time.time()
+    gen_tokens, gen_time, history = 0, 0.0, []
+    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens,  # noqa: E731
+                                       hard_task=hard_task)
+
+    def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
         tracker.log(metrics, step)
 
     teacher_acc0 = privileged_eval(model, tok, task, eval_sets["main"][:200], args)
-    log({**run_eval(model, tok, task, hard_task, eval_sets, args), "eval/privileged_acc": teacher_acc0}, 0)
+    log({**evaluate(), "eval/privileged_acc": teacher_acc0}, 0)
     for step in tqdm(range(1, args.steps + 1), desc=f"self_opd[{args.mode}]", dynamic_ncols=True):
         torch.manual_seed(hash((args.seed, step)) % 2**31)
         rng = np.random.default_rng([args.seed, step])
-        examples = task.sample("train", args.prompts_per_step, rng)
-        rep = [e for e in examples for _ in range(G)]
         with timer("gen"):
-            ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), G,
-                                 args.max_new_tokens, args.temperature)
-        cm = ro.completion_mask.to(device)
-        m = cm.float()
-        comp = ro.completion_ids.to(device)
-        gen_tokens += int(m.sum())
-        gen_time += timer.totals.get("gen", 0.0)
-        rewards = torch.tensor([task.verify(t, e.answer)[0] for t, e in zip(ro.texts, rep)], device=device)
+            parts = rollout(model, tok, task, args, rng, device, step)
         with timer("train"):
-            # the student's forward pass sees only x (the rollout's own prompt ids)
-            s_logp = completion_logprobs(model, ro.prompt_ids.to(device), ro.prompt_mask.to(device), comp, cm,
-                                         args.temperature)
-            s_tok = s_logp.gather(-1, comp[..., None]).squeeze(-1)
-            with torch.no_grad():  # the teacher: the same weights, prompt x* (x + privileged context)
-                t_ids, t_mask = common.left_pad(common.encode_prompts(
-                    tok, [privileged_prompt(e, task, args.privileged) for e in rep]), tok.pad_token_id)
-                t_logp = completion_logprobs(model, t_ids.to(device), t_mask.to(device), comp, cm, args.temperature)
-            extra = {}
-            if args.mode in ("opsd", "pw-opsd"):
-                tl = clipped_fkl(s_logp, t_logp, args.kl_clip)
-                if args.mode == "pw-opsd":
-                    tl = tl * position_weights(m)
-                loss = common.masked_mean(tl, m)
-            else:
-                adv = group_advantages(rewards, G)
-                if args.mode == "grpo":
-                    loss = ((-(adv[:, None] * s_tok) * m).sum(1) / m.sum(1).clamp(min=1)).mean()
-                else:
-                    key, err0 = critical_masks(task, rep, ro.texts, rewards.tolist(), comp.shape[1])
-                    key, err = key.to(device) * m, error_mask(err0.to(device), args.error_span, m)
-                    lam = kl_channel_weight(step, args)
-                    tl = trace_loss(s_logp, t_logp, s_tok, adv, m, key, err, lam, args.error_rkl)
-                    loss = ((tl * m).sum(1) / m.sum(1).clamp(min=1)).mean()
-                    extra = {"trace/kl_weight": lam, "trace/key_frac": (key.sum() / m.sum()).item(),
-                             "trace/err_frac": (err.sum() / m.sum()).item()}
-            if not torch.isfinite(loss):
-                raise SystemExit(f"non-finite loss at step {step}; lower --lr")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-            opt.step()
+            stats = update(model, opt, parts, self_opd_loss, args, step, model)  # the teacher: the same weights
         t = timer.pop()
-        with torch.no_grad():
-            ent = -(s_logp.exp() * s_logp).sum(-1)
-            metrics = {
-                "rollout/reward": rewards.mean().item(), "rollout/length": m.sum(1).mean().item(),
-                "rollout/truncated_frac": float(np.mean([f == "length" for f in ro.finish_reasons])),
-                "rollout/repeat_frac": repeat_frac(ro.texts),
-                "rollout/entropy": common.masked_mean(ent, m).item(),
-                "kl/forward": common.masked_mean(forward_kl(s_logp, t_logp), m).item(),
-                "loss/total": loss.item(), "loss/grad_norm": grad_norm,
-                "perf/gen_s": t.get("gen", 0.0), "perf/train_s": t.get("train", 0.0), **extra,
-            }
+        b = parts[0]
+        gen_tokens, gen_time = gen_tokens + int(b["completion_mask"].sum()), gen_time + t["gen"]
+        metrics = {**common.rollout_metrics(b["rewards"], b["completion_mask"], b["finish_reasons"], args.group_size,
+                                            t["gen"]),
+                   "rollout/repeat_frac": repeat_frac(b["texts"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
+                   **({"trace/kl_weight": b["kl_weight"]} if args.mode == "trace" else {}),
+                   **{f"perf/{k}_s": v for k, v in t.items()}}
         if step % args.eval_every == 0 or step == args.steps:
-            metrics.update(run_eval(model, tok, task, hard_task, eval_sets, args))
+            metrics.update(evaluate())
         log(metrics, step)
 
-    evals = [h for h in history if "eval/acc" in h]
     train = [h for h in history if "rollout/reward" in h]
-    summary = {
-        "eval_acc_start": evals[0]["eval/acc"], "eval_acc_end": evals[-1]["eval/acc"],
-        "eval_acc_best": max(h["eval/acc"] for h in evals), "privileged_acc_start": teacher_acc0,
-        "privileged_acc_end": privileged_eval(model, tok, task, eval_sets["main"][:200], args),
-        "train_reward_first": train[0]["rollout/reward"], "train_reward_last": train[-1]["rollout/reward"],
-        "gen_tokens": gen_tokens, "tokens_per_s": gen_tokens / max(gen_time, 1e-9), "wall_s": time.time() - t_start,
-        "entropy_first": float(np.mean([h["rollout/entropy"] for h in train[:5]])),
-        "entropy_last": float(np.mean([h["rollout/entropy"] for h in train[-5:]])),
-        "length_first": float(np.mean([h["rollout/length"] for h in train[:5]])),
-        "length_last": float(np.mean([h["rollout/length"] for h in train[-5:]])),
-        "truncated_frac_max": max(h["rollout/truncated_frac"] for h in train),
-    }
-    if "eval/acc_hard" in evals[-1]:
-        summary["eval_acc_hard_start"], summary["eval_acc_hard_end"] = evals[0]["eval/acc_hard"], evals[-1]["eval/acc_hard"]
-    print(f"[{args.mode}] held-out greedy accuracy {summary['eval_acc_start']:.3f} -> {summary['eval_acc_end']:.3f}; "
-          f"privileged view {teacher_acc0:.3f} -> {summary['privileged_acc_end']:.3f}; entropy "
-          f"{summary['entropy_first']:.3f} -> {summary['entropy_last']:.3f} in {summary['wall_s']:.0f}s")
+    summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start),
+               "privileged_acc_start": teacher_acc0,
+               "privileged_acc_end": privileged_eval(model, tok, task, eval_sets["main"][:200], args),
+               "entropy_first": float(np.mean([h["loss/entropy"] for h in train[:5]])),
+               "entropy_last": float(np.mean([h["loss/entropy"] for h in train[-5:]])),
+               "length_first": float(np.mean([h["rollout/length"] for h in train[:5]])),
+               "length_last": float(np.mean([h["rollout/length"] for h in train[-5:]])),
+               "truncated_frac_max": max(h["rollout/truncated_frac"] for h in train)}
+    common.save_curve(history, run_dir / "curve.png", f"self-OPD {args.mode} on {task.name}",
+                      {"teacher (privileged view)": teacher_acc0})
+    print(f"[{args.mode}] privileged view {teacher_acc0:.3f} -> {summary['privileged_acc_end']:.3f}; entropy "
+          f"{summary['entropy_first']:.3f} -> {summary['entropy_last']:.3f}")
     return tracker.finish(summary)
 
 

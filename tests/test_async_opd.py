@@ -33,7 +33,8 @@ def test_identical_teacher_gives_zero_loss_and_gradient(variant):
     tokens = torch.randint(0, 9, (2, 4))
     b_tok = s.detach().gather(-1, tokens[..., None]).squeeze(-1)
     args = ao.Args(variant=variant, cache_k=0, mc_samples=3)
-    loss = ao.token_loss(variant, s, s.detach(), b_tok, tokens, args, torch.Generator().manual_seed(0), s.detach())
+    z = ao.mc_draws(s.detach(), 3, torch.Generator().manual_seed(0))  # rollout-time draws from b = pi_s
+    loss = ao.token_loss(variant, s, s.detach(), b_tok, tokens, args, z, s.detach().gather(-1, z))
     assert loss.abs().max().item() < 1e-6
     (g,) = torch.autograd.grad(loss.sum(), logits)
     assert g.abs().max().item() < 1e-6
