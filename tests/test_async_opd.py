@@ -40,6 +40,14 @@ def test_identical_teacher_gives_zero_loss_and_gradient(variant):
     assert g.abs().max().item() < 1e-6
 
 
+def test_mc_draws_follow_the_behaviour_policy():
+    b = rand_logp(2, 3, 6, seed=10)
+    z = ao.mc_draws(b, 20000, torch.Generator().manual_seed(1))
+    assert z.shape == (2, 3, 20000)
+    freq = torch.nn.functional.one_hot(z, 6).float().mean(-2)
+    assert (freq - b.exp()).abs().max() < 0.02  # ~4 sd of a frequency from 20000 draws
+
+
 def test_stale_and_recomputed_signals_agree_when_fresh():
     logits = torch.randn(3, 7).requires_grad_(True)
     s = torch.log_softmax(logits, -1)

@@ -1,9 +1,12 @@
 """algos/opd.py: divergences against loops, identical-teacher degeneracy, the sampled estimator's
-unbiasedness, the teacher check, the bridge schedule, learning and bad input."""
+unbiasedness, the teacher check, the bridge schedule, the split of prompts between the samplers, the learning
+rate, the GRPO stage's gradient against algos/grpo.py, the step-level normaliser across parts, learning and
+bad input."""
 import math
 from dataclasses import replace
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -85,6 +88,74 @@ def test_teacher_with_another_tokenizer_is_refused():
     with pytest.raises(SystemExit, match="output layer"):
         opd.check_teacher(tok, tok, head(2), head(3), "x")
     opd.check_teacher(tok, tok, head(2), head(2), "x")
+
+
+def test_rollout_plan_splits_prompts_between_samplers():
+    n = 10
+    assert opd.rollout_plan("warmup", n, opd.Args()) == (0, None, "fkl-teacher")
+    assert opd.rollout_plan("opd", n, opd.Args(loss="fkl-teacher")) == (0, None, "fkl-teacher")
+    assert opd.rollout_plan("opd", n, opd.Args(loss="gkd", gkd_student_frac=0.3)) == (3, "gkd", "gkd")
+    assert opd.rollout_plan("opd", n, opd.Args(loss="rkl", mix_teacher_frac=0.2)) == (8, "rkl", "fkl-teacher")
+    assert opd.rollout_plan("opd", n, opd.Args(loss="rkl-sampled")) == (10, "rkl-sampled", "fkl-teacher")
+    assert opd.rollout_plan("grpo", n, opd.Args()) == (10, "grpo", None)
+
+
+def test_lr_schedule():
+    a = opd.Args(schedule="bridge", bridge_warmup=2, steps=4, grpo_steps=2, warmup_steps=4, lr=1.0, grpo_lr=0.5)
+    total = 8
+    for step in range(1, 7):  # warm-up to step 4, then linear decay toward 0.1 at the last step
+        assert opd.lr_at(step, a) == pytest.approx(min(1.0, step / 4) * (1 - 0.9 * (step - 1) / total))
+    assert [opd.lr_at(s, a) for s in (7, 8)] == [0.5, 0.5]  # the GRPO stage: constant --grpo-lr
+    assert opd.lr_at(1, opd.Args(warmup_steps=0, lr=1.0)) == 1.0
+
+
+def test_grpo_stage_has_grpo_gradient():
+    """The bridge's GRPO stage, -A log pi seq-mean, has the gradient of algos/grpo.py's loss at ratio 1."""
+    from algos import grpo
+
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(8, 5, 11, generator=g).requires_grad_(True)
+    tokens = torch.randint(0, 11, (8, 5), generator=g)
+    mask = torch.ones(8, 5)
+    mask[0, 3:] = mask[5, 1:] = 0  # ragged lengths: seq-mean weighs each sequence by 1/|o_i|
+    adv = opd.group_advantages(torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 1]), 4)
+    s_logp = torch.log_softmax(logits, -1)
+    mb = {"completion_ids": tokens, "mask": mask, "kind": "grpo", "adv": adv, "teacher": None, "ref": None}
+    loss, _ = opd.opd_loss(s_logp, mb, 8, int(mask.sum()), opd.Args())
+    (g_opd,) = torch.autograd.grad(loss, logits)
+    logp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    ref, _ = grpo.grpo_loss(logp, {"old": logp.detach(), "adv": adv, "mask": mask, "ref": None}, 8, int(mask.sum()),
+                            grpo.Args())
+    (g_grpo,) = torch.autograd.grad(ref, logits)
+    assert torch.allclose(g_opd, g_grpo, atol=1e-7) and g_opd.abs().max() > 1e-3
+
+
+def test_update_normalises_over_the_whole_step(monkeypatch):
+    """Splitting one batch into parts (micro-batches) leaves the step's gradient unchanged: every part's loss is
+    normalised by the token count of the whole step."""
+    import common
+
+    student, tok = common.load_model("tiny-0.6m")
+    teacher, _ = common.load_model("tiny-5m")
+    task = common.make_task("add")
+    torch.manual_seed(0)
+    prompts = common.encode_prompts(tok, [e.prompt for e in task.sample("train", 6, np.random.default_rng(0))])
+    ro = common.generate(student, tok, prompts, 2, 8)
+    batch = {k: getattr(ro, k) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
+    batch.update(kind="rkl", source="student", adv=None)
+    grads = []
+
+    def keep_gradient(model, *args):  # instead of the optimiser step
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        return 0.0
+
+    monkeypatch.setattr(opd, "optimizer_step", keep_gradient)
+    for cut in (None, 5):  # one part, then the same rows as two parts of different token counts
+        parts = [batch] if cut is None else [{k: v[:cut] if torch.is_tensor(v) else v for k, v in batch.items()},
+                                             {k: v[cut:] if torch.is_tensor(v) else v for k, v in batch.items()}]
+        opd.update(student, torch.optim.SGD(student.parameters(), lr=0.0), parts, opd.opd_loss, opd.Args(), 1, teacher)
+    assert grads[0].abs().max() > 1e-4
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
 
 
 SMALL = opd.Args(steps=40, eval_every=40, eval_examples=300, eval_hard=False, threads=1, out_dir="",
