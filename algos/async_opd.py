@@ -189,16 +189,6 @@ def forward_kl(s_logp: torch.Tensor, t_logp: torch.Tensor) -> torch.Tensor:
     return (t_logp.exp() * (t_logp - s_logp)).sum(-1)
 
 
-def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0):
-    """Full-vocabulary log-probs at every completion position, [B, C, V] (the decoder runs once)."""
-    ids = torch.cat([prompt_ids, completion_ids], 1)
-    mask = torch.cat([prompt_mask, completion_mask], 1)
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
-    logits = model.get_output_embeddings()(hidden[:, prompt_ids.shape[1] - 1:-1]).float() / temperature
-    return torch.log_softmax(logits, -1)
-
-
 # ---- the idea: cache and estimators ----
 def teacher_cache(t_logp: torch.Tensor, k: int, extra_ids: torch.Tensor | None = None) -> dict:
     """What a finite teacher-score cache holds per position: top-k (ids, log-probs) and, for extra_ids
@@ -294,6 +284,16 @@ def cache_bias_variance(s_logits, t_logp, ks=(1, 4, 16, 0), mc=(1, 4), draws: in
         rows.append({"estimator": f"{M}-sample MC", "k": 0, "M": M, "draws": draws, "rel_bias": bias,
                      "rel_var": var, "rel_bias_net": bias - var / max(draws - 1, 1)})
     return rows
+
+
+def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0):
+    """Full-vocabulary log-probs at every completion position, [B, C, V] (the decoder runs once)."""
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    mask = torch.cat([prompt_mask, completion_mask], 1)
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+    logits = model.get_output_embeddings()(hidden[:, prompt_ids.shape[1] - 1:-1]).float() / temperature
+    return torch.log_softmax(logits, -1)
 
 
 def token_loss(variant, s_logp, t_logp, b_tok, tokens, args, z=None, z_behav=None):
