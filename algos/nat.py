@@ -1,0 +1,485 @@
+"""NAT: policy-gradient loss on a random subset of the generated tokens, reweighted to stay unbiased.
+
+Paper: "Not All Tokens Are Needed" (NAT): GRPO's per-token loss is computed on a random subset of each
+completion's tokens; every kept token is weighted by 1 / P(kept) (the Horvitz-Thompson estimator), so the expected
+loss and gradient equal full-token GRPO's. Rollouts, rewards and advantages are unchanged. Claims: matches
+full-token GRPO using as few as 50% of the tokens; random prefix cutting saves 18% peak GPU memory and 29% of the
+forward+backward time of RL training on an 8B model.
+
+Equations (each implemented by the function named on the right; GRPO's own are as in algos/grpo.py):
+  URS (--selector urs)  keep_it ~ Bernoulli(p) on every generated token, pi_it = p          select_tokens
+  RPC (--selector rpc)  keep the prefix t <= K_i of completion i (n_i tokens), with
+                        K_i = floor(n_i U^(1/q - 1) + V), U, V ~ U(0, 1): at q = 1/2 the cut point is uniform on
+                        [0, n_i] and rounded at random; pi_it = P(K_i >= t) =
+                        1 - (t^(b+1) - (t-1)^(b+1)) / ((b+1) n_i^b),  b = q / (1 - q),             rpc_inclusion
+                        so sum_t pi_it = q n_i exactly (q = --keep-prob, the mean kept fraction)
+  HT weight             w_it = keep_it / pi_it  (E[w_it] = 1)                                 select_tokens
+  NAT loss              J_NAT = aggregate_loss(w * l), with grpo's step normaliser (N_seq, |o_i|, sum |o_i|) over
+                        ALL generated tokens, so E_keep[J_NAT] = J_GRPO and E[grad J_NAT] = grad J_GRPO   nat_loss
+  RPC compute           a micro-batch runs forward and backward only up to its longest kept prefix (the model is
+                        causal, so the kept tokens' log-probs do not change); the mini-batch is sorted by kept
+                        length first, so that like prefixes share a micro-batch                   update, kept_columns
+
+Parent: algos/grpo.py; changed: Args, check_args, update, main.
+
+The diff against algos/grpo.py: the two flags, select_tokens / rpc_inclusion / nat_loss / kept_columns /
+nat_summary, and in update the token selection, the sort and truncation for RPC, the HT-weighted stats and the
+timing of the forward and backward. kernel_grpo_loss is gone (the fused loss kernel takes no per-token weights);
+--kernels still uses the fused log-prob kernel.
+
+Deviations from the paper:
+- The RPC cut distribution (K above) is our choice, stated so that pi_t has a closed form and the mean kept fraction
+  is exactly --keep-prob; the paper only fixes pi_t = P(cut >= t). Every position keeps pi_t > 0, so the estimate
+  stays unbiased; a single draw per completion serves all ppo_epochs of a rollout batch.
+- The saving of RPC here comes from truncating padded micro-batches (no sequence packing): it needs
+  --micro-batch-size smaller than the rollout batch, and it is a saving of compute, not of the rollout.
+- The loss/* statistics (entropy, clip fraction) and rollout/logprob_mismatch are HT estimates over the kept
+  tokens (unbiased for grpo's full-token figures; equal to them with --selector full).
+- On CPU peak memory is not measured reliably; nat/positions counts the token positions (prompt + kept prefix
+  columns, per sequence) that go through the forward and backward, which is what activation memory scales with.
+  perf/forward_s and perf/backward_s are wall-clock (no CUDA synchronisation: CPU figures).
+- Everything of GRPO's deviations (algos/grpo.py) applies.
+
+Commands:
+  python algos/nat.py                                           # RPC, 50% of tokens, tiny default, 2-core CPU
+  python algos/nat.py --selector urs --keep-prob 0.5            # URS
+  python algos/nat.py --selector full                           # full-token GRPO (the same loss as grpo.py)
+  python algos/nat.py --micro-batch-size 32                     # RPC with its compute saving
+  python algos/nat.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm --device cuda \
+      --max-new-tokens 512 --prompts-per-step 64 --micro-batch-size 16 --lr 1e-6                 # one GPU
+  accelerate launch --num_processes 4 algos/nat.py --model ... --device cuda         # several GPUs
+Expected: held-out accuracy on 2-digit addition rises as with full-token GRPO at 50% of the tokens (URS and RPC);
+RPC's forward+backward time and token positions fall with micro-batches; see benchmarks/results/nat.md
+(rows in benchmarks/results/nat.csv).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    # bookkeeping
+    exp_name: str = "nat"
+    """name of the run (the output folder is out_dir/exp_name)"""
+    seed: int = 0
+    """random seed: prompts and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
+    track: bool = False
+    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
+    out_dir: str = "runs"
+    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
+    # model and task
+    model: str = "tiny-0.6m"
+    """tiny-0.6m, tiny-5m, smollm2-135m, a Hugging Face id or a local path"""
+    task: str = "add"
+    """add, addsteps, jsonl:PATH (prompt/answer records) or gsm8k"""
+    digits: int = 2
+    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
+    device: str = "auto"
+    """auto (CUDA if present), cpu or cuda"""
+    threads: int = 2
+    """torch CPU threads per process"""
+    # rollout
+    engine: Literal["hf", "vllm"] = "hf"
+    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
+    vllm_gpu_memory: float = 0.3
+    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
+    prompts_per_step: int = 32
+    """distinct prompts per rollout batch (per process)"""
+    group_size: int = 8
+    """completions per prompt (G)"""
+    max_new_tokens: int = 8
+    """generation budget per completion"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer scores with the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    # objective
+    adv_std_norm: bool = True
+    """divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
+    clip_eps_low: float = 0.2
+    """lower clip range: ratio >= 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """upper clip range: ratio <= 1 + eps_high (DAPO's clip-higher uses 0.28)"""
+    kl_coef: float = 0.0
+    """weight of the k3 KL to the frozen initial policy (0 = no reference model)"""
+    loss_agg: Literal["seq-mean", "token-mean", "const"] = "seq-mean"
+    """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
+    agg_const: int = 0
+    """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    selector: Literal["rpc", "urs", "full"] = "rpc"
+    """NAT token selector: rpc (random prefix cutting), urs (uniform random sampling), full (every token: GRPO)"""
+    keep_prob: float = 0.5
+    """urs: each token's keep probability; rpc: the mean kept fraction of a completion (ignored by full)"""
+    # optimisation
+    steps: int = 400
+    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
+    ppo_epochs: int = 1
+    """passes over each rollout batch"""
+    minibatches: int = 1
+    """optimiser steps per pass; the rollout batch is split into this many"""
+    micro_batch_size: int = 256
+    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
+    lr: float = 1e-4
+    """peak learning rate (AdamW); 1e-3 collapses the tiny policy, real LLMs want about 1e-6"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
+    warmup_steps: int = 0
+    """linear warm-up (optimiser steps)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    kernels: bool = False
+    """use the Triton kernels (fused log-prob, fused clipped loss) when a GPU is present"""
+    # eval and checkpoints
+    eval_every: int = 25
+    """rollout batches between held-out evaluations"""
+    eval_examples: int = 500
+    """held-out prompts for greedy accuracy"""
+    pass_k: int = 8
+    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
+    eval_hard: bool = True
+    """also evaluate one digit harder than training (out of distribution)"""
+    save_every: int = 0
+    """rollout batches between checkpoints (0 = only at the end)"""
+    resume: str = ""
+    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
+
+
+def check_args(args: Args) -> None:
+    """Fail early, naming the flag, instead of deep inside torch."""
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size must be at least 2 for a group baseline, got {args.group_size}")
+    if args.prompts_per_step < 1 or args.steps < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--prompts-per-step, --steps and --max-new-tokens must be positive")
+    batch = args.prompts_per_step * args.group_size
+    if batch % args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} must divide the rollout batch "
+                         f"(prompts_per_step * group_size = {batch})")
+    if args.micro_batch_size < 1:
+        raise SystemExit("--micro-batch-size must be positive")
+    if not (0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0):
+        raise SystemExit("clip ranges need 0 <= eps_low < 1 and eps_high >= 0")
+    if args.temperature <= 0:
+        raise SystemExit("--temperature must be > 0 (greedy decoding is used for eval only)")
+    if args.engine == "vllm" and not torch.cuda.is_available():
+        raise SystemExit("--engine vllm needs a CUDA GPU; use --engine hf on CPU")
+    if not 0 < args.keep_prob <= 1:
+        raise SystemExit(f"--keep-prob must be in (0, 1], got {args.keep_prob}")
+
+
+# ---- the idea: advantage, clipped surrogate, KL, aggregation ----
+def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True, eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std_g r + eps); rewards [B] group-major -> advantages [B]."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(1, keepdim=True)
+    if std_norm:
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def clipped_pg_loss(logp, old_logp, adv, eps_low: float, eps_high: float):
+    """Per-token PPO-clip loss -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); logp [B, C], adv [B].
+
+    Returns (loss [B, C], clipped [B, C] as float: where the clipped branch was the active one).
+    """
+    ratio = torch.exp(logp - old_logp)
+    a = adv.unsqueeze(1)
+    unclipped, clipped = ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def k3_kl(logp, ref_logp):
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, const: int):
+    """This micro-batch's share of the step loss; summing the shares over micro-batches gives J.
+
+    token_loss, mask: [b, C]; n_seqs, n_tokens: counted over the whole optimiser step (all ranks).
+    """
+    per_seq_sum = (token_loss * mask).sum(1)
+    if mode == "seq-mean":
+        return (per_seq_sum / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if mode == "token-mean":
+        return per_seq_sum.sum() / max(n_tokens, 1)
+    if mode == "const":
+        return per_seq_sum.sum() / (n_seqs * const)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def agg_const(args: Args) -> int:
+    """The constant k of --loss-agg const (default: the generation budget, as Dr. GRPO)."""
+    return args.agg_const or args.max_new_tokens
+
+
+def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """This micro-batch's share of J: clipped surrogate + kl_coef * k3 KL, aggregated over the step.
+
+    logp [b, C] (with grad); mb holds old, ref (or None), adv [b], mask [b, C]. Returns (loss, per-token stats).
+    """
+    tok_loss, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    stats = {"clipfrac": clipped}
+    if mb["ref"] is not None:
+        kl = k3_kl(logp, mb["ref"])
+        tok_loss, stats["kl"] = tok_loss + args.kl_coef * kl, kl
+    return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
+
+
+# ---- the idea of NAT: a random subset of the tokens, each weighted by 1 / P(kept) ----
+def rpc_inclusion(mask, q: float):
+    """pi_t = P(K >= t) of random prefix cutting, K = floor(n U^(1/q - 1) + V); mask [B, C] (right-padded) -> [B, C].
+
+    With b = q / (1 - q): pi_t = 1 - (t^(b+1) - (t-1)^(b+1)) / ((b+1) n^b) for t = 1..n (0 on padding), all > 0,
+    and sum_t pi_t = q n. q = 1 keeps everything.
+    """
+    if q >= 1:
+        return mask.double()
+    b = q / (1 - q)
+    n = mask.sum(1, keepdim=True).double().clamp(min=1)
+    t = torch.arange(1, mask.shape[1] + 1, dtype=torch.float64, device=mask.device)
+    return (1 - (t ** (b + 1) - (t - 1) ** (b + 1)) / ((b + 1) * n ** b)) * mask
+
+
+def select_tokens(mask, selector: str, keep_prob: float, gen=None):
+    """Horvitz-Thompson weights w = keep / P(keep) [B, C] (0 on dropped tokens and padding), for one random draw."""
+    mask = mask.float()
+    if selector == "full":
+        return mask
+    u = torch.rand(mask.shape if selector == "urs" else (mask.shape[0], 2), generator=gen, device=mask.device)
+    if selector == "urs":
+        return (u < keep_prob).float() * mask / keep_prob
+    if selector != "rpc":
+        raise ValueError(f"unknown selector {selector!r}")
+    n = mask.sum(1)
+    cut = torch.floor(n * u[:, 0] ** (1 / keep_prob - 1) + u[:, 1])  # K: keep positions t = 1..K
+    keep = (torch.arange(mask.shape[1], device=mask.device) < cut[:, None]).float() * mask
+    return (keep / rpc_inclusion(mask, keep_prob).clamp(min=1e-12)).float() * keep
+
+
+def nat_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """grpo_loss with each token's loss weighted by keep / P(keep) (Horvitz-Thompson); the normaliser is grpo's.
+
+    logp [b, L] covers the first L completion positions (L >= the last kept one); old, ref (or None) and ht
+    (the HT weights) are [b, L]; adv [b]; mask [b, C] is the full completion mask, so |o_i|, N_seq and sum |o_i|
+    count every generated token and E_keep[loss] = grpo_loss. Returns (loss, per-token stats [b, L]).
+    """
+    tok_loss, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    stats = {"clipfrac": clipped}
+    if mb["ref"] is not None:
+        kl = k3_kl(logp, mb["ref"])
+        tok_loss, stats["kl"] = tok_loss + args.kl_coef * kl, kl
+    weighted = torch.nn.functional.pad(tok_loss * mb["ht"], (0, mb["mask"].shape[1] - logp.shape[1]))
+    return aggregate_loss(weighted, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
+
+
+def kept_columns(ht) -> int:
+    """The longest kept prefix of a micro-batch (ht [b, C]): later columns carry no loss and, the model being
+    causal, do not change the log-probs before them, so forward and backward can stop there."""
+    cols = (ht > 0).any(0).nonzero()
+    return int(cols.max()) + 1 if len(cols) else 1
+
+
+def nat_summary(history: list[dict]) -> dict:
+    """Per rollout batch: mean kept-token fraction and token positions through forward/backward, median times."""
+    rows = [h for h in history if "nat/kept_frac" in h]
+    return {"kept_frac": float(np.mean([h["nat/kept_frac"] for h in rows])),
+            "positions_per_step": float(np.mean([h["nat/positions"] for h in rows])),
+            "forward_s_per_step": float(np.median([h["perf/forward_s"] for h in rows])),
+            "backward_s_per_step": float(np.median([h["perf/backward_s"] for h in rows]))}
+
+
+# ---- rollout and update ----
+def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
+    """Sample G completions for each of prompts_per_step training prompts; reward them; A_i per group."""
+    examples = task.sample("train", args.prompts_per_step, rng)
+    ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
+                         args.max_new_tokens, args.temperature, args.top_p, engine=engine)
+    answers = [e.answer for e in examples for _ in range(args.group_size)]
+    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
+    batch = {k: getattr(ro, k).to(device) for k in
+             ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
+    batch.update(rewards=rewards, adv=group_advantages(rewards, args.group_size, args.adv_std_norm),
+                 finish_reasons=ro.finish_reasons)
+    return batch
+
+
+def lr_factor(step: int, total: int, args: Args) -> float:
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return 1.0
+    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
+    """All-reduce (sum: the loss used global normalisers), NaN guard, clip, scheduled lr, step; returns the norm."""
+    if accel.num_processes > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad = accel.reduce(p.grad, "sum")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+    if not math.isfinite(grad_norm):  # the same all-reduced value on every rank, so all ranks stop together
+        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
+                         "intact. Lower --lr or check the rewards.")
+    for group in opt.param_groups:
+        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
+    opt.step()
+    return grad_norm
+
+
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+    """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
+
+    pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
+    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged.
+    NAT: one token selection per rollout batch; each micro-batch runs forward and backward over its longest kept
+    prefix only (RPC sorts the mini-batch by kept length, so like prefixes share a micro-batch); stats are HT estimates.
+    """
+    B = batch["completion_ids"].shape[0]
+    micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
+    logprobs_of = lambda m, idx, ent=False, cols=None: common.token_logprobs(  # noqa: E731
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx, :cols],
+        batch["completion_mask"][idx, :cols], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+    ht = select_tokens(batch["completion_mask"], args.selector, args.keep_prob)  # [B, C] keep / P(keep)
+    on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
+    with torch.no_grad():
+        old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
+        ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
+    stats = {"pg": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
+    mismatch = 0.0 if on_policy else common.masked_mean((old - batch["logprobs"]).abs(),
+                                                        batch["completion_mask"].float()).item()
+    n_opt, positions, t_fwd, t_bwd = 0, 0, 0.0, 0.0
+    for _ in range(args.ppo_epochs):
+        for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
+            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
+                                  device=batch["adv"].device)
+            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            opt.zero_grad(set_to_none=True)
+            if args.selector == "rpc":  # longest kept prefixes first: each micro-batch is cut to its own longest
+                mb_idx = mb_idx[(ht[mb_idx] > 0).sum(1).argsort(descending=True, stable=True)]
+            for idx in micro(mb_idx):
+                cols = kept_columns(ht[idx])
+                t0 = time.perf_counter()
+                logp, ent = logprobs_of(model, idx, True, cols)
+                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(), "ht": ht[idx, :cols],
+                      "old": logp.detach() if old is None else old[idx, :cols],
+                      "ref": None if ref is None else ref[idx, :cols]}
+                loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
+                t1 = time.perf_counter()
+                loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
+                t_fwd, t_bwd = t_fwd + t1 - t0, t_bwd + time.perf_counter() - t1
+                positions += len(idx) * (batch["prompt_ids"].shape[1] + cols)
+                stats["pg"] += loss.item()
+                for k, v in {**token_stats, "entropy": ent}.items():
+                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["ht"]).item() / max(n_tokens, 1)
+                if on_policy:  # the only forward on the sampler's weights
+                    mismatch += common.masked_sum((logp.detach() - batch["logprobs"][idx, :cols]).abs(),
+                                                  mb["ht"]).item() / max(n_tokens, 1)
+            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
+            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+            n_opt += 1
+    kept = float((ht > 0).sum() / batch["completion_mask"].sum().clamp(min=1))
+    return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, "rollout/logprob_mismatch": mismatch,
+            "nat/kept_frac": kept, "nat/positions": positions, "perf/forward_s": t_fwd, "perf/backward_s": t_bwd}
+
+
+# ---- main ----
+def main(args: Args) -> dict:
+    check_args(args)
+    from accelerate import Accelerator
+
+    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
+    rank, is_main = accel.process_index, accel.is_main_process
+    torch.set_num_threads(args.threads)
+    common.set_seed(args.seed)
+    task = common.make_task(args.task, args.digits)
+    hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    model, tok = common.load_model(args.model, accel.device)
+    model.train()
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    engine = common.VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
+        if args.engine == "vllm" else None
+    use_kernels = args.kernels and accel.device.type == "cuda"
+    fused_logprob = None
+    if use_kernels:  # Triton: the fused lm_head + log-softmax (the fused loss kernel takes no per-token weights)
+        from kernels.fused_logprob import fused_linear_logprob as fused_logprob
+    loss_fn = nat_loss
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    run_dir = Path(args.out_dir) / args.exp_name
+    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
+    if args.resume and engine is not None:
+        engine.sync_weights(model)
+    start_step, history = state.get("step", 0), state.get("history", [])
+    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
+    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
+    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task, engine)
+
+    def log(metrics: dict, step: int):
+        history.append({"step": step, **metrics})
+        if tracker is not None:
+            tracker.log(metrics, step)
+
+    if start_step == 0 and is_main:
+        log(evaluate(), 0)
+    bar = tqdm(range(start_step + 1, args.steps + 1), desc=f"nat-{args.selector}", dynamic_ncols=True, disable=not is_main,
+               initial=start_step, total=args.steps)
+    for step in bar:
+        # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
+        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
+        rng = np.random.default_rng([args.seed, step, rank])
+        with timer("gen"):
+            batch = rollout(model, tok, task, args, rng, accel.device, engine)
+        with timer("train"):
+            stats = update(model, opt, batch, loss_fn, args, step, accel, ref_model, fused_logprob)
+        if engine is not None:
+            with timer("sync"):
+                engine.sync_weights(model)
+        t = timer.pop()
+        gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
+        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
+                                            args.group_size, t["gen"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
+                   **{f"perf/{k}_s": v for k, v in t.items()}}
+        if is_main and (step % args.eval_every == 0 or step == args.steps):
+            metrics.update(evaluate())
+        log(metrics, step)
+        if is_main:
+            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
+                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
+        if is_main and (args.save_every and step % args.save_every == 0 or step == args.steps):
+            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
+                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
+                                    "gen_tokens": gen_tokens, "gen_time": gen_time})
+    if not is_main:
+        return {}
+    summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start), **nat_summary(history)}
+    common.save_curve(history, run_dir / "curve.png", f"NAT ({args.selector}, p={args.keep_prob}) on {task.name}")
+    return tracker.finish(summary)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,106 @@
+"""NAT at 50% of the tokens (URS and RPC) against full-token GRPO: held-out accuracy and forward/backward cost.
+
+    python benchmarks/nat_table.py                  # 2 seeds x 3 arms (about 90 s each on 2 cores) + the table
+    python benchmarks/nat_table.py --report-only    # rebuilds the table from the CSV
+
+The claims ("Not All Tokens Are Needed"): GRPO's loss on a random 50% of the generated tokens, reweighted by
+1 / P(kept), matches full-token GRPO; random prefix cutting (RPC) saves 18% peak GPU memory and 29% forward+backward
+time on an 8B model. Arms (algos/nat.py, one file, so everything but the selector is the same code):
+  full   --selector full                   every token (the same loss and gradient as algos/grpo.py)
+  urs    --selector urs --keep-prob 0.5    each token kept with probability 1/2
+  rpc    --selector rpc --keep-prob 0.5    a random prefix, half of each completion on average
+The default setting (tiny-0.6m, 2-digit addition, 32 prompts x 8 completions, lr 1e-4), shortened to STEPS rollout
+batches, with --micro-batch-size 32 in every arm (RPC's saving comes from cutting each micro-batch at its longest
+kept prefix, so it needs micro-batches smaller than the rollout batch). Times are medians over the rollout
+batches of one run; the ratio against full is taken per seed, between runs of the same invocation. On CPU peak
+memory is not measured: `positions` is the number of token positions (prompt + completion columns, per sequence)
+through the forward and backward of one rollout batch, what activation memory scales with.
+
+Writes benchmarks/results/nat.csv (rows through benchmarks/_results.py) and nat.md.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
+
+CSV, NAME = "nat.csv", "nat"
+ARMS = {"full": ("full", 1.0), "urs 50%": ("urs", 0.5), "rpc 50%": ("rpc", 0.5)}
+STEPS = 24
+FLAGS = dict(steps=STEPS, eval_every=STEPS, eval_examples=300, pass_k=0, eval_hard=False, micro_batch_size=32)
+
+
+def run(seeds) -> None:
+    from algos import nat
+
+    for seed in seeds:
+        for label, (selector, p) in ARMS.items():
+            args = nat.Args(selector=selector, keep_prob=p, seed=seed, out_dir=f"runs/bench_nat/s{seed}",
+                            exp_name=selector, **FLAGS)
+            s = nat.main(args)
+            cmd = (f"python algos/nat.py --selector {selector} --keep-prob {p} --steps {STEPS} --eval-every {STEPS} "
+                   f"--eval-examples 300 --pass-k 0 --no-eval-hard --micro-batch-size 32 --seed {seed}")
+            append_rows(CSV, "nat", "algos/nat.py", label, seed, s, cmd)
+
+
+def fmt(vals, scale=100.0, digits=1):
+    if not vals:
+        return "-"
+    m = statistics.mean(vals) * scale
+    return f"{m:.{digits}f}" if len(vals) == 1 else f"{m:.{digits}f} ± {statistics.stdev(vals) * scale:.{digits}f}"
+
+
+def report() -> None:
+    by, meta = defaultdict(dict), {}  # config -> seed -> metrics (a later row wins)
+    for r in read_rows(CSV):
+        by[r["config"]].setdefault(r["seed"], {})[r["metric"]] = float(r["value"])
+        meta[r["config"]] = r
+    if not by:
+        raise SystemExit(f"no rows in benchmarks/results/{CSV}; run without --report-only first")
+    lines = ["| arm | kept tokens % | held-out acc start | end | best | fwd+bwd s / step (x full) | "
+             "backward s / step (x full) | positions / step (x full) | seeds |", "|---|---|---|---|---|---|---|---|---|"]
+    full = by.get("full", {})
+    for label in ARMS:
+        runs = by.get(label, {})
+        if not runs:
+            continue
+        get = lambda k: [r[k] for r in runs.values() if k in r]  # noqa: E731
+
+        def ratio(key):
+            return [runs[s][key] / full[s][key] for s in runs if s in full and key in runs[s] and key in full[s]]
+
+        fb = {s: {"fb": r["forward_s_per_step"] + r["backward_s_per_step"]} for s, r in runs.items()}
+        fb_full = {s: r["forward_s_per_step"] + r["backward_s_per_step"] for s, r in full.items()}
+        fb_ratio = [fb[s]["fb"] / fb_full[s] for s in fb if s in fb_full]
+        lines.append(f"| {label} | {fmt(get('kept_frac'))} | {fmt(get('eval_acc_start'))} | {fmt(get('eval_acc_end'))} | "
+                     f"{fmt(get('eval_acc_best'))} | {fmt([v['fb'] for v in fb.values()], 1, 2)} "
+                     f"({fmt(fb_ratio, 1, 2)}) | {fmt(get('backward_s_per_step'), 1, 2)} "
+                     f"({fmt(ratio('backward_s_per_step'), 1, 2)}) | {fmt(get('positions_per_step'), 1, 0)} "
+                     f"({fmt(ratio('positions_per_step'), 1, 2)}) | {len(runs)} |")
+    row = next(iter(meta.values()))
+    lines += ["", f"Mean ± std over seeds. `add` (2-digit addition), tiny-0.6m, {STEPS} rollout batches of 32 prompts x 8 "
+              f"completions, lr 1e-4, micro-batches of 32 in every arm, 300 held-out prompts, greedy. Times: median "
+              f"per rollout batch within a run, the ratio against full per seed (same invocation, one after the other); "
+              f"wall-clock on a shared CPU, so a ratio is the figure to read, not the seconds. Positions: token "
+              f"positions through forward and backward per rollout batch (on CPU peak memory is not measured; "
+              f"activation memory scales with this count). Hardware: {row['hardware']} (shared); {row['versions']}; "
+              f"commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; command: `python benchmarks/nat_table.py`."]
+    (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    a = ap.parse_args()
+    if not a.report_only:
+        run(a.seeds)
+    report()
