@@ -125,11 +125,6 @@ def addition_scratchpad(a: int, b: int) -> str:
     return ";".join(steps) + f";={a + b}"
 
 
-def _held_out_hash(operands) -> bool:
-    """True for about 1 in 10 operand multisets (order does not matter): the held-out split."""
-    return int(hashlib.md5(",".join(map(str, sorted(operands))).encode()).hexdigest(), 16) % 10 == 0
-
-
 class ArithmeticTask:
     """Synthetic verifiable addition with a held-out split.
 
@@ -147,8 +142,9 @@ class ArithmeticTask:
         self.kind, self.digits, self.name = kind, digits, f"{kind}{digits}"
 
     @staticmethod
-    def is_held_out(a: int, b: int) -> bool:
-        return _held_out_hash((a, b))
+    def is_held_out(*operands: int) -> bool:
+        """True for about 1 in 10 operand multisets (order does not matter; SumsTask uses it too)."""
+        return int(hashlib.md5(",".join(map(str, sorted(operands))).encode()).hexdigest(), 16) % 10 == 0
 
     def make(self, a: int, b: int) -> Example:
         sep = "=" if self.kind == "add" else ":"
@@ -181,12 +177,16 @@ class SumsTask:
     operands, 165 for 16 two-digit ones). operands='mix' draws the count per prompt from a truncated Zipf law,
     P(n) ~ (n - 1)^-1.5 on 2..16 (P(2) = 0.48, P(n >= 9) = 0.11): a batch holds a few very long responses.
     Held out: a hash of the sorted operands is 0 mod 10. Reward: 1 for the exact final answer in the format;
-    components 'format' and 'partial' (the fraction of steps whose total equals the running sum of the operands
-    the response wrote; 0 when malformed)."""
+    components 'format' and 'partial': the fraction of the prompt's running totals that the response's steps
+    get right, in order (0 when malformed). For that the answer (the final sum, a str) also carries the totals
+    (`answer.totals`); given a plain string, 'partial' grades against the operands the response wrote."""
+
+    class Answer(str):
+        """A final answer that also carries the reference running totals."""
 
     MIX = np.arange(1, 16) ** -1.5 / (np.arange(1, 16) ** -1.5).sum()  # P(n) for n = 2..16
 
-    def __init__(self, operands: int | str = 4, digits: int = 2):
+    def __init__(self, operands: int | str = 5, digits: int = 2):
         if not (operands == "mix" or isinstance(operands, int) and 2 <= operands <= 16) or not 1 <= digits <= 9:
             raise ValueError(f"sums needs operands in 2..16 or 'mix' and digits in 1..9, got {operands!r}, {digits}")
         self.kind, self.operands, self.digits, self.name = "sums", operands, digits, f"sums{operands}d{digits}"
@@ -194,14 +194,16 @@ class SumsTask:
     def make(self, xs: list[int]) -> Example:
         t = list(itertools.accumulate(xs))
         sol = ";".join(f"{a}+{x}={b}" for a, x, b in zip(t, xs[1:], t[1:])) + f";={t[-1]}"
-        return Example(prompt="+".join(map(str, xs)) + ":", answer=str(t[-1]), solution=sol)
+        answer = SumsTask.Answer(t[-1])
+        answer.totals = t[1:]
+        return Example(prompt="+".join(map(str, xs)) + ":", answer=answer, solution=sol)
 
     def sample(self, split: str, n: int, rng: np.random.Generator) -> list[Example]:
         out = []
         while len(out) < n:
             k = int(rng.choice(np.arange(2, 17), p=self.MIX)) if self.operands == "mix" else self.operands
             xs = [int(x) for x in rng.integers(0, 10 ** self.digits, size=k)]
-            if _held_out_hash(xs) == (split == "test"):
+            if ArithmeticTask.is_held_out(*xs) == (split == "test"):
                 out.append(self.make(xs))
         return out
 
@@ -209,8 +211,9 @@ class SumsTask:
         r = response.strip()
         fmt = re.fullmatch(r"(\d+\+\d+=\d+;)+=\d+", r) is not None
         steps = [tuple(map(int, m)) for m in re.findall(r"(\d+)\+(\d+)=(\d+);", r)] if fmt else []
-        sums = list(itertools.accumulate([steps[0][0]] + [x for _, x, _ in steps]))[1:] if steps else []
-        partial = np.mean([t == s for (_, _, t), s in zip(steps, sums)]) if steps else 0.0
+        own = list(itertools.accumulate([steps[0][0]] + [x for _, x, _ in steps]))[1:] if steps else []
+        ref = getattr(answer, "totals", own)  # the prompt's running totals (missing steps count as wrong)
+        partial = sum(t == s for (_, _, t), s in zip(steps, ref)) / max(1, len(ref)) if fmt else 0.0
         correct = fmt and r.rsplit("=", 1)[-1] == answer
         return float(correct), {"format": float(fmt), "partial": float(partial), "correct": float(correct)}
 
@@ -236,8 +239,7 @@ class DatasetTask:
 
 
 def load_jsonl_task(path: str, test_frac: float = 0.1) -> DatasetTask:
-    """One JSON object per line with 'prompt', 'answer' (and optionally 'solution'); blank lines are skipped.
-    The first `test_frac` of the records are held out. Errors name the file and the line."""
+    """Lines of JSON with 'prompt', 'answer' (optional 'solution'); the first `test_frac` of them held out."""
     if not Path(path).is_file():
         raise SystemExit(f"--task jsonl:{path}: no such file")
     rows = []
@@ -249,8 +251,7 @@ def load_jsonl_task(path: str, test_frac: float = 0.1) -> DatasetTask:
         except json.JSONDecodeError as e:
             raise SystemExit(f"--task jsonl:{path}: line {i} is not valid JSON ({e.msg})")
         if not isinstance(r, dict) or {"prompt", "answer"} - set(r):
-            raise SystemExit(f"--task jsonl:{path}: line {i} needs fields 'prompt' and 'answer' (found "
-                             f"{sorted(r) if isinstance(r, dict) else type(r).__name__})")
+            raise SystemExit(f"--task jsonl:{path}: line {i} needs fields 'prompt' and 'answer' (found {line[:80]!r})")
         rows.append(Example(str(r["prompt"]), str(r["answer"]), str(r.get("solution") or "")))
     if len(rows) < 2:
         raise SystemExit(f"--task jsonl:{path}: need at least 2 records, found {len(rows)}")
@@ -271,12 +272,12 @@ def load_gsm8k() -> DatasetTask:
 
 
 def make_task(name: str, digits: int = 2):
-    """'add', 'addsteps', 'sums<N>' (N operands, 2..16), 'sumsmix' (heavy-tailed N), 'sums' (= sums4), 'jsonl:PATH'
-    or 'gsm8k'. `digits` only applies to the arithmetic tasks."""
+    """'add', 'addsteps', 'sums<N>' (N operands, 2..16), 'sumsmix' (heavy-tailed N), 'sums' (= sums5), 'jsonl:PATH'
+    or 'gsm8k'. `digits` only applies to the arithmetic tasks (tiny-sums is made for 'sums' with digits=1)."""
     if name in ("add", "addsteps"):
         return ArithmeticTask(name, digits)
     if re.fullmatch(r"sums(\d+|mix)?", name):
-        ops = name[4:] or "4"
+        ops = name[4:] or "5"
         return SumsTask(ops if ops == "mix" else int(ops), digits)
     if name.startswith("jsonl:"):
         return load_jsonl_task(name[len("jsonl:"):])
@@ -403,8 +404,7 @@ def generate(model, tok, prompts: list[list[int]], group_size: int = 1, max_new_
     device = next(model.parameters()).device
     ids, mask = left_pad([p for p in prompts for _ in range(group_size)], tok.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
-    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p,
-                                                         top_k=0)
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     # only what we set: generate() would fill unset fields (repetition_penalty...) from the model's own config
     gc = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                           return_dict_in_generate=True, output_scores=True, **sampling)

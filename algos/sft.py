@@ -1,5 +1,7 @@
 """Supervised fine-tuning (SFT): the baseline every RL script starts from, and the maker of the tiny models.
 
+Parent: none.
+
 Method: maximum likelihood on (prompt, response) pairs with the prompt masked out of the loss,
 
     L(theta) = - (1 / sum_i |y_i|) * sum_i sum_t log pi_theta(y_{i,t} | x_i, y_{i,<t})      (sft_loss)
@@ -19,6 +21,7 @@ Commands:
     python algos/sft.py                     # the SFT baseline: tiny-0.6m, 200 more steps on add (about 1 min)
     python algos/sft.py --model new-small --tasks add addsteps --steps 1500 --save-to algos/models/tiny-0.6m
     python algos/sft.py --model smollm2-135m --tasks jsonl:data.jsonl --device cuda    # a real model
+    python algos/sft.py --model new-small --tasks sums5 sums2 sums3 sums4 sums6 --digits 1 ...  # tiny-sums, see card
 Expected: the shipped models' accuracies are in their model cards (algos/models/*/README.md);
 benchmarks/results/grpo.md holds 3-seed runs of the default command next to GRPO.
 """
@@ -59,7 +62,7 @@ class Args:
     model: str = "tiny-0.6m"
     """tiny-*, new-small, new-large, smollm2-135m, a Hugging Face id or a local path"""
     tasks: list[str] = field(default_factory=lambda: ["add"])
-    """tasks to train on, mixed uniformly: add, addsteps, jsonl:PATH, gsm8k"""
+    """tasks to train on, mixed uniformly: add, addsteps, sums<N> (N operands), sumsmix, jsonl:PATH, gsm8k"""
     digits: int = 2
     """operand digits of the arithmetic tasks"""
     device: str = "auto"
@@ -77,11 +80,14 @@ class Args:
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_new_tokens: int = 40
-    """generation budget at eval time"""
+    """generation budget at eval time (long tasks need more: a sums<N> response has about
+    (N - 1) * (3 * digits + 5) + digits characters)"""
     eval_every: int = 50
     """steps between held-out evaluations"""
     eval_examples: int = 300
     """held-out prompts per task per evaluation"""
+    pass_k: int = 0
+    """if > 0, the final evaluation also reports pass@k (k samples at temperature 1) on each task"""
     save_to: str = ""
     """if set, save the final model there in HF format (how the shipped tiny models were made)"""
     stop_at_acc: float = 0.0
@@ -136,9 +142,12 @@ def lr_at(step: int, args: Args) -> float:
 
 
 # ---- eval ----
-def eval_all(model, tok, tasks, eval_sets, args) -> dict:
-    return {f"eval/{t.name}_acc": common.evaluate(model, tok, t, eval_sets[t.name], args.max_new_tokens)["acc"]
-            for t in tasks}
+def eval_all(model, tok, tasks, eval_sets, args, pass_k: int = 0) -> dict:
+    out = {}
+    for t in tasks:
+        res = common.evaluate(model, tok, t, eval_sets[t.name], args.max_new_tokens, pass_k=pass_k)
+        out.update({f"eval/{t.name}_{k}": v for k, v in res.items()})  # acc (greedy) and pass@k
+    return out
 
 
 # ---- main ----
@@ -186,6 +195,8 @@ def main(args: Args) -> dict:
             print(f"stopping at step {step}: {tasks[0].name} held-out accuracy reached {args.stop_at_acc}")
             break
     end = history[-1][1]
+    if args.pass_k:  # greedy again (same numbers) plus pass@k, once, on the final model
+        end = {**end, **eval_all(model, tok, tasks, eval_sets, args, args.pass_k)}
     main_key = f"eval/{tasks[0].name}_acc"
     summary = {"eval_acc_start": start[main_key], "eval_acc_end": end[main_key],
                "eval_acc_best": max(h[main_key] for _, h in history), "n_params": n_params,

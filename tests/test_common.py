@@ -107,10 +107,14 @@ def test_sums_verifier_hand_made_cases():
     cases = {ex.solution: (1, 1, 1), "17+5=22;22+30=53;=53": (0, 1, 0.5),  # wrong intermediate total
              "17+5=23;23+30=52;=52": (1, 1, 0.5),  # a correct answer after a wrong step: exact-answer reward
              "17+5=23;23+30=53;=53": (0, 1, 0.0),  # an early error carries: later totals are off too
+             "17+5=22;22+31=53;=53": (0, 1, 0.5),  # a miscopied operand: graded against the prompt's totals
+             "17+35=52;=52": (1, 1, 0.0),  # a skipped step: the prompt's totals are not there in order
              "17+5=2222+30=52;=52": (0, 0, 0.0), "17+5=22;22+30=52;": (0, 0, 0.0), "=52": (0, 0, 0.0), "": (0, 0, 0)}
     for response, (reward, fmt, partial) in cases.items():
         r, comp = task.verify(response, ex.answer)
         assert (r, comp["format"], comp["partial"]) == (reward, fmt, partial), response
+    assert isinstance(ex.answer, common.SumsTask.Answer) and ex.answer.totals == [22, 52]
+    assert task.verify("17+5=22;22+31=53;=53", "53")[1]["partial"] == 1.0  # a plain str: the response's own operands
 
 
 def test_sums_length_knob_and_bad_settings():
@@ -120,7 +124,7 @@ def test_sums_length_knob_and_bad_settings():
             promised = (n - 1) * (3 * digits + 5) + digits  # the docstring's formula
             assert abs(np.mean([len(s) for s in sols]) - promised) <= 0.05 * promised, (n, digits)
             assert all(s.count(";") == n - 1 for s in sols)
-    assert common.make_task("sums").name == "sums4d2" and common.make_task("sumsmix", 1).name == "sumsmixd1"
+    assert common.make_task("sums").name == "sums5d2" and common.make_task("sumsmix", 1).name == "sumsmixd1"
     for bad in [("sums1", 2), ("sums17", 2), ("sums4", 0)]:
         with pytest.raises(ValueError, match="operands in 2..16"):
             common.make_task(*bad)
@@ -133,6 +137,7 @@ def test_sums_split_never_shares_a_multiset(operands):
     train = {key(e) for e in task.sample("train", 3000, np.random.default_rng(0))}
     test = {key(e) for e in task.sample("test", 300, np.random.default_rng(1))}
     assert train.isdisjoint(test) and len(test) >= 3
+    assert common.ArithmeticTask.is_held_out(3, 1, 2) == common.ArithmeticTask.is_held_out(2, 3, 1)
 
 
 def test_sums_mix_is_heavy_tailed():
