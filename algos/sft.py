@@ -123,10 +123,25 @@ def sft_loss(logits: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor) -
     return -common.masked_mean(logp, loss_mask[:, 1:])
 
 
+def build_char_tokenizer():
+    """Character-level tokenizer over printable ASCII that AutoTokenizer loads (BOS added on encode)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", unk_token="<unk>", padding_side="left")
+
+
 def new_model(kind: str, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = common.build_char_tokenizer()
+    tok = build_char_tokenizer()
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=128, tie_word_embeddings=True,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,

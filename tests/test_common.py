@@ -162,14 +162,6 @@ def test_gsm8k_offline_is_a_clear_message(monkeypatch):
 
 
 # ---- models and tokenizers ----
-def test_char_tokenizer_roundtrip():
-    tok = common.build_char_tokenizer()
-    ids = tok("12+34=")["input_ids"]
-    assert ids[0] == tok.bos_token_id and len(ids) == 7
-    assert tok.decode(ids, skip_special_tokens=True) == "12+34="
-    assert common.encode_prompts(tok, ["1+1="]) == [tok("1+1=")["input_ids"]]
-
-
 def test_load_tiny_models_and_unknown_name():
     model, tok = common.load_model("tiny-0.6m")
     assert tok.padding_side == "left" and model.config.vocab_size == len(tok)

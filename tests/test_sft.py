@@ -9,8 +9,17 @@ import common
 from algos import sft
 
 
+def test_char_tokenizer_roundtrip():
+    tok = sft.build_char_tokenizer()
+    ids = tok("12+34=")["input_ids"]
+    assert ids[0] == tok.bos_token_id and len(ids) == 7
+    assert tok.decode(ids, skip_special_tokens=True) == "12+34="
+    assert common.encode_prompts(tok, ["1+1="]) == [tok("1+1=")["input_ids"]]
+    assert tok.get_vocab() == common.load_model("tiny-0.6m")[1].get_vocab()  # the shipped models' tokenizer
+
+
 def test_build_batch_masks_prompt_and_keeps_eos():
-    tok = common.build_char_tokenizer()
+    tok = sft.build_char_tokenizer()
     exs = [common.Example("1+2=", "3", "3"), common.Example("10+20:", "30", "0+0=0;1+2=3;=30")]
     ids, attn, loss_mask = sft.build_batch(tok, exs)
     for i, e in enumerate(exs):
