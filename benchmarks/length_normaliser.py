@@ -1,18 +1,20 @@
 """GRPO's loss normaliser: per-trajectory 1/|tau_i| (seq-mean) versus a constant 1/k (const).
 
+    python benchmarks/length_normaliser.py --setting sums --seeds 0 1 2   # on the long-response task
     python benchmarks/length_normaliser.py                 # 2 normalisers x seeds on addsteps (3 digits)
-    python benchmarks/length_normaliser.py --report-only   # rebuilds the table and the plot from the CSV
+    python benchmarks/length_normaliser.py --report-only   # rebuilds the tables and plots from the CSVs
 
 The claim (Bai et al., "AsyncWebRL: Efficient Multi-Step RL for Visual Web Agents", arXiv:2606.05597): when
 failures are longer than successes, 1/|tau_i| gives each failed token a smaller share of the negative gradient,
 so verbose failures persist; a constant 1/k removes that coupling and contracts responses at equal success.
-The test bed is algos/grpo.py on `addsteps` with 3-digit operands (a scratchpad per column) and a generous
-max_new_tokens, so a response can ramble; everything except --loss-agg is identical between the two arms
-(k = max_new_tokens). The script reports the measured length
+Two test beds (--setting), algos/grpo.py with a generous max_new_tokens so a response can ramble:
+`addsteps` with 3-digit operands (a scratchpad per column; tiny-0.6m solves almost none, so few groups carry
+a signal) and `sums`, the long-response task (5 one-digit operands with running totals, tiny-sums solves about
+half). Everything except --loss-agg is identical between the two arms (k = max_new_tokens). The script reports the measured length
 of successes and failures at the start, since the claim's premise (failures longer) has to be checked, not
 assumed.
 
-Writes benchmarks/results/length_normaliser.csv, .md and .png; `python benchmarks/report.py` puts the table into
+Writes benchmarks/results/length_normaliser[_sums].csv, .md and .png; `python benchmarks/report.py` puts the table into
 benchmarks/README.md.
 """
 from __future__ import annotations
@@ -29,8 +31,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
 
-CSV = "length_normaliser.csv"
-NAME = "length_normaliser"
+# setting -> (model, task, digits, results name); addsteps keeps its original file names
+SETTINGS = {"addsteps": ("tiny-0.6m", "addsteps", 3, "length_normaliser"),
+            "sums": ("tiny-sums", "sums", 1, "length_normaliser_sums")}
+CSV, NAME, MODEL, TASK, DIGITS = "length_normaliser.csv", "length_normaliser", "tiny-0.6m", "addsteps", 3
 ARMS = {"1/|tau| (seq-mean)": "seq-mean", "1/k (const)": "const"}
 
 
@@ -42,8 +46,8 @@ def premise(max_new_tokens: int, n: int = 256) -> dict:
     import common
 
     torch.manual_seed(0)
-    model, tok = common.load_model("tiny-0.6m")
-    task = common.make_task("addsteps", 3)
+    model, tok = common.load_model(MODEL)
+    task = common.make_task(TASK, DIGITS)
     ex = task.sample("train", n, np.random.default_rng(0))
     ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in ex]), 1, max_new_tokens)
     r = np.array([task.verify(t, e.answer)[0] for t, e in zip(ro.texts, ex)])
@@ -58,12 +62,13 @@ def run(seeds, steps: int, threads: int, max_new_tokens: int, prompts: int) -> N
 
     base = premise(max_new_tokens)
     print("starting policy:", base)
-    append_rows(CSV, NAME, "algos/grpo.py", "premise", 0, base, "python benchmarks/length_normaliser.py")
+    append_rows(CSV, NAME, "algos/grpo.py", "premise", 0, base,
+                f"python benchmarks/length_normaliser.py --setting {TASK}")
     for seed in seeds:
         for label, agg in ARMS.items():
-            args = grpo.Args(task="addsteps", digits=3, max_new_tokens=max_new_tokens, prompts_per_step=prompts,
+            args = grpo.Args(model=MODEL, task=TASK, digits=DIGITS, max_new_tokens=max_new_tokens, prompts_per_step=prompts,
                              loss_agg=agg, steps=steps, seed=seed, eval_every=max(steps // 4, 1), eval_examples=200,
-                             pass_k=0, eval_hard=False, threads=threads, out_dir=f"runs/bench_length_normaliser/s{seed}",
+                             pass_k=0, eval_hard=False, threads=threads, out_dir=f"runs/bench_{NAME}/s{seed}",
                              exp_name=agg)
             s = grpo.main(args)
             rows = [json.loads(x) for x in open(Path(args.out_dir) / agg / "metrics.jsonl")]
@@ -77,7 +82,7 @@ def run(seeds, steps: int, threads: int, max_new_tokens: int, prompts: int) -> N
             s["len_last"] = statistics.mean(r["rollout/length"] for r in train[-w:])
             s["reward_last_window"] = statistics.mean(r["rollout/reward"] for r in train[-w:])
             s["truncated_last"] = statistics.mean(r["rollout/truncated_frac"] for r in train[-w:])
-            cmd = (f"python algos/grpo.py --task addsteps --digits 3 --max-new-tokens {max_new_tokens} "
+            cmd = (f"python algos/grpo.py --model {MODEL} --task {TASK} --digits {DIGITS} --max-new-tokens {max_new_tokens} "
                    f"--prompts-per-step {prompts} --loss-agg {agg} --steps {steps} --seed {seed} --threads {threads}")
             append_rows(CSV, NAME, "algos/grpo.py", label, seed, s, cmd)
 
@@ -112,15 +117,15 @@ def report() -> None:
         p = next(iter(by["premise"].values()))
         any_row = meta[next(k for k in meta if k != "premise")] if len(meta) > 1 else meta["premise"]
         cmd = any_row["command"]
-        lines += ["", f"Starting policy (`tiny-0.6m`, temperature 1, 256 training prompts): success rate "
+        lines += ["", f"Starting policy (`{MODEL}` on `{TASK}`, {DIGITS}-digit operands, temperature 1, 256 training prompts): success rate "
                   f"{100 * p['start_success_rate']:.1f}%, mean length of successes {p['start_len_success']:.1f} "
                   f"tokens vs failures {p['start_len_failure']:.1f}, truncated {100 * p['start_truncated']:.1f}%. "
                   f"Lengths count response tokens including EOS; 'groups with a reward signal' = groups whose 8 "
                   f"rewards were not all equal (the only ones that give GRPO a gradient). Each arm: `{cmd}` with `--loss-agg seq-mean` or "
                   f"`const` (k = max_new_tokens). Mean ± std over seeds; held-out = 200 prompts, greedy. "
                   f"Hardware: {any_row['hardware']} (shared); commit {any_row['commit']}. Rows: "
-                  f"`benchmarks/results/{CSV}`; command: `python benchmarks/length_normaliser.py`.",
-                  "", "![1/|tau| vs 1/k: length and reward curves](results/length_normaliser.png)"]
+                  f"`benchmarks/results/{CSV}`; command: `python benchmarks/length_normaliser.py --setting {TASK}`.",
+                  "", f"![1/|tau| vs 1/k: length and reward curves](results/{NAME}.png)"]
         signal = [1 - r["zero_var_group_frac"] for lab in ARMS for r in by.get(lab, {}).values()]
         if signal and max(signal) < 0.05:
             lines.insert(len(lines) - 2, f"\nInconclusive: at most {100 * max(signal):.1f}% of groups carried a "
@@ -156,7 +161,7 @@ def plot(by) -> None:
     axes[0].set(xlabel="rollout batch", ylabel="mean response length (tokens)", title="length")
     axes[1].set(xlabel="rollout batch", ylabel="train reward", title="success (sampled)")
     axes[0].legend(fontsize=8)
-    fig.suptitle("addsteps, 3 digits: 1/|tau| vs constant 1/k", fontsize=10)
+    fig.suptitle(f"{TASK}, {DIGITS}-digit operands: 1/|tau| vs constant 1/k", fontsize=10)
     fig.tight_layout()
     fig.savefig(RESULTS / f"{NAME}.png", dpi=110)
     plt.close(fig)
@@ -164,13 +169,17 @@ def plot(by) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--report-only", action="store_true", help="only rebuild the table and the plot from the CSV")
+    ap.add_argument("--report-only", action="store_true", help="only rebuild the tables and plots from the CSVs")
+    ap.add_argument("--setting", choices=sorted(SETTINGS), default="addsteps", help="the test bed (see the header)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--prompts", type=int, default=16, help="prompts per rollout batch (x 8 samples)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    if not a.report_only:
-        run(a.seeds, a.steps, a.threads, a.max_new_tokens, a.prompts)
-    report()
+    for setting in [a.setting] if not a.report_only else [k for k, v in SETTINGS.items() if (RESULTS / f"{v[3]}.csv").exists()]:
+        MODEL, TASK, DIGITS, NAME = SETTINGS[setting]
+        CSV = f"{NAME}.csv"
+        if not a.report_only:
+            run(a.seeds, a.steps, a.threads, a.max_new_tokens, a.prompts)
+        report()
