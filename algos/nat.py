@@ -1,6 +1,6 @@
 """NAT: policy-gradient loss on a random subset of the generated tokens, reweighted to stay unbiased.
 
-Paper: "Not All Tokens Are Needed" (NAT): GRPO's per-token loss is computed on a random subset of each
+Paper: "Not All Tokens Are Needed" (NAT), arXiv:2603.06619: GRPO's per-token loss is computed on a random subset of each
 completion's tokens; every kept token is weighted by 1 / P(kept) (the Horvitz-Thompson estimator), so the expected
 loss and gradient equal full-token GRPO's. Rollouts, rewards and advantages are unchanged. Claims: matches
 full-token GRPO using as few as 50% of the tokens; random prefix cutting saves 18% peak GPU memory and 29% of the
