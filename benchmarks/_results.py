@@ -70,3 +70,17 @@ def read_rows(csv_name: str) -> list[dict]:
         return []
     with open(path) as f:
         return list(csv.DictReader(f))
+
+
+def mean_std(vals, scale: float = 1.0, digits: int = 1, bare_single: bool = True) -> str:
+    """'mean ± std' of vals times scale (sample std, n - 1); '-' for none; one value alone as 'x' (or 'x ± 0.0'
+    when bare_single is False)."""
+    import statistics
+
+    if not vals:
+        return "-"
+    m = statistics.mean(vals) * scale
+    if len(vals) == 1 and bare_single:
+        return f"{m:.{digits}f}"
+    sd = statistics.stdev(vals) * scale if len(vals) > 1 else 0.0
+    return f"{m:.{digits}f} ± {sd:.{digits}f}"

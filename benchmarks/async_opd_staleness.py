@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
 
 CSV = "async_opd.csv"
 VARIANTS = ("fkl", "rkl-stale", "rkl-recompute", "rkl-mc")
@@ -99,10 +99,7 @@ def cache_table(by: dict) -> list[str]:
 
 
 def fmt(vals, scale=100.0):
-    if not vals:
-        return "-"
-    m = statistics.mean(vals) * scale
-    return f"{m:.1f}" if len(vals) == 1 else f"{m:.1f} ± {statistics.stdev(vals) * scale:.1f}"
+    return mean_std(vals, scale)
 
 
 def report() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
 
 CSV = "grpo_family.csv"
 SEEDS = (0, 1, 2)
@@ -92,12 +92,7 @@ def run(seeds, steps: int, threads: int, eval_every: int, methods) -> None:
 
 
 def fmt(vals, pct=True, digits=1):
-    if not vals:
-        return "-"
-    scale = 100 if pct else 1
-    m = statistics.mean(vals) * scale
-    sd = statistics.stdev(vals) * scale if len(vals) > 1 else 0.0
-    return f"{m:.{digits}f} ± {sd:.{digits}f}"
+    return mean_std(vals, 100 if pct else 1, digits, bare_single=False)
 
 
 def collect():

@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
 
 FLIP_CSV, TRAIN_CSV, NAME = "mc_grpo_signflip.csv", "mc_grpo.csv", "mc_grpo"
 GROUPS = (2, 4, 8)
@@ -110,10 +110,7 @@ def collect(csv_name: str):
 
 
 def fmt(vals, scale=100.0, digits=1):
-    if not vals:
-        return "-"
-    m = statistics.mean(vals) * scale
-    return f"{m:.{digits}f}" if len(vals) == 1 else f"{m:.{digits}f} ± {statistics.stdev(vals) * scale:.{digits}f}"
+    return mean_std(vals, scale, digits)
 
 
 def report() -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
 
 CSV, NAME = "nat.csv", "nat"
 ARMS = {"full": ("full", 1.0), "urs 50%": ("urs", 0.5), "rpc 50%": ("rpc", 0.5)}
@@ -51,10 +51,7 @@ def run(seeds) -> None:
 
 
 def fmt(vals, scale=100.0, digits=1):
-    if not vals:
-        return "-"
-    m = statistics.mean(vals) * scale
-    return f"{m:.{digits}f}" if len(vals) == 1 else f"{m:.{digits}f} ± {statistics.stdev(vals) * scale:.{digits}f}"
+    return mean_std(vals, scale, digits)
 
 
 def report() -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
 
 CSV = "opd_bridge.csv"
 NAME = "opd_bridge"
@@ -65,11 +65,7 @@ def run(seeds) -> None:
 
 
 def fmt(vals, scale=100.0, digits=1):
-    if not vals:
-        return "-"
-    m = statistics.mean(vals) * scale
-    sd = statistics.stdev(vals) * scale if len(vals) > 1 else 0.0
-    return f"{m:.{digits}f} ± {sd:.{digits}f}"
+    return mean_std(vals, scale, digits, bare_single=False)
 
 
 def report() -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
 
 CSV = "foundation.csv"
 SEEDS = (0, 1, 2)
@@ -42,12 +42,7 @@ def run(seeds) -> None:
 
 
 def fmt(vals, pct=True):
-    if not vals:
-        return "-"
-    scale = 100 if pct else 1
-    m = statistics.mean(vals) * scale
-    sd = statistics.stdev(vals) * scale if len(vals) > 1 else 0.0
-    return f"{m:.1f} ± {sd:.1f}" if pct else f"{m:.0f} ± {sd:.0f}"
+    return mean_std(vals, 100 if pct else 1, 1 if pct else 0, bare_single=False)
 
 
 def report() -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
 
 CSV = "self_opd.csv"
 # (config name, --mode, overrides): the four modes at the script's defaults, then TRACE and GRPO at the GRPO
@@ -54,10 +54,7 @@ def run(seeds) -> None:
 
 
 def fmt(vals, scale=1.0, nd=1):
-    if not vals:
-        return "-"
-    m = statistics.mean(vals) * scale
-    return f"{m:.{nd}f}" if len(vals) == 1 else f"{m:.{nd}f} ± {statistics.stdev(vals) * scale:.{nd}f}"
+    return mean_std(vals, scale, nd)
 
 
 def report() -> None:

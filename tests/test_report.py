@@ -70,3 +70,10 @@ def test_figure_reads_the_later_of_duplicate_rows(tmp_path, monkeypatch):
     assert (mean, n) == (2.5, 2) and abs(sd - 0.7071) < 1e-3
     with pytest.raises(ValueError):
         report.figure("x.csv#s#missing#m#1")
+
+
+def test_mean_std_formats():
+    from benchmarks._results import mean_std
+
+    assert mean_std([]) == "-" and mean_std([0.5], 100) == "50.0" and mean_std([0.5], 100, bare_single=False) == "50.0 ± 0.0"
+    assert mean_std([1.0, 3.0], digits=2) == "2.00 ± 1.41"  # the sample std (n - 1)
