@@ -113,6 +113,16 @@ def test_grpo_learns(tmp_path):
     assert (tmp_path / "t" / "curve.png").exists() and (tmp_path / "t" / "summary.json").exists()
 
 
+@pytest.mark.slow
+def test_grpo_learns_long_responses(tmp_path):
+    """The long-response task (5 one-digit operands with running totals, ~33 tokens) from tiny-sums."""
+    s = grpo.main(replace(SMALL, model="tiny-sums", task="sums", digits=1, max_new_tokens=48, steps=30, eval_every=30,
+                          out_dir=str(tmp_path)))
+    # stated margin: +5 points of held-out greedy accuracy in 30 rollout batches (measured: about +12)
+    assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.05, s
+    assert s["logprob_mismatch"] < 1e-3
+
+
 def test_resume_is_exact(tmp_path):
     cfg = replace(SMALL, steps=4, eval_every=2, eval_examples=50, ppo_epochs=2, minibatches=2, micro_batch_size=64)
     straight = grpo.main(replace(cfg, out_dir=str(tmp_path / "a")))
