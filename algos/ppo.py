@@ -473,8 +473,6 @@ def main(args: Args) -> dict:
         metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
                                             args.group_size, t["gen"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
                    **{f"perf/{k}_s": v for k, v in t.items()}}
-        if args.group_size == 1:  # no groups: a zero-variance-group fraction means nothing
-            del metrics["rollout/zero_var_group_frac"]
         if is_main and (step % args.eval_every == 0 or step == args.steps):
             metrics.update(evaluate())
         log(metrics, step)
