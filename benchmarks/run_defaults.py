@@ -24,7 +24,7 @@ SCRIPTS = ["grpo", "ppo", "rloo", "dapo", "gspo", "opd", "async_opd", "self_opd"
            "grpo_sums"]
 # runs that are not a script's bare default: name -> (script, its flags); the long-response task with its model
 VARIANTS = {"grpo_sums": ("grpo", ["--model", "tiny-sums", "--task", "sums", "--digits", "1", "--max-new-tokens", "48",
-                                   "--steps", "100", "--exp-name", "grpo_sums"])}
+                                   "--steps", "100"])}
 OFFLINE = ["td3_bc", "iql", "ravl", "driftql"]  # their --out-dir is the run folder itself
 OUT = ROOT / "runs" / "defaults"
 CSV = "defaults.csv"
@@ -38,7 +38,8 @@ def command(name: str) -> list[str]:
 def run(names) -> None:
     for name in names:
         out = OUT / name if name in OFFLINE else OUT
-        subprocess.run([sys.executable, *command(name), "--out-dir", str(out)], cwd=ROOT, check=True)
+        name_flag = ["--exp-name", name] if name in VARIANTS else []  # the run folder, not part of the command
+        subprocess.run([sys.executable, *command(name), *name_flag, "--out-dir", str(out)], cwd=ROOT, check=True)
 
 
 def record(names) -> None:
@@ -46,7 +47,7 @@ def record(names) -> None:
         summary = json.loads((OUT / name / "summary.json").read_text())
         cmd = command(name)
         append_rows(CSV, "defaults", cmd[0], "default" if name not in VARIANTS else name, 0, summary,
-                    "python " + " ".join(c for c in cmd if c not in ("--exp-name", name)))
+                    "python " + " ".join(cmd))
 
 
 def report() -> None:

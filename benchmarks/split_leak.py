@@ -69,8 +69,8 @@ def report() -> None:
         lines.append(f"| `{name}` | {100 * v['acc_all']:.1f}% | {100 * v['frac_seen']:.1f}% ({v['n_seen']:.0f}) | {100 * v['acc_seen']:.1f}% | "
                      f"{100 * v['acc_unseen']:.1f}% ({v['n_unseen']:.0f}) |")
     meta = next(iter(next(iter(latest.values())).values()))
-    lines += ["", f"2-digit `add`, the first {int(float(latest[MODELS[0]]['n_seen']['value']) + float(latest[MODELS[0]]['n_unseen']['value']))} "
-              f"prompts of the fixed held-out set, greedy. Hardware: {meta['hardware']}; commit {meta['commit']}. "
+    lines += ["", f"2-digit `add`, the fixed held-out prompts (the same as every script's), greedy. "
+              f"Hardware: {meta['hardware']}; commit {meta['commit']}. "
               f"Rows: `benchmarks/results/{CSV}`; command: `{meta['command']}`."]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
