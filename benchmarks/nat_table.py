@@ -21,7 +21,6 @@ Writes benchmarks/results/nat.csv (rows through benchmarks/_results.py) and nat.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path

@@ -14,7 +14,6 @@ Rows: benchmarks/results/self_opd.csv; table: benchmarks/results/self_opd.md.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
