@@ -33,7 +33,7 @@ def test_claim_row(row):
             assert row[col] and row[col].strip(), f"empty column {col}"
     assert row["direction"] in report.DIRECTIONS
     assert re.search(r'"[^"]+", arXiv:\d{4}\.\d{4,5}$', row["paper"]), "paper: give its title in quotes and arXiv id"
-    assert row["group"] in {g for g, *_ in report.HEADLINE}, f"unknown group {row['group']!r}"
+    assert row["group"] in report.GROUPS, f"unknown group {row['group']!r}"
     cmd = row["command"].split()
     assert cmd[0] == "python" and (ROOT / cmd[1]).is_file(), f"command runs no script of the repository: {cmd}"
 
