@@ -588,11 +588,12 @@ def _cached(prefix: str, cfg: dict, build, cache_dir=None, verbose: bool = False
             warnings.warn(f"corrupt offline data cache {npz.name} ({e}); regenerating")
     out = build()
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = npz.with_suffix(".tmp.npz")
+    tmp = npz.with_suffix(f".{os.getpid()}.tmp.npz")  # per process: parallel test workers may build one entry
     np.savez(tmp, **{k: v for k, v in out.items() if k != "meta"})
+    meta = {**out.get("meta", {}), "config": cfg, "sha256": _sha256(tmp), "file": npz.name}
     os.replace(tmp, npz)
-    meta = {**out.get("meta", {}), "config": cfg, "sha256": _sha256(npz), "file": npz.name}
-    meta_path.write_text(json.dumps(meta, indent=2))
+    meta_path.with_suffix(f".{os.getpid()}.tmp").write_text(json.dumps(meta, indent=2))
+    os.replace(meta_path.with_suffix(f".{os.getpid()}.tmp"), meta_path)
     out["meta"] = meta
     if verbose:
         print(f"generated {npz}")
