@@ -167,7 +167,7 @@ class Args:
     agg_const: int = 0
     """the constant k of --loss-agg const (0 = max_new_tokens)"""
     # optimisation
-    steps: int = 400
+    steps: int = 150
     """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
     ppo_epochs: int = 1
     """passes over each rollout batch"""
