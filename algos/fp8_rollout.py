@@ -109,8 +109,9 @@ class Args:
     """operand digits of the arithmetic tasks (training and the main held-out eval)"""
     device: str = "auto"
     """auto (CUDA if present), cpu or cuda"""
-    threads: int = 2
-    """torch CPU threads per process"""
+    threads: int = 1
+    """torch CPU threads per process (1: the FP8 simulation is many small ops; a second thread on a shared 2-core
+    machine slowed a rollout batch about tenfold)"""
     # rollout
     engine: Literal["hf", "vllm"] = "hf"
     """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
@@ -621,7 +622,7 @@ def mismatch_metrics(model, batch: dict, engine: FP8Engine, args: Args) -> dict:
 def first_divergence(model, tok, batch: dict, args: Args, rows: int) -> dict:
     """Re-decode the first `rows` rollouts with pi_train from the rollout's Gumbel noise: where do they first differ?
 
-    Returns the mean first-divergence position (the full length when identical) and the fraction that diverge."""
+    Returns the fraction that diverge and, over those, the mean position of the first differing token."""
     if batch.get("noise") is None or rows <= 0:
         return {}
     idx = torch.arange(min(rows, batch["completion_ids"].shape[0]))
@@ -631,9 +632,11 @@ def first_divergence(model, tok, batch: dict, args: Args, rows: int) -> dict:
     C = max(a.shape[1], b.shape[1])
     pad = lambda x: torch.nn.functional.pad(x, (0, C - x.shape[1]), value=tok.pad_token_id)  # noqa: E731
     differ = pad(a) != pad(b)
-    first = torch.where(differ.any(1), differ.float().argmax(1), torch.full((len(idx),), C)).float()
-    return {"mismatch/first_divergence": first.mean().item(),
-            "mismatch/diverged_frac": differ.any(1).float().mean().item()}
+    hit = differ.any(1)
+    out = {"mismatch/diverged_frac": hit.float().mean().item()}
+    if hit.any():
+        out["mismatch/first_divergence"] = differ[hit].float().argmax(1).float().mean().item()
+    return out
 
 
 # ---- rollout and update ----
