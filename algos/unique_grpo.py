@@ -1,0 +1,559 @@
+"""Uniqueness-aware GRPO: each rollout's advantage reweighted inversely with the size of its strategy cluster.
+
+Paper: Hu et al., "Rewarding the Rare: Uniqueness-Aware RL for Creative Problem Solving in LLMs",
+arXiv:2601.08763. RL post-training tends to concentrate the policy on a few dominant solution strategies: pass@1
+rises while pass@k stalls. The paper has an LLM judge cluster the rollouts of one problem by high-level strategy
+(ignoring surface variation) and reweights each rollout's advantage inversely with its cluster's size, so a
+correct rollout with a rare strategy gets more credit than one of many redundant ones. Reported: better pass@k
+and area under the pass@k curve (AUC@K) without losing pass@1, and more distinct strategies.
+
+Parent: algos/grpo.py; changed: Args, check_args, rollout, main.
+
+Equations (each implemented by the function named on the right):
+  strategy label    s_i = the sorted multiset of the operators (+ - * /) in response i          strategy_label
+                    (the stand-in for the paper's LLM judge: on the reach task below this is exactly the
+                    high-level strategy, e.g. "add two numbers" or "add two, subtract one"; which numbers and
+                    in which order are surface variation)
+  cluster size      m_i = #{j in i's group: A_j > 0 and s_j = s_i}, over the rollouts pushed up   uniqueness_weights
+  weight            w_i = m_i^-alpha / mean_{j: A_j > 0} m_j^-alpha for A_i > 0 (mean 1), else w_i = 1
+  advantage         A'_i = w_i * A_i, A_i grpo.py's group advantage                       uniqueness_advantages
+                    one cluster per rollout, or all rollouts in one cluster: w = 1, exactly GRPO
+  pass@k            1 - C(n - c, k) / C(n, k) from n samples of which c are correct (unbiased)         pass_at_k
+  AUC@K             mean of pass@k over k = 1..K; distinct strategies: the number of different s_i
+                    among a prompt's correct samples, averaged over prompts                       diversity_eval
+  clipped surrogate, k3 KL and --loss-agg aggregation: grpo.py's (grpo_loss or kernel_grpo_loss)
+
+The task (--task reach, class ReachTask): reach a target with + and - from four one-digit numbers, each used at
+most once, at least two of them: '3,5,8,1>11:' -> '8+3', '3+8', '5+8-3+1' ... (several strategies: '+', '++-',
+'+--' ...). Prompts are kept only when at least two operator multisets reach the target; a prompt is held out
+when a hash of its sorted numbers and target is 0 mod 10. The policy, tiny-reach, is tiny-0.6m fine-tuned by
+algos/sft.py on uniformly drawn valid solutions (algos/models/tiny-reach/README.md).
+
+Deviations from the paper:
+- No LLM judge: strategy_label reads the operator multiset off the response. On reach it is the strategy; on
+  other tasks (--task add, gsm8k ...) it is a crude proxy (an answer with no operator is one cluster, = GRPO).
+- The weights are normalised to mean 1 over a group's positive-advantage rollouts and only those are reweighted
+  (the paper's normalisation and sign handling are not in the abstract): a correct rare strategy gains what a
+  redundant one loses, failures keep GRPO's push down, and with 0/1 rewards the advantages still sum to 0.
+- alpha (--uniqueness-power, default 1) is our choice; malformed answers form one cluster of their own.
+- grpo.py's other deviations hold (KL off by default, sample std, pi_old handling, accelerate all-reduce).
+
+Commands:
+  python algos/unique_grpo.py                                   # tiny default: reach with tiny-reach, 2-core CPU
+  python algos/unique_grpo.py --uniqueness-power 0              # plain GRPO with the same flags (w = 1)
+  python algos/unique_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm --device cuda \
+      --max-new-tokens 512 --prompts-per-step 64 --lr 1e-6      # one GPU (operator-multiset clusters: a proxy)
+  accelerate launch --num_processes 4 algos/unique_grpo.py --model ... --device cuda        # several GPUs
+Expected: EXPECTED
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import itertools
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    # bookkeeping
+    exp_name: str = "unique_grpo"
+    """name of the run (the output folder is out_dir/exp_name)"""
+    seed: int = 0
+    """random seed: prompts and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
+    track: bool = False
+    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
+    out_dir: str = "runs"
+    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
+    # model and task
+    model: str = "tiny-reach"
+    """tiny-reach (made for --task reach), tiny-0.6m, smollm2-135m, a Hugging Face id or a local path"""
+    task: str = "reach"
+    """reach (several strategies per prompt), or common's tasks: add, addsteps, sums, jsonl:PATH, gsm8k"""
+    digits: int = 2
+    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
+    device: str = "auto"
+    """auto (CUDA if present), cpu or cuda"""
+    threads: int = 2
+    """torch CPU threads per process"""
+    # rollout
+    engine: Literal["hf", "vllm"] = "hf"
+    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
+    vllm_gpu_memory: float = 0.3
+    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
+    prompts_per_step: int = 32
+    """distinct prompts per rollout batch (per process)"""
+    group_size: int = 8
+    """completions per prompt (G)"""
+    max_new_tokens: int = 8
+    """generation budget per completion"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer scores with the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    # objective
+    adv_std_norm: bool = True
+    """divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
+    clip_eps_low: float = 0.2
+    """lower clip range: ratio >= 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """upper clip range: ratio <= 1 + eps_high (DAPO's clip-higher uses 0.28)"""
+    kl_coef: float = 0.0
+    """weight of the k3 KL to the frozen initial policy (0 = no reference model)"""
+    loss_agg: Literal["seq-mean", "token-mean", "const"] = "seq-mean"
+    """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
+    agg_const: int = 0
+    """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    uniqueness_power: float = 1.0
+    """alpha of the weight m^-alpha on a positive advantage, m its strategy cluster's size (0 = plain GRPO)"""
+    # optimisation
+    steps: int = 150
+    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
+    ppo_epochs: int = 1
+    """passes over each rollout batch"""
+    minibatches: int = 1
+    """optimiser steps per pass; the rollout batch is split into this many"""
+    micro_batch_size: int = 256
+    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
+    lr: float = 1e-4
+    """peak learning rate (AdamW); 1e-3 collapses the tiny policy, real LLMs want about 1e-6"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
+    warmup_steps: int = 0
+    """linear warm-up (optimiser steps)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    kernels: bool = False
+    """use the Triton kernels (fused log-prob, fused clipped loss) when a GPU is present"""
+    # eval and checkpoints
+    eval_every: int = 25
+    """rollout batches between held-out evaluations"""
+    eval_examples: int = 500
+    """held-out prompts for greedy accuracy"""
+    pass_k: int = 8
+    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
+    eval_hard: bool = True
+    """also evaluate one digit harder than training (out of distribution)"""
+    curve_k: int = 16
+    """samples per held-out prompt for the pass@k curve, AUC@K and distinct strategies (0 = off)"""
+    curve_prompts: int = 200
+    """held-out prompts for the pass@k curve (the first of the greedy eval's prompts)"""
+    save_every: int = 0
+    """rollout batches between checkpoints (0 = only at the end)"""
+    resume: str = ""
+    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
+
+
+def check_args(args: Args) -> None:
+    """Fail early, naming the flag, instead of deep inside torch."""
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size must be at least 2 for a group baseline, got {args.group_size}")
+    if args.prompts_per_step < 1 or args.steps < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--prompts-per-step, --steps and --max-new-tokens must be positive")
+    batch = args.prompts_per_step * args.group_size
+    if batch % args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} must divide the rollout batch "
+                         f"(prompts_per_step * group_size = {batch})")
+    if args.micro_batch_size < 1:
+        raise SystemExit("--micro-batch-size must be positive")
+    if not (0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0):
+        raise SystemExit("clip ranges need 0 <= eps_low < 1 and eps_high >= 0")
+    if args.temperature <= 0:
+        raise SystemExit("--temperature must be > 0 (greedy decoding is used for eval only)")
+    if args.engine == "vllm" and not torch.cuda.is_available():
+        raise SystemExit("--engine vllm needs a CUDA GPU; use --engine hf on CPU")
+    if not args.uniqueness_power >= 0:
+        raise SystemExit(f"--uniqueness-power must be >= 0, got {args.uniqueness_power}")
+    if args.curve_k < 0 or args.curve_prompts < 1:
+        raise SystemExit("--curve-k must be >= 0 and --curve-prompts positive")
+
+
+# ---- the task: reach a target from four numbers, with several strategies per prompt ----
+class ReachTask:
+    """'3,5,8,1>11:' -> an expression over 2 to 4 of the numbers (each at most once) with + and - equal to 11.
+
+    Prompts: four numbers uniform in 1..max_value, the target the value of a uniformly drawn expression over them,
+    kept when it is >= 0 and at least `min_strategies` operator multisets reach it. Reward 1 for a well-formed
+    expression over the prompt's numbers with the target's value. Example.answer is the prompt without ':'
+    (verify parses numbers and target from it); Example.solution is one valid expression drawn uniformly.
+    """
+
+    def __init__(self, numbers: int = 4, max_value: int = 9, min_strategies: int = 2):
+        if not 2 <= numbers <= 6 or not 1 <= max_value <= 9:
+            raise ValueError(f"reach needs 2..6 numbers in 1..9, got {numbers}, {max_value}")
+        self.numbers, self.max_value, self.min_strategies = numbers, max_value, min_strategies
+        self.kind, self.name = "reach", f"reach{numbers}"
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def expressions(nums: tuple) -> tuple:
+        """Every (text, value, strategy) over ordered choices of >= 2 of nums with + and - between them."""
+        out = []
+        for k in range(2, len(nums) + 1):
+            for idx in itertools.permutations(range(len(nums)), k):
+                for ops in itertools.product("+-", repeat=k - 1):
+                    value = nums[idx[0]] + sum(nums[i] if o == "+" else -nums[i] for o, i in zip(ops, idx[1:]))
+                    text = str(nums[idx[0]]) + "".join(o + str(nums[i]) for o, i in zip(ops, idx[1:]))
+                    out.append((text, value, "".join(sorted(ops))))
+        return tuple(out)
+
+    def solutions(self, nums: tuple, target: int) -> list[tuple[str, str]]:
+        """(text, strategy) of every valid expression (distinct texts)."""
+        return sorted({(t, s) for t, v, s in self.expressions(tuple(sorted(nums))) if v == target})
+
+    def sample(self, split: str, n: int, rng: np.random.Generator) -> list[common.Example]:
+        out = []
+        while len(out) < n:
+            nums = tuple(int(x) for x in rng.integers(1, self.max_value + 1, size=self.numbers))
+            exprs = self.expressions(tuple(sorted(nums)))
+            target = exprs[int(rng.integers(len(exprs)))][1]
+            if target < 0 or common.ArithmeticTask.is_held_out(*nums, 100 + target) != (split == "test"):
+                continue
+            sols = self.solutions(nums, target)
+            if len({s for _, s in sols}) >= self.min_strategies:
+                prompt = ",".join(map(str, nums)) + f">{target}"
+                out.append(common.Example(prompt + ":", prompt, sols[int(rng.integers(len(sols)))][0]))
+        return out
+
+    def verify(self, response: str, answer: str) -> tuple[float, dict]:
+        nums, target = answer.split(">")
+        r = response.strip()
+        fmt = re.fullmatch(r"\d([+-]\d)+", r) is not None
+        used = [int(c) for c in re.findall(r"\d", r)]
+        allowed = [int(x) for x in nums.split(",")]
+        fits = fmt and all(used.count(x) <= allowed.count(x) for x in set(used))
+        correct = fits and sum(int(t) for t in re.findall(r"[+-]?\d", r)) == int(target)
+        return float(correct), {"format": float(fmt), "correct": float(correct)}
+
+
+def make_task(name: str, digits: int = 2):
+    """reach (this file's ReachTask) or any of common.make_task's tasks."""
+    return ReachTask() if name == "reach" else common.make_task(name, digits)
+
+
+# ---- the idea: strategy clusters and uniqueness weights ----
+def strategy_label(response: str) -> str:
+    """The stand-in for the LLM judge: the sorted multiset of arithmetic operators in the response."""
+    return "".join(sorted(re.findall(r"[-+*/]", response)))
+
+
+def uniqueness_weights(adv: torch.Tensor, labels: list[str], group_size: int, power: float = 1.0):
+    """w_i = m_i^-power / mean over the group's positive-advantage rollouts; w_i = 1 where A_i <= 0.
+
+    adv [B] group-major; labels [B] strategy labels; m_i counts the positive-advantage rollouts of i's group that
+    share i's label. Returns w [B] (float32).
+    """
+    w = torch.ones(len(labels))
+    for g in range(0, len(labels), group_size):
+        pos = [i for i in range(g, g + group_size) if adv[i] > 0]
+        if not pos:
+            continue
+        size = {lab: sum(labels[j] == lab for j in pos) for lab in {labels[i] for i in pos}}
+        raw = torch.tensor([float(size[labels[i]]) ** -power for i in pos])
+        w[pos] = raw / raw.mean()
+    return w.to(adv.device)
+
+
+def uniqueness_advantages(rewards: torch.Tensor, labels: list[str], group_size: int, std_norm: bool = True,
+                          power: float = 1.0):
+    """A'_i = w_i * A_i with A_i grpo.py's group advantage; rewards [B] group-major -> (A' [B], w [B])."""
+    adv = group_advantages(rewards, group_size, std_norm)
+    w = uniqueness_weights(adv, labels, group_size, power)
+    return adv * w, w
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n - c, k) / C(n, k)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@torch.no_grad()
+def diversity_eval(model, tok, task, examples: list, n: int, max_new_tokens: int, temperature: float,
+                   engine=None) -> dict:
+    """n samples per held-out prompt: pass@1 (sampled), pass@n, AUC@n = mean_k pass@k, distinct correct strategies."""
+    was_training = model.training
+    model.eval()
+    ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), n, max_new_tokens,
+                         temperature, engine=engine)
+    model.train(was_training)
+    curve, distinct = np.zeros(n), []
+    for p, e in enumerate(examples):
+        texts = ro.texts[p * n:(p + 1) * n]
+        ok = [task.verify(t, e.answer)[0] > 0 for t in texts]
+        curve += [pass_at_k(n, sum(ok), k) for k in range(1, n + 1)]
+        distinct.append(len({strategy_label(t) for t, c in zip(texts, ok) if c}))
+    curve /= len(examples)
+    return {"eval/pass@1_sampled": curve[0], f"eval/pass@{n}_curve": curve[-1], f"eval/auc@{n}": curve.mean(),
+            "eval/distinct_strategies": float(np.mean(distinct))}
+
+
+# ---- the idea: advantage, clipped surrogate, KL, aggregation ----
+def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True, eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std_g r + eps); rewards [B] group-major -> advantages [B]."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(1, keepdim=True)
+    if std_norm:
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def clipped_pg_loss(logp, old_logp, adv, eps_low: float, eps_high: float):
+    """Per-token PPO-clip loss -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); logp [B, C], adv [B].
+
+    Returns (loss [B, C], clipped [B, C] as float: where the clipped branch was the active one).
+    """
+    ratio = torch.exp(logp - old_logp)
+    a = adv.unsqueeze(1)
+    unclipped, clipped = ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def k3_kl(logp, ref_logp):
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, const: int):
+    """This micro-batch's share of the step loss; summing the shares over micro-batches gives J.
+
+    token_loss, mask: [b, C]; n_seqs, n_tokens: counted over the whole optimiser step (all ranks).
+    """
+    per_seq_sum = (token_loss * mask).sum(1)
+    if mode == "seq-mean":
+        return (per_seq_sum / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if mode == "token-mean":
+        return per_seq_sum.sum() / max(n_tokens, 1)
+    if mode == "const":
+        return per_seq_sum.sum() / (n_seqs * const)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def agg_const(args: Args) -> int:
+    """The constant k of --loss-agg const (default: the generation budget, as Dr. GRPO)."""
+    return args.agg_const or args.max_new_tokens
+
+
+def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """This micro-batch's share of J: clipped surrogate + kl_coef * k3 KL, aggregated over the step.
+
+    logp [b, C] (with grad); mb holds old, ref (or None), adv [b], mask [b, C]. Returns (loss, per-token stats).
+    """
+    tok_loss, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    stats = {"clipfrac": clipped}
+    if mb["ref"] is not None:
+        kl = k3_kl(logp, mb["ref"])
+        tok_loss, stats["kl"] = tok_loss + args.kl_coef * kl, kl
+    return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
+
+
+def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """grpo_loss from the fused Triton kernel (--kernels on a GPU): the same value and gradient.
+
+    The kernel normalises inside the micro-batch (token or sequence mean); rescaling by this micro-batch's
+    share of the step's sequences or tokens gives aggregate_loss's step-level normaliser.
+    """
+    from kernels.clipped_pg_loss import clipped_pg_loss as fused
+
+    mask = mb["mask"]
+    loss, kst = fused(logp, mb["old"], mb["adv"], mask, args.clip_eps_low, args.clip_eps_high, ref_logp=mb["ref"],
+                      beta=args.kl_coef, reduction="seq_mean" if args.loss_agg == "seq-mean" else "token_mean")
+    mb_tokens = float(mask.sum())
+    scale = {"seq-mean": mask.shape[0] / n_seqs, "token-mean": mb_tokens / max(n_tokens, 1),
+             "const": mb_tokens / (n_seqs * agg_const(args))}[args.loss_agg]
+    return loss * scale, {"clipfrac": torch.full_like(mask, float(kst["clip_frac"]))}  # micro-batch mean
+
+
+# ---- rollout and update ----
+def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
+    """G completions per prompt; rewards; strategy labels; GRPO advantages reweighted by cluster uniqueness."""
+    examples = task.sample("train", args.prompts_per_step, rng)
+    ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
+                         args.max_new_tokens, args.temperature, args.top_p, engine=engine)
+    answers = [e.answer for e in examples for _ in range(args.group_size)]
+    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
+    labels = [strategy_label(t) if task.verify(t, a)[1]["format"] else "malformed" for t, a in zip(ro.texts, answers)]
+    adv, w = uniqueness_advantages(rewards, labels, args.group_size, args.adv_std_norm, args.uniqueness_power)
+    batch = {k: getattr(ro, k).to(device) for k in
+             ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
+    distinct = [len({labels[i] for i in range(g, g + args.group_size) if rewards[i] > 0})
+                for g in range(0, len(labels), args.group_size)]
+    batch.update(rewards=rewards, adv=adv, finish_reasons=ro.finish_reasons, weight_max=float(w.max()),
+                 distinct=float(np.mean(distinct)))
+    return batch
+
+
+def lr_factor(step: int, total: int, args: Args) -> float:
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return 1.0
+    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
+    """All-reduce (sum: the loss used global normalisers), NaN guard, clip, scheduled lr, step; returns the norm."""
+    if accel.num_processes > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad = accel.reduce(p.grad, "sum")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+    if not math.isfinite(grad_norm):  # the same all-reduced value on every rank, so all ranks stop together
+        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
+                         "intact. Lower --lr or check the rewards.")
+    for group in opt.param_groups:
+        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
+    opt.step()
+    return grad_norm
+
+
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+    """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
+
+    pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
+    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged.
+    """
+    B = batch["completion_ids"].shape[0]
+    micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
+    logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
+        batch["completion_mask"][idx], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+    on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
+    with torch.no_grad():
+        old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
+        ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
+    stats = {"pg": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
+    mismatch = 0.0 if on_policy else common.masked_mean((old - batch["logprobs"]).abs(),
+                                                        batch["completion_mask"].float()).item()
+    n_opt = 0
+    for _ in range(args.ppo_epochs):
+        for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
+            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
+                                  device=batch["adv"].device)
+            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            opt.zero_grad(set_to_none=True)
+            for idx in micro(mb_idx):
+                logp, ent = logprobs_of(model, idx, True)
+                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
+                      "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx]}
+                loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
+                loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
+                stats["pg"] += loss.item()
+                for k, v in {**token_stats, "entropy": ent}.items():
+                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
+                if on_policy:  # the only forward on the sampler's weights
+                    mismatch += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
+                                                  mb["mask"]).item() / max(n_tokens, 1)
+            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
+            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+            n_opt += 1
+    return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, "rollout/logprob_mismatch": mismatch}
+
+
+# ---- main ----
+def main(args: Args) -> dict:
+    check_args(args)
+    from accelerate import Accelerator
+
+    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
+    rank, is_main = accel.process_index, accel.is_main_process
+    torch.set_num_threads(args.threads)
+    common.set_seed(args.seed)
+    task = make_task(args.task, args.digits)
+    hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    model, tok = common.load_model(args.model, accel.device)
+    model.train()
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    engine = common.VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
+        if args.engine == "vllm" else None
+    use_kernels = args.kernels and accel.device.type == "cuda"
+    fused_logprob = None
+    if use_kernels:  # Triton: the fused lm_head + log-softmax (the loss kernel is in kernel_grpo_loss)
+        from kernels.fused_logprob import fused_linear_logprob as fused_logprob
+    loss_fn = kernel_grpo_loss if use_kernels else grpo_loss
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    run_dir = Path(args.out_dir) / args.exp_name
+    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
+    if args.resume and engine is not None:
+        engine.sync_weights(model)
+    start_step, history = state.get("step", 0), state.get("history", [])
+    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
+    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
+
+    def evaluate():
+        out = common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k, args.temperature,
+                              hard_task, engine)
+        if args.curve_k:  # the pass@k curve and the strategies found: what uniqueness weighting is for
+            out.update(diversity_eval(model, tok, task, eval_sets["main"][:args.curve_prompts], args.curve_k,
+                                      args.max_new_tokens, args.temperature, engine))
+        return out
+
+    def log(metrics: dict, step: int):
+        history.append({"step": step, **metrics})
+        if tracker is not None:
+            tracker.log(metrics, step)
+
+    if start_step == 0 and is_main:
+        log(evaluate(), 0)
+    bar = tqdm(range(start_step + 1, args.steps + 1), desc="unique_grpo", dynamic_ncols=True, disable=not is_main,
+               initial=start_step, total=args.steps)
+    for step in bar:
+        # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
+        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
+        rng = np.random.default_rng([args.seed, step, rank])
+        with timer("gen"):
+            batch = rollout(model, tok, task, args, rng, accel.device, engine)
+        with timer("train"):
+            stats = update(model, opt, batch, loss_fn, args, step, accel, ref_model, fused_logprob)
+        if engine is not None:
+            with timer("sync"):
+                engine.sync_weights(model)
+        t = timer.pop()
+        gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
+        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
+                                            args.group_size, t["gen"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
+                   "rollout/distinct_correct_strategies": batch["distinct"], "rollout/weight_max": batch["weight_max"],
+                   **{f"perf/{k}_s": v for k, v in t.items()}}
+        if is_main and (step % args.eval_every == 0 or step == args.steps):
+            metrics.update(evaluate())
+        log(metrics, step)
+        if is_main:
+            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
+                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
+        if is_main and (args.save_every and step % args.save_every == 0 or step == args.steps):
+            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
+                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
+                                    "gen_tokens": gen_tokens, "gen_time": gen_time})
+    if not is_main:
+        return {}
+    summary = common.summarize(history, gen_tokens, gen_time, time.time() - t_start)
+    method = "GRPO" if args.uniqueness_power == 0 else f"uniqueness-weighted GRPO (alpha={args.uniqueness_power:g})"
+    common.save_curve(history, run_dir / "curve.png", f"{method} on {task.name} ({args.model})")
+    return tracker.finish(summary)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
