@@ -1,0 +1,127 @@
+"""Tree rollouts against independent sampling (GRPO) at equal G and steps on the long-response task.
+
+    python benchmarks/tree_rollout_table.py                          # 3 seeds x (grpo, tree, latr) + the table
+    python benchmarks/tree_rollout_table.py --arms treerl treepo     # the advantage modes
+    python benchmarks/tree_rollout_table.py --report-only            # rebuilds the table from the CSV
+
+All arms run algos/tree_rollout_grpo.py (one file, so everything but the rollout and the advantage is the same code):
+  grpo     --rounds 0 --chains 16                        16 independent completions: grpo.py with G = 16 (a test
+                                                         checks that depth 0 is grpo.py, metric for metric)
+  tree     defaults: 4 chains, 1 round, 1 point x 3 continuations per tree, entropy score, resampled branch token,
+           GRPO's advantage over the 16 leaves (EPTree-shaped trees, TreeRL)
+  latr     --branch-token force --lookahead 4            forced untried candidates + lookahead pruning (LATR)
+  treerl   --adv treerl                                  TreeRL's segment advantages (global + local, / sqrt |L|)
+  treepo   --adv treepo                                  TreePO's ancestor-subgroup advantages, whitened
+Setting: tiny-sums on `sums` (5 one-digit operands with running totals, ~33-token answers), 48-token budget,
+PROMPTS prompts x 16 leaves per step for STEPS steps (fewer than the default's 50 x 16, to fit the CPU budget), lr
+1e-4, held-out greedy accuracy on EVAL_N prompts every EVAL_EVERY steps. Target: the start accuracy + TARGET
+points; steps and sampled tokens to reach it are read from the eval curve (a run that never reaches it is
+counted at STEPS + EVAL_EVERY, a lower bound, and the table says how many runs reached it).
+
+Writes benchmarks/results/tree_rollout.csv (rows through benchmarks/_results.py) and tree_rollout.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
+
+CSV, NAME = "tree_rollout.csv", "tree_rollout"
+PROMPTS, STEPS, EVAL_EVERY, EVAL_N, TARGET = 8, 25, 5, 200, 0.05
+ARMS = {"grpo": dict(rounds=0, chains=16), "tree": {}, "latr": dict(branch_token="force", lookahead=4),
+        "treerl": dict(adv="treerl"), "treepo": dict(adv="treepo")}
+FLAGS = dict(prompts_per_step=PROMPTS, steps=STEPS, eval_every=EVAL_EVERY, eval_examples=EVAL_N, pass_k=0,
+             eval_hard=False, threads=1)
+
+
+def curve_figures(run_dir: Path, start: float) -> dict:
+    """Steps and sampled tokens until held-out accuracy first reaches start + TARGET; per-step medians of times."""
+    rows = [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
+    tokens, out = 0.0, {"reached": 0.0}
+    for r in rows:
+        tokens += r.get("rollout/sampled_tokens", 0)
+        if r["step"] > 0 and r.get("eval/acc", -1) >= start + TARGET - 1e-9:
+            out.update(reached=1.0, steps_to_target=float(r["step"]), tokens_to_target=tokens)
+            break
+    if not out["reached"]:  # censored: a lower bound
+        per_step = tokens / max(1, sum("rollout/sampled_tokens" in r for r in rows))
+        out.update(steps_to_target=float(STEPS + EVAL_EVERY), tokens_to_target=tokens + EVAL_EVERY * per_step)
+    train = [r for r in rows if "perf/gen_s" in r]
+    out["gen_s_per_step"] = statistics.median(r["perf/gen_s"] for r in train)
+    out["train_s_per_step"] = statistics.median(r["perf/train_s"] for r in train)
+    out["sampled_tokens_per_step"] = statistics.mean(r["rollout/sampled_tokens"] for r in train)
+    return out
+
+
+def run(arms, seeds) -> None:
+    from algos import tree_rollout_grpo as tr
+
+    for seed in seeds:
+        for arm in arms:
+            out = Path("runs/bench_tree") / f"s{seed}"
+            s = tr.main(tr.Args(seed=seed, out_dir=str(out), exp_name=arm, **FLAGS, **ARMS[arm]))
+            s.update(curve_figures(out / arm, s["eval_acc_start"]))
+            flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in ARMS[arm].items())
+            cmd = (f"python algos/tree_rollout_grpo.py {flags} --prompts-per-step {PROMPTS} --steps {STEPS} "
+                   f"--eval-every {EVAL_EVERY} --eval-examples {EVAL_N} --pass-k 0 --no-eval-hard --threads 1 "
+                   f"--seed {seed}").replace("  ", " ")
+            append_rows(CSV, "tree_rollout", "algos/tree_rollout_grpo.py", arm, seed, s, cmd)
+
+
+def report() -> None:
+    by, meta = defaultdict(dict), {}  # arm -> seed -> metrics (a later row wins)
+    for r in read_rows(CSV):
+        by[r["config"]].setdefault(r["seed"], {})[r["metric"]] = float(r["value"])
+        meta[r["config"]] = r
+    if not by:
+        raise SystemExit(f"no rows in benchmarks/results/{CSV}; run without --report-only first")
+    base = by.get("grpo", {})
+    lines = [f"| arm | held-out acc start | end | best | steps to +{100 * TARGET:.0f} (reached) | sampled tokens to "
+             f"+{100 * TARGET:.0f} (x grpo) | sampled tokens / step | token-savings | mixed-reward groups | distinct "
+             "answers / group | forced / pruned | seeds |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for arm in ARMS:
+        runs = by.get(arm, {})
+        if not runs:
+            continue
+        get = lambda k: [r[k] for r in runs.values() if k in r]  # noqa: E731
+        ratio = [runs[s]["tokens_to_target"] / base[s]["tokens_to_target"] for s in runs if s in base]
+        lines.append(
+            f"| {arm} | {mean_std(get('eval_acc_start'), 100)} | {mean_std(get('eval_acc_end'), 100)} | "
+            f"{mean_std(get('eval_acc_best'), 100)} | {mean_std(get('steps_to_target'), 1, 1)} "
+            f"({int(sum(get('reached')))}/{len(runs)}) | {mean_std(get('tokens_to_target'), 1e-3, 0)}k "
+            f"({mean_std(ratio, 1, 2)}) | {mean_std(get('sampled_tokens_per_step'), 1, 0)} | "
+            f"{mean_std(get('token_savings'), 1, 2)} | {mean_std(get('mixed_group_frac'), 100)}% | "
+            f"{mean_std(get('distinct_answers'), 1, 2)} | {mean_std(get('forced_frac'), 100, 0)}% / "
+            f"{mean_std(get('pruned_frac'), 100, 0)}% | {len(runs)} |")
+    row = next(iter(meta.values()))
+    lines += ["", f"Mean ± std over seeds; every arm is `algos/tree_rollout_grpo.py` with G = 16 leaves per prompt "
+              f"(grpo: `--rounds 0 --chains 16`, i.e. grpo.py; tree: the defaults, 4 chains + 1 entropy-chosen point x 3 "
+              f"resampled continuations per chain; latr: `--branch-token force --lookahead 4`; treerl / treepo: the "
+              f"tree with `--adv treerl` / `--adv treepo`). tiny-sums on `sums` (5 one-digit operands), {PROMPTS} "
+              f"prompts per step, {STEPS} steps (the default runs 16 x 50), held-out greedy accuracy on {EVAL_N} "
+              f"prompts every {EVAL_EVERY} steps. Target: start + {100 * TARGET:.0f} points; a run that never reaches "
+              f"it counts as {STEPS + EVAL_EVERY} steps (a lower bound). Token-savings: leaf tokens / sampled tokens "
+              f"(what 16 independent completions of the same lengths would sample); sampled tokens include LATR's "
+              f"pruned windows. Hardware: {row['hardware']} (shared); {row['versions']}; commit {row['commit']}. "
+              f"Rows: `benchmarks/results/{CSV}`; command: `python benchmarks/tree_rollout_table.py`."]
+    (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
+    ap.add_argument("--arms", nargs="+", default=["grpo", "tree", "latr"], choices=list(ARMS))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    a = ap.parse_args()
+    if not a.report_only:
+        run(a.arms, a.seeds)
+    report()
