@@ -4,9 +4,10 @@ Papers: Hou et al., "TreeRL: LLM Reinforcement Learning with On-Policy Tree Sear
 M chains, then L rounds that branch N times per tree at the most uncertain tokens with T continuations each; node
 values from the leaves give segment advantages); Li et al., "TreePO: Bridging the Gap of Policy Optimization and
 Efficacy and Inference Efficiency with Heuristic Tree-based Modeling", arXiv:2508.17445 (advantages against the
-means of the ancestor subgroups); "Lookahead Tree-Based Rollouts" (LATR, arXiv:2510.24302: force a different
-candidate token at uncertain steps, simulate a few tokens ahead, prune branches that stay similar; the abstract
-reports 131% faster policy learning and +4.2% final pass@1 over stochastic sampling). Leaves share their prefixes,
+means of the ancestor subgroups); Xing et al., "Lookahead Tree-Based Rollouts for Enhanced Trajectory-Level
+Exploration in Reinforcement Learning with Verifiable Rewards" (LATR), arXiv:2510.24302 (force a different candidate
+token at uncertain steps, simulate a few tokens ahead, prune branches that stay similar; the abstract reports 131%
+faster policy learning and +4.2% final pass@1 over stochastic sampling). Leaves share their prefixes,
 so the tree samples fewer tokens than G independent completions (token-savings), and a node's leaves compare
 continuations of one prefix.
 
