@@ -216,8 +216,40 @@ def report() -> None:
                   f"{TRAIN['diag_every']} batches. FP8 arms: W8A8 + e4m3 KV cache. Wall times are CPU simulation "
                   f"(FP8 is slower here, not faster). {row['hardware']} (shared); commit {row['commit']}. Rows: "
                   f"`benchmarks/results/{CSV}`; command: `python benchmarks/fp8_rollout_table.py`."]
+    if by and tby:
+        lines += ["", verdicts(by, tby)]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def verdicts(by, tby) -> str:
+    """The directions seen here, worded from the figures (mean over seeds; '>' only beyond the larger std)."""
+    def m(cfg, metric, b=by):
+        v = vals(b, cfg, metric)
+        return (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0) if v else (float("nan"), 0.0)
+
+    def order(a, b):  # 'above' / 'below' / 'level with' beyond the noise
+        return "above" if a[0] - b[0] > max(a[1], b[1]) else "below" if b[0] - a[0] > max(a[1], b[1]) else "level with"
+
+    lo, hi = f"sums{OPERANDS[0]}", f"sums{OPERANDS[-1]}"
+    kl = {r: m(f"{r} | {hi}", "exact") for r in ROWS}
+    grow = order(m(f"W8A8 + KV | {hi}", "exact"), m(f"W8A8 + KV | {lo}", "exact"))
+    exps = [e for e in (exponent(by, "W8A8", sd) for sd in by.get(f"W8A8 | {lo}", {})) if e is not None]
+    acc = {a: m(a, "eval_acc_end", tby) for a in ARMS}
+    e = (statistics.mean(exps), statistics.stdev(exps)) if len(exps) > 1 else (float("nan"), 0.0)
+    sqrt_t = "steeper than" if e[0] - 0.5 > e[1] else "shallower than" if 0.5 - e[0] > e[1] else "consistent with"
+    floor = order(kl["bf16"], kl["unified"]) == "above"
+    return (f"Claims in direction: the mixed mismatch per token at {hi} is {order(kl['W8A8 + KV'], kl['W8A8'])} W8A8 "
+            f"alone, which is {order(kl['W8A8'], kl['bf16'])} bf16, which is {order(kl['bf16'], kl['unified'])} "
+            f"unified FP8" + (" (unified sits at the rounding floor, below bf16, not between mixed and bf16)" if floor
+                              else "") +
+            f"; the W8A8 + KV mismatch per token at {hi} is {grow} that at {lo} (Jet-RL: it grows with length); the "
+            f"sequence log-ratio spread of W8A8 grows with exponent {mean_std(exps, 1, 2)} in the length, {sqrt_t} "
+            f"the sqrt(T) of independent per-token errors. Reward "
+            f"curves: after {TRAIN['steps']} batches token-TIS ends {order(acc['FP8, token-TIS'], acc['fp32 rollouts'])} "
+            f"fp32 rollouts, no correction {order(acc['FP8, no correction'], acc['fp32 rollouts'])} them, unified "
+            f"{order(acc['unified FP8'], acc['fp32 rollouts'])} them: no collapse at this scale and length, and too "
+            f"short a run to separate the arms.")
 
 
 def append_rows_once(row: str, seed: str, value: float) -> None:
