@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from worldmodels._envs import (INVERSE, MOVES, N_ACTIONS, NOOP, EnvConfig, GridWorld, agent_cells, collect,
-                               greedy_actions, inverse, random_windows, report_rollouts, windows)
+                               greedy_actions, horizon_errors, inverse, random_windows, report_rollouts, windows)
 
 
 def test_deterministic_per_seed():
@@ -68,6 +68,28 @@ def test_agent_cells_decodes_positions():
     cfg = EnvConfig(map_size=9, cell_px=2)
     env = GridWorld(cfg, 32, seed=2)
     np.testing.assert_array_equal(agent_cells(env.render(), cfg), env.pos)
+
+
+def test_agent_cell_error_on_hand_made_frames():
+    """The error tables' agent-cell metric: right only for exactly one agent drawn in the true cell."""
+    cfg = EnvConfig(map_size=6)
+    true = np.zeros((1, 2, 3, 6, 6), np.float32)  # one trajectory, h = 0..1
+    true[0, 0, 2, 2, 2] = true[0, 1, 2, 2, 3] = 1.0  # the agent steps right
+    def err(frame):
+        pred = true.copy()
+        pred[0, 1] = frame
+        return horizon_errors(pred, true, cfg)[1][1]
+    blank = np.zeros((3, 6, 6), np.float32)
+    same = blank.copy(); same[2, 2, 3] = 1.0
+    moved = blank.copy(); moved[2, 2, 2] = 1.0  # drawn where it was (a copy of the last frame)
+    missing = blank.copy(); missing[2, 2, 3] = 0.4  # faint: below 0.5, no agent drawn
+    two = same.copy(); two[2, 4, 4] = 0.9  # a second agent
+    soft = blank.copy(); soft[2, 2, 3] = 0.7; soft[2, 2, 2] = 0.3  # smeared, but one cell clearly drawn
+    assert err(same) == 0.0 and err(soft) == 0.0
+    assert err(moved) == err(missing) == err(two) == 1.0
+    np.testing.assert_array_equal(agent_cells(np.stack([same, missing, two]), cfg, strict=True),
+                                  [[2, 3], [-1, -1], [-1, -1]])
+    np.testing.assert_array_equal(agent_cells(np.stack([same, missing, two]), cfg), [[2, 3], [2, 3], [2, 3]])
 
 
 def test_egocentric_window_hides_part_of_a_large_map():

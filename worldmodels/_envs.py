@@ -248,14 +248,23 @@ def collect(cfg: EnvConfig, n: int, t: int, seed: int, repeat_p: float = 0.5, ep
     return np.stack(frames, 1), np.stack(acts, 1), np.stack(effs, 1)
 
 
-def agent_cells(frames: np.ndarray, cfg: EnvConfig) -> np.ndarray:
-    """Decode the agent's cell (.., 2) from (.., 3, F, F) frames (argmax of the agent channel, per cell)."""
+def agent_cells(frames: np.ndarray, cfg: EnvConfig, strict: bool = False) -> np.ndarray:
+    """Decode the agent's cell (.., 2) from (.., 3, F, F) frames (argmax of the agent channel, per cell).
+
+    strict=True (what the error tables use): a frame that does not show exactly one agent, i.e. exactly one
+    cell whose agent channel is >= 0.5, decodes to (-1, -1), which matches no true cell. An agent that was
+    blurred away or drawn twice is then an error, not whichever cell happens to be brightest.
+    """
     a = frames[..., 2, :, :]
     if cfg.cell_px > 1:
         s = a.shape
         a = a.reshape(*s[:-2], s[-2] // cfg.cell_px, cfg.cell_px, s[-1] // cfg.cell_px, cfg.cell_px).mean((-3, -1))
-    flat = a.reshape(*a.shape[:-2], -1).argmax(-1)
-    return np.stack([flat // a.shape[-1], flat % a.shape[-1]], -1)
+    flat_a = a.reshape(*a.shape[:-2], -1)
+    flat = flat_a.argmax(-1)
+    cells = np.stack([flat // a.shape[-1], flat % a.shape[-1]], -1)
+    if strict:
+        cells[(flat_a >= 0.5).sum(-1) != 1] = -1
+    return cells
 
 
 # ---- shared by the world-model scripts: common Args, run set-up, model body, windows, rollout evaluation ----
@@ -370,9 +379,12 @@ def load_data(cfg: EnvConfig, args: RolloutArgs, device):
 
 
 def horizon_errors(pred: np.ndarray, true: np.ndarray, cfg: EnvConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Per-horizon pixel MSE and agent-cell error rate of (N, H+1, C, F, F) rollouts in [0, 1], index h = 0..H."""
+    """Per-horizon pixel MSE and agent-cell error rate of (N, H+1, C, F, F) rollouts in [0, 1], index h = 0..H.
+
+    The agent is right when the prediction shows exactly one agent, in the true cell (`agent_cells`, strict).
+    """
     mse = ((pred - true) ** 2).mean(axis=(0, 2, 3, 4))
-    wrong = (agent_cells(pred, cfg) != agent_cells(true, cfg)).any(-1).mean(0)
+    wrong = (agent_cells(pred, cfg, strict=True) != agent_cells(true, cfg)).any(-1).mean(0)
     return mse, wrong
 
 
