@@ -112,8 +112,33 @@ def report() -> None:
               f"(what 16 independent completions of the same lengths would sample); sampled tokens include LATR's "
               f"pruned windows. Hardware: {row['hardware']} (shared); {row['versions']}; commit {row['commit']}. "
               f"Rows: `benchmarks/results/{CSV}`; command: `python benchmarks/tree_rollout_table.py`."]
+    lines += ["", claims_text()]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def claims_text() -> str:
+    """The paper claims against these rows, with benchmarks/report.py's verdict rule (noise = the larger std)."""
+    from benchmarks.report import expected_direction, figure, fmt
+
+    def side(arm, metric, scale, digits):
+        m = figure(f"{CSV}#algos/tree_rollout_grpo.py#{arm}#{metric}#{scale}")
+        return m, fmt(*m, digits)
+
+    out = []
+    for claim, spec, a, b, metric, scale, digits in (
+            ("LATR learns faster (131%): steps to target", "0>1", "grpo", "latr", "steps_to_target", 1, 1),
+            ("LATR ends higher (+4.2% pass@1): end accuracy", "0>1", "latr", "grpo", "eval_acc_end", 100, 1),
+            ("LATR diversifies groups: distinct answers per group", "0>1", "latr", "grpo", "distinct_answers", 1, 2),
+            ("shared prefixes save sampling (TreePO, TreeRL): sampled tokens to target", "0<1", "tree", "grpo",
+             "tokens_to_target", 1e-3, 0),
+            ("... at unchanged accuracy (TreePO): end accuracy", "0~1", "tree", "grpo", "eval_acc_end", 100, 1)):
+        try:
+            (ma, ta), (mb, tb) = side(a, metric, scale, digits), side(b, metric, scale, digits)
+        except ValueError:  # an arm not run yet
+            continue
+        out.append(f"{claim}: {a} {ta} vs {b} {tb} -> direction holds: {expected_direction(spec, [ma, mb])}")
+    return "Paper claims here (benchmarks/report.py's rule): " + "; ".join(out) + "."
 
 
 if __name__ == "__main__":
