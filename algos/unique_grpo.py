@@ -44,7 +44,11 @@ Commands:
   python algos/unique_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm --device cuda \
       --max-new-tokens 512 --prompts-per-step 64 --lr 1e-6      # one GPU (operator-multiset clusters: a proxy)
   accelerate launch --num_processes 4 algos/unique_grpo.py --model ... --device cuda        # several GPUs
-Expected: EXPECTED
+Expected: the default run (150 rollout batches) lifted held-out greedy accuracy on reach from 12.0 to 18.0 (+6.0
+points, short of +10: it peaked at 23.6 after 75 batches; benchmarks/results/defaults.md), AUC@16 45.3 -> 60.2 and
+distinct correct strategies per prompt 0.94 -> 1.18. Against plain GRPO after 40 batches (3 seeds): pass@1 14.8 ±
+1.3 vs 14.6 ± 0.2, AUC@16 58.9 ± 2.2 vs 58.6 ± 0.9, distinct strategies 1.19 ± 0.06 vs 1.18 ± 0.03: no difference
+at this scale (benchmarks/results/poise_unique.md).
 """
 from __future__ import annotations
 

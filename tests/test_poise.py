@@ -157,7 +157,7 @@ def test_rollout_baselines_come_from_the_probe_fitted_before(tiny):
     assert batch["features"].shape[0] == 12 and "probe/r2" in batch["probe_stats"]
 
 
-SMALL = m.Args(steps=40, prompts_per_step=64, group_size=2, eval_every=20, eval_examples=300, pass_k=0,
+SMALL = m.Args(steps=40, prompts_per_step=128, group_size=2, eval_every=20, eval_examples=300, pass_k=0,
                eval_hard=False, out_dir="", exp_name="t", threads=1)
 
 
@@ -175,8 +175,9 @@ def test_resume_is_exact_including_the_probe(tmp_path):
 @pytest.mark.slow
 def test_poise_learns(tmp_path):
     s = m.main(replace(SMALL, out_dir=str(tmp_path)))
-    # stated margin: +6 points in 40 rollout batches of 64 prompts x 2 rollouts (measured, seed 0, 1 thread: MEASURED)
-    assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.06, s
+    # stated margin: +8 points in 40 rollout batches of 128 prompts x 2 rollouts (the benchmark's POISE arm; measured,
+    # 1 thread: 35.3 -> 50.0, 51.3, 50.7% for seeds 0, 1, 2; about 25 s); a flipped advantage sign loses accuracy
+    assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.08, s
 
 
 @pytest.mark.parametrize("change,msg", [({"group_size": 1}, "at least 2"), ({"probe_ridge": 0.0}, "probe-ridge"),

@@ -148,8 +148,9 @@ SMALL = m.Args(steps=40, prompts_per_step=32, group_size=8, eval_every=40, eval_
 @pytest.mark.slow
 def test_unique_grpo_learns(tmp_path):
     s = m.main(replace(SMALL, out_dir=str(tmp_path)))
-    # stated margin: MEASURED
-    assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.06, s
+    # stated margin: +4 points in 40 rollout batches of 32 prompts x 8 (the benchmark's alpha = 1 arm; measured, 1 thread:
+    # 12.0 -> 20.0, 18.3, 19.3% for seeds 0, 1, 2; about 40 s); a flipped advantage sign loses accuracy
+    assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.04, s
 
 
 @pytest.mark.parametrize("change,msg", [({"uniqueness_power": -1.0}, "uniqueness-power"), ({"curve_k": -1}, "curve-k"),
