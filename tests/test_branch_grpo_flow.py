@@ -271,11 +271,14 @@ def test_branch_grpo_learns(tmp_path):
     assert (tmp_path / "branch_grpo_flow" / "branch_grpo_flow.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("change,msg", [({"branch_steps": ()}, "branch-steps"), ({"branch_steps": (3, 1)}, "branch-steps"),
-                                        ({"branch_steps": (20,)}, "branch-steps"), ({"branch_factor": 1}, "branch-factor"),
-                                        ({"width_keep": 0.0}, "width-keep"), ({"mode": "dance", "width_keep": 0.5}, "width-keep"),
-                                        ({"depth_prune": (0,)}, "depth-prune"), ({"mix_window": 21}, "mix-window"),
-                                        ({"mode": "dance", "group_size": 1}, "group-size"), ({"eta": 0.0}, "eta")])
+BAD = [({"branch_steps": ()}, "branch-steps"), ({"branch_steps": (3, 1)}, "branch-steps"),
+       ({"branch_steps": (20,)}, "branch-steps"), ({"branch_factor": 1}, "branch-factor"),
+       ({"width_keep": 0.0}, "width-keep"), ({"mode": "dance", "width_keep": 0.5}, "width-keep"),
+       ({"depth_prune": (0,)}, "depth-prune"), ({"mix_window": 21}, "mix-window"),
+       ({"mode": "dance", "group_size": 1}, "group-size"), ({"eta": 0.0}, "eta")]
+
+
+@pytest.mark.parametrize("change,msg", BAD)
 def test_bad_input(tmp_path, change, msg):
     with pytest.raises(SystemExit, match=msg):
         bf.main(replace(bf.Args(out_dir=str(tmp_path)), **change))
