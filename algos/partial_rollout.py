@@ -1,0 +1,849 @@
+"""Partial rollouts: APRIL's over-provisioned batches and CoPRIS's fixed pool, with the off-policy corrections.
+
+Papers: "APRIL: Active Partial Rollouts in Reinforcement Learning to Tame Long-tail Generation", arXiv:2509.18521
+(over-provision rollout requests, stop once enough responses are finished, keep the unfinished ones and continue
+them in later steps; rollout throughput +22.5% on average, at most +44%); "CoPRIS: Efficient and Stable
+Reinforcement Learning via Concurrency-Controlled Partial Rollout with Importance Sampling", arXiv:2511.05589
+(a fixed number of rollouts in flight, early termination, reuse of unfinished ones, cross-stage importance
+sampling; up to 1.94x faster training); the decoupled PPO objective of "AReaL: A Large-Scale Asynchronous
+Reinforcement Learning System for Language Reasoning", arXiv:2505.24298.
+
+Parent: algos/grpo.py; changed: Args, check_args, rollout, update, main.
+
+Two layers share one scheduler (Scheduler: which trajectories hold the S decode slots, when a step stops, what is
+carried over):
+  policies     sync    launch B groups of G, wait until all are finished (grpo.py's rollout)
+               april   keep ceil(r * B) groups launched (carried groups first, in FIFO order), stop at B
+                       complete groups, carry the rest over (r = --over)
+               copris  a pool of S in-flight trajectories, refilled from the FIFO (then from new groups) on
+                       every finish; stop at B complete groups, carry the rest over
+               async   (simulator only) copris's pool that is never stopped: training overlaps generation
+  simulator    numpy, no model (simulate): one token per busy slot per tick; a tick costs c0 + c1 * busy slots;
+               lengths lognormal(median, sigma) or the sums task's operand mix. Idle-slot fraction =
+               idle slot-ticks / (S * ticks); tokens/s over generation time; step time with training time;
+               discarded tokens = generated - trained - in flight (0 for every policy here); the age
+               (trainer version - sampling version) of every trained token.
+  real loop    rollout: every chunk is one call of the rollout seam (common.generate) on prompt + partial
+               response for the busy rows, C = --chunk new tokens each; finished rows leave and the scheduler
+               refills their slots between chunks; at a weight update the unfinished rows stay in the buffer and
+               continue later under the new weights. Each token keeps its behaviour log-prob mu_it (the
+               sampler's, after temperature and top-p) and the version v_it that sampled it.
+
+Equations of the corrections (--is; v = the version being trained, pi_prox = pi_old recomputed by the trainer
+before the update, as in grpo.py; A_i, the clip and the aggregation as in grpo.py):    partial_loss
+  recompute    rho_it = pi_theta / pi_prox for every token (stale tokens treated as on-policy: APRIL/slime's default)
+  mask-stale   l_it * 1[v_it = v], the normaliser unchanged (stale tokens still count in |o_i| and sum |o_i|)
+  cross-stage  rho_it = pi_theta / mu_it where v_it < v (the token's own buffered behaviour log-prob),
+               pi_theta / pi_prox where v_it = v (CoPRIS)
+  decoupled    min(pi_prox / mu_it, cap) * clipped surrogate of rho_it = pi_theta / pi_prox (AReaL; cap = --is-cap)
+With nothing interrupted every mode is grpo's loss (v_it = v everywhere and mu = pi_prox up to sampler mismatch).
+
+Deviations from the papers:
+- Chunked decoding recomputes the prefix at every chunk (the prompt + partial response is the next call's prompt;
+  the KV cache lives only inside a chunk). Finished rows free their slot at the next chunk boundary, not at the
+  next token as in vLLM/SGLang, so the real loop's idle-slot fraction counts chunks; the simulator is token-level.
+  --max-new-tokens must be a multiple of --chunk, so that no row ever overshoots its budget.
+- The real loop's throughput is CPU wall time of a 0.65M-parameter model. The simulator's gpu preset (PRESETS) is a
+  roofline estimate for a 7B model, not a measurement; a slot's cost does not grow with its context length.
+- The simulator's lognormal lengths are drawn per trajectory; its 'sumsmix' lengths are the reference response
+  lengths of the sums task's operand mix (equal within a group).
+- APRIL trains the B oldest complete groups of a step; when more completed at the same chunk boundary, the rest wait
+  in the buffer for the next step (nothing is dropped). CoPRIS's pool equals the slot count S.
+- rollout/logprob_mismatch is measured on the fresh tokens only (those sampled with the weights being trained);
+  loss/stale_gap is the mean |log pi_prox - log mu| over stale tokens times their share.
+- A resumed run restores the buffer of unfinished trajectories from the checkpoint; the sums task's running totals
+  (its partial-credit component) are kept, other answer metadata is not.
+- Everything of GRPO's deviations (algos/grpo.py) applies.
+
+Commands:
+  python algos/partial_rollout.py                               # CoPRIS + cross-stage, long-response task, ~4 min
+  python algos/partial_rollout.py --policy april --is recompute # APRIL as in slime
+  python algos/partial_rollout.py --policy sync                 # synchronous baseline through the same chunk loop
+  python algos/partial_rollout.py --task sumsmix --steps 40     # heavy-tailed response lengths (2..16 operands)
+  python algos/partial_rollout.py --steps 0 --sim-lengths lognormal --sim-sigma 1.5 --sim-preset gpu  # simulator only
+  python algos/partial_rollout.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm --device cuda \
+      --max-new-tokens 512 --chunk 64 --prompts-per-step 64 --lr 1e-6                    # one GPU
+  accelerate launch --num_processes 4 algos/partial_rollout.py --model ... --device cuda   # several GPUs
+Expected: see benchmarks/results/partial_rollout.md (rows in benchmarks/results/partial_rollout.csv) and the
+partial_rollout row of benchmarks/results/defaults.md.
+"""
+from __future__ import annotations
+
+import copy
+import heapq
+import math
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    # bookkeeping
+    exp_name: str = "partial_rollout"
+    """name of the run (the output folder is out_dir/exp_name)"""
+    seed: int = 0
+    """random seed: prompts and sampling of step s depend only on (seed, s, rank) and the carried buffer"""
+    track: bool = False
+    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
+    out_dir: str = "runs"
+    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
+    # model and task
+    model: str = "tiny-sums"
+    """tiny-0.6m, tiny-5m, tiny-sums, smollm2-135m, a Hugging Face id or a local path"""
+    task: str = "sums"
+    """sums (5 operands), sumsmix (2..16 operands: heavy-tailed lengths), add, addsteps, jsonl:PATH or gsm8k"""
+    digits: int = 1
+    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
+    device: str = "auto"
+    """auto (CUDA if present), cpu or cuda"""
+    threads: int = 2
+    """torch CPU threads per process"""
+    # rollout
+    engine: Literal["hf", "vllm"] = "hf"
+    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
+    vllm_gpu_memory: float = 0.3
+    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
+    prompts_per_step: int = 32
+    """complete groups trained per step (B)"""
+    group_size: int = 8
+    """completions per prompt (G)"""
+    max_new_tokens: int = 48
+    """generation budget per completion (a multiple of --chunk)"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer scores with the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    # partial rollouts
+    policy: Literal["sync", "april", "copris"] = "copris"
+    """rollout scheduler: sync (wait for all), april (over-provision, stop at B groups), copris (fixed pool)"""
+    is_mode: Annotated[Literal["recompute", "mask-stale", "cross-stage", "decoupled"], tyro.conf.arg(
+        name="is", help="correction for tokens sampled by older weights: recompute (pi_old recomputed, APRIL), "
+                        "mask-stale, cross-stage (CoPRIS), decoupled (AReaL)")] = "cross-stage"
+    """correction for tokens sampled by older weights (--is)"""
+    is_cap: float = 2.0
+    """decoupled: the cap on pi_prox / mu"""
+    chunk: int = 8
+    """tokens decoded per chunk; finished rows are refilled between chunks"""
+    slots: int = 0
+    """decode slots S (rows per chunk; copris's pool); 0 = prompts_per_step * group_size"""
+    over: float = 2.0
+    """april: groups launched per step = ceil(over * prompts_per_step), carried groups included"""
+    sim: bool = True
+    """run the slot simulator first (sync, april, copris, async on --sim-lengths) and put its ratios in the summary"""
+    sim_lengths: Literal["lognormal", "sumsmix"] = "lognormal"
+    """simulated response lengths: lognormal (median 64, capped at 1024) or the sums task's operand mix"""
+    sim_sigma: float = 1.0
+    """lognormal tail knob: sigma of log length"""
+    sim_preset: Literal["cpu", "gpu"] = "gpu"
+    """tick cost c0 + c1 * busy slots and training time per step (see PRESETS)"""
+    sim_steps: int = 50
+    """simulated training steps per policy"""
+    # objective
+    adv_std_norm: bool = True
+    """divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
+    clip_eps_low: float = 0.2
+    """lower clip range: ratio >= 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """upper clip range: ratio <= 1 + eps_high (DAPO's clip-higher uses 0.28)"""
+    kl_coef: float = 0.0
+    """weight of the k3 KL to the frozen initial policy (0 = no reference model)"""
+    loss_agg: Literal["seq-mean", "token-mean", "const"] = "seq-mean"
+    """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
+    agg_const: int = 0
+    """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    # optimisation
+    steps: int = 50
+    """training steps (each trains B complete groups; 0 = simulator only)"""
+    ppo_epochs: int = 1
+    """passes over each rollout batch"""
+    minibatches: int = 1
+    """optimiser steps per pass; the rollout batch is split into this many"""
+    micro_batch_size: int = 256
+    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
+    lr: float = 1e-4
+    """peak learning rate (AdamW); 1e-3 collapses the tiny policy, real LLMs want about 1e-6"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
+    warmup_steps: int = 0
+    """linear warm-up (optimiser steps)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    kernels: bool = False
+    """use the Triton kernels (fused log-prob; the fused loss with --is recompute) when a GPU is present"""
+    # eval and checkpoints
+    eval_every: int = 25
+    """training steps between held-out evaluations"""
+    eval_examples: int = 500
+    """held-out prompts for greedy accuracy"""
+    pass_k: int = 8
+    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
+    eval_hard: bool = True
+    """also evaluate one digit harder than training (out of distribution)"""
+    save_every: int = 0
+    """training steps between checkpoints (0 = only at the end)"""
+    resume: str = ""
+    """checkpoint folder to resume from (the buffer of unfinished trajectories is restored too)"""
+
+
+def check_args(args: Args) -> None:
+    """Fail early, naming the flag, instead of deep inside torch."""
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size must be at least 2 for a group baseline, got {args.group_size}")
+    if args.prompts_per_step < 1 or args.steps < 0 or args.max_new_tokens < 1:
+        raise SystemExit("--prompts-per-step and --max-new-tokens must be positive, --steps not negative")
+    batch = args.prompts_per_step * args.group_size
+    if batch % args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} must divide the rollout batch "
+                         f"(prompts_per_step * group_size = {batch})")
+    if args.micro_batch_size < 1:
+        raise SystemExit("--micro-batch-size must be positive")
+    if not (0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0):
+        raise SystemExit("clip ranges need 0 <= eps_low < 1 and eps_high >= 0")
+    if args.temperature <= 0:
+        raise SystemExit("--temperature must be > 0 (greedy decoding is used for eval only)")
+    if args.engine == "vllm" and not torch.cuda.is_available():
+        raise SystemExit("--engine vllm needs a CUDA GPU; use --engine hf on CPU")
+    if args.chunk < 1 or args.max_new_tokens % args.chunk:
+        raise SystemExit(f"--max-new-tokens ({args.max_new_tokens}) must be a multiple of --chunk ({args.chunk})")
+    if args.slots < 0 or args.over < 1 or args.is_cap <= 0 or args.sim_steps < 1 or args.sim_sigma < 0:
+        raise SystemExit("--slots must be >= 0, --over >= 1, --is-cap > 0, --sim-steps >= 1, --sim-sigma >= 0")
+
+
+# ---- the idea: advantage, clipped surrogate, KL, aggregation ----
+def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True, eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std_g r + eps); rewards [B] group-major -> advantages [B]."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(1, keepdim=True)
+    if std_norm:
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def clipped_pg_loss(logp, old_logp, adv, eps_low: float, eps_high: float):
+    """Per-token PPO-clip loss -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); logp [B, C], adv [B].
+
+    Returns (loss [B, C], clipped [B, C] as float: where the clipped branch was the active one).
+    """
+    ratio = torch.exp(logp - old_logp)
+    a = adv.unsqueeze(1)
+    unclipped, clipped = ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def k3_kl(logp, ref_logp):
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, const: int):
+    """This micro-batch's share of the step loss; summing the shares over micro-batches gives J.
+
+    token_loss, mask: [b, C]; n_seqs, n_tokens: counted over the whole optimiser step (all ranks).
+    """
+    per_seq_sum = (token_loss * mask).sum(1)
+    if mode == "seq-mean":
+        return (per_seq_sum / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if mode == "token-mean":
+        return per_seq_sum.sum() / max(n_tokens, 1)
+    if mode == "const":
+        return per_seq_sum.sum() / (n_seqs * const)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def agg_const(args: Args) -> int:
+    """The constant k of --loss-agg const (default: the generation budget, as Dr. GRPO)."""
+    return args.agg_const or args.max_new_tokens
+
+
+def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """This micro-batch's share of J: clipped surrogate + kl_coef * k3 KL, aggregated over the step.
+
+    logp [b, C] (with grad); mb holds old, ref (or None), adv [b], mask [b, C]. Returns (loss, per-token stats).
+    """
+    tok_loss, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    stats = {"clipfrac": clipped}
+    if mb["ref"] is not None:
+        kl = k3_kl(logp, mb["ref"])
+        tok_loss, stats["kl"] = tok_loss + args.kl_coef * kl, kl
+    return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
+
+
+def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """grpo_loss from the fused Triton kernel (--kernels on a GPU): the same value and gradient.
+
+    The kernel normalises inside the micro-batch (token or sequence mean); rescaling by this micro-batch's
+    share of the step's sequences or tokens gives aggregate_loss's step-level normaliser.
+    """
+    from kernels.clipped_pg_loss import clipped_pg_loss as fused
+
+    mask = mb["mask"]
+    loss, kst = fused(logp, mb["old"], mb["adv"], mask, args.clip_eps_low, args.clip_eps_high, ref_logp=mb["ref"],
+                      beta=args.kl_coef, reduction="seq_mean" if args.loss_agg == "seq-mean" else "token_mean")
+    mb_tokens = float(mask.sum())
+    scale = {"seq-mean": mask.shape[0] / n_seqs, "token-mean": mb_tokens / max(n_tokens, 1),
+             "const": mb_tokens / (n_seqs * agg_const(args))}[args.loss_agg]
+    return loss * scale, {"clipfrac": torch.full_like(mask, float(kst["clip_frac"]))}  # micro-batch mean
+
+def partial_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """grpo_loss with the --is correction for stale tokens (sampled by older weights than the ones trained).
+
+    logp [b, C] (with grad); mb as grpo_loss's plus behav [b, C] (mu: each token's behaviour log-prob) and
+    stale [b, C] (1 where the sampling version is older than the trained one). mb["old"] is pi_prox.
+    """
+    old, stale, behav = mb["old"], mb["stale"], mb["behav"]
+    if args.is_mode == "cross-stage":  # each stale token's ratio is to its own buffered behaviour log-prob
+        old = torch.where(stale.bool(), behav, old)
+    tok_loss, clipped = clipped_pg_loss(logp, old, mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    if args.is_mode == "mask-stale":  # zero weight; the normaliser below still counts these tokens
+        tok_loss = tok_loss * (1 - stale)
+    elif args.is_mode == "decoupled":  # AReaL: behaviour weight pi_prox / mu (capped) times the clip around pi_prox
+        tok_loss = tok_loss * torch.exp(mb["old"] - behav).clamp(max=args.is_cap)
+    stats = {"clipfrac": clipped, "stale_gap": (mb["old"] - behav).abs() * stale}
+    if mb["ref"] is not None:
+        kl = k3_kl(logp, mb["ref"])
+        tok_loss, stats["kl"] = tok_loss + args.kl_coef * kl, kl
+    return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
+
+
+# ---- the scheduler: who holds the decode slots, when a step stops, what is carried over ----
+@dataclass
+class Traj:
+    """One response in the making. The simulator uses `target`; the real loop the token lists."""
+    group: int  # group id (G trajectories share a prompt)
+    prompt: list = field(default_factory=list)  # prompt token ids (real loop)
+    example: object = None  # the task example (real loop)
+    target: int = 0  # simulator: the length this response will reach
+    n: int = 0  # tokens generated so far
+    segs: list = field(default_factory=list)  # [[version, count], ...]: which weights sampled which tokens
+    tokens: list = field(default_factory=list)
+    logps: list = field(default_factory=list)  # behaviour log-prob of each token
+    done: bool = False
+    finish: str = ""
+
+    def add(self, count: int, version: int, tokens=(), logps=()) -> None:
+        """Record `count` new tokens sampled by weights `version` (versions never decrease along a trajectory)."""
+        if self.segs and self.segs[-1][0] > version:
+            raise ValueError(f"version {version} after {self.segs[-1][0]}")
+        if self.segs and self.segs[-1][0] == version:
+            self.segs[-1][1] += count
+        elif count:
+            self.segs.append([version, count])
+        self.n += count
+        self.tokens += list(tokens)
+        self.logps += list(logps)
+
+    def versions(self) -> list[int]:
+        return [v for v, c in self.segs for _ in range(c)]
+
+
+class Scheduler:
+    """A FIFO of unfinished trajectories (carried ones first), S slots, and the finished groups awaiting training.
+
+    sync: launch B groups per step and wait for all; april: keep ceil(over * B) groups launched; copris and
+    async: refill every free slot (new groups when the FIFO is empty). All stop once B groups are complete
+    (async is never interrupted); end_step puts the running trajectories back at the head of the FIFO.
+    """
+
+    def __init__(self, policy: str, groups: int, group_size: int, slots: int, over: float = 2.0, new_group=None):
+        self.policy, self.B, self.G, self.slots, self.over = policy, groups, group_size, slots, over
+        self.new_group = new_group  # gid -> list of G Traj
+        self.queue, self.running, self.complete = deque(), {}, deque()  # running: id(traj) -> traj, in slot order
+        self.groups: dict[int, list[Traj]] = {}  # launched and not yet trained
+        self.next_gid = self.generated = self.trained = 0
+
+    def launch(self) -> None:
+        gid, self.next_gid = self.next_gid, self.next_gid + 1
+        self.groups[gid] = self.new_group(gid)
+        self.queue.extend(self.groups[gid])
+
+    def begin_step(self) -> None:
+        if self.policy == "sync":
+            if self.groups:
+                raise RuntimeError("sync scheduler: trajectories left over from the previous step")
+            for _ in range(self.B):
+                self.launch()
+        elif self.policy == "april":
+            while len(self.groups) < math.ceil(self.over * self.B):
+                self.launch()
+
+    def fill(self) -> list[Traj]:
+        """Place queued trajectories into free slots (FIFO); copris/async launch new groups as needed."""
+        placed = []
+        while len(self.running) < self.slots:
+            if not self.queue:
+                if self.policy not in ("copris", "async"):
+                    break
+                self.launch()
+            t = self.queue.popleft()
+            self.running[id(t)] = t
+            placed.append(t)
+        return placed
+
+    def record(self, t: Traj, count: int, version: int, tokens=(), logps=()) -> None:
+        t.add(count, version, tokens, logps)
+        self.generated += count
+
+    def finish(self, t: Traj, reason: str = "stop") -> None:
+        t.done, t.finish = True, reason
+        del self.running[id(t)]
+        if all(x.done for x in self.groups[t.group]):
+            self.complete.append(t.group)
+
+    def ready(self) -> bool:
+        return len(self.complete) >= self.B
+
+    def end_step(self) -> None:
+        """Interrupt: running trajectories go back to the head of the FIFO, in slot order (resumed first)."""
+        self.queue.extendleft(reversed(list(self.running.values())))
+        self.running = {}
+
+    def harvest(self) -> list[list[Traj]]:
+        """The B oldest complete groups; they leave the scheduler (trained exactly once)."""
+        out = [self.groups.pop(self.complete.popleft()) for _ in range(self.B)]
+        self.trained += sum(t.n for g in out for t in g)
+        return out
+
+    def in_flight_tokens(self) -> int:
+        return sum(t.n for g in self.groups.values() for t in g)
+
+    def discarded_tokens(self) -> int:
+        """Generated, never trained and no longer in flight (0 unless a trajectory was lost)."""
+        return self.generated - self.trained - self.in_flight_tokens()
+
+    def check(self) -> None:
+        """Conservation: every launched, untrained trajectory is exactly one of finished, queued or running."""
+        queued = [id(t) for t in self.queue]
+        qset = set(queued)
+        assert len(qset) == len(queued) and not qset & set(self.running), "a trajectory is in two places"
+        for g in self.groups.values():
+            for t in g:
+                where = t.done + (id(t) in qset) + (id(t) in self.running)
+                assert where == 1, f"trajectory of group {t.group} is {'lost' if where == 0 else 'duplicated'}"
+        assert self.discarded_tokens() == 0, f"{self.discarded_tokens()} tokens discarded"
+
+    def state(self) -> dict:
+        """JSON-able buffer (between steps, nothing is running) for checkpoints."""
+        assert not self.running, "state() between steps only"
+        order = {id(t): i for i, t in enumerate(self.queue)}
+        conv = lambda t: {"prompt": t.prompt, "ex": [t.example.prompt, str(t.example.answer),  # noqa: E731
+                                                      getattr(t.example.answer, "totals", None)],
+                          "n": t.n, "segs": t.segs, "tokens": t.tokens, "logps": t.logps, "done": t.done,
+                          "finish": t.finish, "q": order.get(id(t), -1)}
+        return {"groups": {str(g): [conv(t) for t in ts] for g, ts in self.groups.items()},
+                "complete": list(self.complete), "next_gid": self.next_gid, "generated": self.generated,
+                "trained": self.trained}
+
+    def load_state(self, s: dict) -> None:
+        self.groups, queued = {}, []
+        for g, ts in s["groups"].items():
+            self.groups[int(g)] = []
+            for d in ts:
+                answer = common.SumsTask.Answer(d["ex"][1]) if d["ex"][2] is not None else d["ex"][1]
+                if d["ex"][2] is not None:
+                    answer.totals = d["ex"][2]
+                t = Traj(int(g), d["prompt"], common.Example(d["ex"][0], answer), 0, d["n"], d["segs"], d["tokens"],
+                         d["logps"], d["done"], d["finish"])
+                self.groups[int(g)].append(t)
+                if d["q"] >= 0:
+                    queued.append((d["q"], t))
+        self.queue = deque(t for _, t in sorted(queued, key=lambda x: x[0]))
+        self.complete, self.running = deque(s["complete"]), {}
+        self.next_gid, self.generated, self.trained = s["next_gid"], s["generated"], s["trained"]
+
+
+# ---- the slot simulator (numpy, no model) ----
+# (c0 s per tick, c1 s per busy slot per tick, training s per step). cpu: tiny-sums decode steps measured on one
+# thread of the 2-core test machine (4.3 ms at 1 row, 26 ms at 256 rows), training 1.0 s per 256-sequence step.
+# gpu: a roofline estimate, not a measurement: a 7B model in bf16 with grouped KV heads (8 x 128, 32 layers) on a
+# 3.3 TB/s GPU reads 14 GB of weights per decode step (c0 = 4.5 ms) and 128 KB of KV cache per context token, about
+# 0.26 GB for a 2k-token context (c1 = 0.08 ms per busy slot); training takes GPU_TRAIN_FRAC of a synchronous step.
+PRESETS = {"cpu": (4.3e-3, 8.5e-5, 1.0), "gpu": (4.5e-3, 8e-5, 0.0)}
+GPU_TRAIN_FRAC = 0.1  # rollout is "more than 90% of total runtime" (APRIL's abstract)
+
+
+def draw_lengths(kind: str, sigma: float, median: int = 64, cap: int = 1024):
+    """A length sampler rng, G -> G response lengths: lognormal(log median, sigma) per response, capped; or the
+    reference length (characters + EOS) of one sums-task prompt with the operand-count mix, for the whole group."""
+    if kind == "lognormal":
+        return lambda rng, G: np.clip(np.round(median * np.exp(sigma * rng.standard_normal(G))), 1, cap).astype(int)
+    task = common.SumsTask("mix", 1)
+    return lambda rng, G: np.full(G, len(task.sample("train", 1, rng)[0].solution) + 1)
+
+
+def simulate(policy: str, lengths, steps: int, groups: int, group_size: int, slots: int, over: float = 2.0,
+             c0: float = 1.0, c1: float = 0.0, train_s: float = 0.0, seed: int = 0) -> dict:
+    """Event-driven slot simulation: between two finishes every busy slot makes one token per tick.
+
+    Colocated policies (sync, april, copris) pause generation while training; async keeps generating and trains
+    in parallel (a version bump when a training step ends). Returns idle-slot fraction, tokens/s (generation
+    time), step time (with training), discarded tokens and the age histogram of trained tokens.
+    """
+    rng = np.random.default_rng(seed)
+    sched = Scheduler(policy, groups, group_size, slots, over,
+                      lambda gid: [Traj(gid, target=int(L)) for L in lengths(rng, group_size)])
+    st = dict(clock=0, now=0.0, busy=0, version=0, trained_steps=0, seq=0)
+    heap, placed_at, ages = [], {}, Counter()  # (finish tick, seq, traj); id -> tick of (re)placement
+
+    def place():
+        for t in sched.fill():
+            placed_at[id(t)] = st["clock"]
+            heapq.heappush(heap, (st["clock"] + t.target - t.n, st["seq"], t))
+            st["seq"] += 1
+
+    def close(t):  # credit the tokens made since placement (or the last version bump) to the current version
+        sched.record(t, st["clock"] - placed_at[id(t)], st["version"])
+        placed_at[id(t)] = st["clock"]
+
+    def advance(k):
+        active = len(sched.running)
+        st["now"] += k * (c0 + c1 * active)
+        st["busy"] += k * active
+        st["clock"] += k
+
+    def pop_finished():
+        while heap and heap[0][0] == st["clock"]:
+            t = heapq.heappop(heap)[2]
+            close(t)
+            sched.finish(t)
+
+    def train():
+        for g in sched.harvest():
+            for t in g:
+                for v, c in t.segs:
+                    ages[st["version"] - v] += c
+
+    if policy == "async":
+        train_end = None
+        while st["trained_steps"] < steps:
+            place()
+            dt = c0 + c1 * len(sched.running)
+            k = heap[0][0] - st["clock"]
+            if train_end is not None:
+                k = min(k, max(1, math.ceil((train_end - st["now"]) / dt - 1e-9)))
+            advance(k)
+            if train_end is not None and st["now"] >= train_end - 1e-12:
+                for t in list(sched.running.values()):
+                    close(t)
+                st["version"], st["trained_steps"], train_end = st["version"] + 1, st["trained_steps"] + 1, None
+            pop_finished()
+            while train_end is None and sched.ready() and st["trained_steps"] < steps:
+                train()
+                if train_s > 0:
+                    train_end = st["now"] + train_s
+                else:
+                    for t in list(sched.running.values()):
+                        close(t)
+                    st["version"], st["trained_steps"] = st["version"] + 1, st["trained_steps"] + 1
+        gen_s = wall = st["now"]
+    else:
+        for _ in range(steps):
+            sched.begin_step()
+            while not sched.ready():
+                place()
+                if not heap:
+                    raise RuntimeError(f"{policy}: no trajectory can run (slots {slots})")
+                advance(heap[0][0] - st["clock"])
+                pop_finished()
+            for t in list(sched.running.values()):  # interrupted: partial tokens stay with the trajectory
+                close(t)
+            heap.clear()
+            sched.end_step()
+            train()
+            st["version"] += 1
+        gen_s, wall = st["now"], st["now"] + steps * train_s
+    for t in sched.running.values():  # async: count the tokens of the rows still decoding
+        close(t)
+    sched.check()
+    n_aged = sum(ages.values())
+    return {"idle_frac": 1 - st["busy"] / max(1, slots * st["clock"]), "tokens_per_s": sched.generated / gen_s,
+            "gen_s_per_step": gen_s / steps, "step_s": wall / steps, "generated": sched.generated,
+            "trained_tokens": sched.trained, "discarded_tokens": sched.discarded_tokens(),
+            "mean_age": sum(a * c for a, c in ages.items()) / n_aged, "max_age": max(ages),
+            **{f"age_frac_{a}": ages.get(a, 0) / n_aged for a in (0, 1, 2)},
+            "age_frac_3plus": sum(c for a, c in ages.items() if a >= 3) / n_aged}
+
+
+def compare_policies(kind: str, sigma: float, preset: str, steps: int, groups: int, group_size: int, slots: int,
+                     over: float, seed: int, policies=("sync", "april", "copris", "async")) -> dict[str, dict]:
+    """simulate() for each policy on the same length law and cost model; the gpu preset's training time is
+    GPU_TRAIN_FRAC of the synchronous rollout time per step (measured here, first)."""
+    c0, c1, train_s = PRESETS[preset]
+    out = {}
+    for policy in policies:
+        out[policy] = simulate(policy, draw_lengths(kind, sigma), steps, groups, group_size, slots, over, c0, c1,
+                               train_s, seed)
+        if preset == "gpu" and policy == "sync" and not train_s:
+            train_s = GPU_TRAIN_FRAC * out["sync"]["gen_s_per_step"]
+            out["sync"] = simulate("sync", draw_lengths(kind, sigma), steps, groups, group_size, slots, over, c0, c1,
+                                   train_s, seed)
+    return out
+
+
+def simulator_summary(args: Args) -> dict:
+    """The summary figures of the simulator on --sim-lengths: tokens/s and step-time ratios against sync."""
+    slots = args.slots or args.prompts_per_step * args.group_size
+    res = compare_policies(args.sim_lengths, args.sim_sigma, args.sim_preset, args.sim_steps, args.prompts_per_step,
+                           args.group_size, slots, args.over, args.seed)
+    base = res["sync"]
+    out = {"discarded_tokens_sim": sum(r["discarded_tokens"] for r in res.values())}
+    for p, r in res.items():
+        out[f"sim_idle_frac_{p}"] = r["idle_frac"]
+        if p != "sync":
+            out[f"throughput_ratio_{p}"] = r["tokens_per_s"] / base["tokens_per_s"]
+            out[f"speedup_{p}"] = base["step_s"] / r["step_s"]
+            out[f"sim_mean_age_{p}"] = r["mean_age"]
+    print(f"simulator ({args.sim_lengths}, sigma {args.sim_sigma}, {args.sim_preset}): rollout tokens/s vs sync "
+          f"april {out['throughput_ratio_april']:.2f}x, copris {out['throughput_ratio_copris']:.2f}x; idle slots "
+          f"sync {base['idle_frac']:.2f}, april {out['sim_idle_frac_april']:.2f}, "
+          f"copris {out['sim_idle_frac_copris']:.2f}")
+    return out
+
+
+# ---- rollout and update ----
+def rollout(model, tok, task, args: Args, rng, device, engine=None, sched: Scheduler = None, version: int = 0) -> dict:
+    """Decode in chunks until the scheduler holds B complete groups; they form the batch (A_i per group).
+
+    Each chunk is one call of the rollout seam on prompt + partial response for the rows in the slots; the rows
+    that are unfinished when the step stops stay in `sched` and continue at the next step under newer weights.
+    """
+    def new_group(gid):
+        ex = task.sample("train", 1, rng)[0]
+        return [Traj(gid, common.encode_prompts(tok, [ex.prompt])[0], ex) for _ in range(args.group_size)]
+
+    sched.new_group = new_group
+    sched.begin_step()
+    busy = chunks = 0
+    while not sched.ready():
+        sched.fill()
+        rows = list(sched.running.values())
+        ro = common.generate(model, tok, [t.prompt + t.tokens for t in rows], 1, args.chunk, args.temperature,
+                             args.top_p, engine=engine)
+        lens = ro.completion_mask.sum(1).tolist()
+        for j, t in enumerate(rows):
+            n = lens[j]
+            sched.record(t, n, version, ro.completion_ids[j, :n].tolist(), ro.logprobs[j, :n].tolist())
+            if ro.finish_reasons[j] == "stop" or t.n >= args.max_new_tokens:
+                sched.finish(t, ro.finish_reasons[j])
+        busy, chunks = busy + len(rows), chunks + 1
+    sched.end_step()
+    batch = assemble_batch(sched.harvest(), tok, task, args, version, device)
+    batch["partial"]["rollout/idle_slot_frac"] = 1 - busy / (chunks * sched.slots) if chunks else 0.0
+    return batch
+
+
+def assemble_batch(groups: list[list[Traj]], tok, task, args: Args, version: int, device) -> dict:
+    """Padded tensors of B complete groups, with each token's behaviour log-prob and whether it is stale."""
+    trajs = [t for g in groups for t in g]
+    prompt_ids, prompt_mask = common.left_pad([t.prompt for t in trajs], tok.pad_token_id)
+    B, width = len(trajs), max(t.n for t in trajs)
+    comp = torch.full((B, width), tok.pad_token_id, dtype=torch.long)
+    cmask, versions = torch.zeros(B, width, dtype=torch.long), torch.full((B, width), version, dtype=torch.long)
+    logprobs = torch.zeros(B, width)
+    for i, t in enumerate(trajs):
+        comp[i, :t.n], cmask[i, :t.n] = torch.tensor(t.tokens), 1
+        logprobs[i, :t.n], versions[i, :t.n] = torch.tensor(t.logps), torch.tensor(t.versions())
+    texts = tok.batch_decode(comp, skip_special_tokens=True)
+    rewards = torch.tensor([task.verify(x, t.example.answer)[0] for x, t in zip(texts, trajs)])
+    age = (version - versions) * cmask
+    batch = {k: v.to(device) for k, v in dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=comp,
+                                                completion_mask=cmask, logprobs=logprobs, versions=versions,
+                                                stale=(age > 0).float(), rewards=rewards).items()}
+    batch.update(adv=group_advantages(batch["rewards"], args.group_size, args.adv_std_norm),
+                 finish_reasons=[t.finish for t in trajs])
+    batch["partial"] = {"partial/stale_token_frac": float((age > 0).sum() / cmask.sum()),
+                        "partial/mean_age": float(age.sum() / cmask.sum()), "partial/max_age": int(age.max()),
+                        "partial/resumed_frac": float(np.mean([len(t.segs) > 1 for t in trajs]))}
+    return batch
+
+
+def lr_factor(step: int, total: int, args: Args) -> float:
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return 1.0
+    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
+    """All-reduce (sum: the loss used global normalisers), NaN guard, clip, scheduled lr, step; returns the norm."""
+    if accel.num_processes > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad = accel.reduce(p.grad, "sum")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+    if not math.isfinite(grad_norm):  # the same all-reduced value on every rank, so all ranks stop together
+        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
+                         "intact. Lower --lr or check the rewards.")
+    for group in opt.param_groups:
+        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
+    opt.step()
+    return grad_norm
+
+
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+    """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
+
+    pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
+    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged.
+    Partial rollouts: each micro-batch also carries the behaviour log-probs and the stale-token mask (for the
+    --is corrections), and the sampler-vs-trainer mismatch is measured on the fresh tokens only.
+    """
+    B = batch["completion_ids"].shape[0]
+    micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
+    logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
+        batch["completion_mask"][idx], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+    on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
+    with torch.no_grad():
+        old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
+        ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
+    stats = {"pg": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
+    # (on the fresh tokens only: stale ones were sampled by older weights)
+    fresh = batch["completion_mask"].float() * (1 - batch["stale"])
+    mismatch = 0.0 if on_policy else common.masked_mean((old - batch["logprobs"]).abs(), fresh).item()
+    n_opt = 0
+    for _ in range(args.ppo_epochs):
+        for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
+            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
+                                  device=batch["adv"].device)
+            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            opt.zero_grad(set_to_none=True)
+            for idx in micro(mb_idx):
+                logp, ent = logprobs_of(model, idx, True)
+                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
+                      "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx],
+                      "behav": batch["logprobs"][idx], "stale": batch["stale"][idx]}
+                loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
+                loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
+                stats["pg"] += loss.item()
+                for k, v in {**token_stats, "entropy": ent}.items():
+                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
+                if on_policy:  # the only forward on the sampler's weights
+                    mismatch += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
+                                                  fresh[idx]).item() / max(float(fresh.sum()), 1.0)
+            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
+            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+            n_opt += 1
+    return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, "rollout/logprob_mismatch": mismatch}
+
+
+# ---- main ----
+def partial_summary(history: list[dict], sched: Scheduler, sim: dict) -> dict:
+    """Means of the partial/ figures over the run, the conservation count and the simulator's ratios."""
+    rows = [h for h in history if "partial/stale_token_frac" in h]
+    out = {k.split("/")[1]: float(np.mean([h[k] for h in rows])) for k in
+           ("partial/stale_token_frac", "partial/mean_age", "partial/resumed_frac", "rollout/idle_slot_frac")}
+    out["max_age"] = max(h["partial/max_age"] for h in rows)
+    sched.check()
+    out["discarded_tokens_real"] = sched.discarded_tokens()
+    out["in_flight_tokens"] = sched.in_flight_tokens()
+    out["discarded_tokens"] = out["discarded_tokens_real"] + sim.get("discarded_tokens_sim", 0)
+    return {**sim, **out}
+
+
+def main(args: Args) -> dict:
+    check_args(args)
+    from accelerate import Accelerator
+
+    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
+    rank, is_main = accel.process_index, accel.is_main_process
+    torch.set_num_threads(args.threads)
+    common.set_seed(args.seed)
+    sim = simulator_summary(args) if args.sim and is_main else {}
+    if args.steps == 0:
+        return sim
+    task = common.make_task(args.task, args.digits)
+    hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    model, tok = common.load_model(args.model, accel.device)
+    model.train()
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    engine = common.VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
+        if args.engine == "vllm" else None
+    use_kernels = args.kernels and accel.device.type == "cuda"
+    fused_logprob = None
+    if use_kernels:  # Triton: the fused lm_head + log-softmax (the loss kernel only for --is recompute)
+        from kernels.fused_logprob import fused_linear_logprob as fused_logprob
+    loss_fn = kernel_grpo_loss if use_kernels and args.is_mode == "recompute" else partial_loss
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    run_dir = Path(args.out_dir) / args.exp_name
+    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
+    if args.resume and engine is not None:
+        engine.sync_weights(model)
+    sched = Scheduler(args.policy, args.prompts_per_step, args.group_size,
+                      args.slots or args.prompts_per_step * args.group_size, args.over)
+    if "scheduler" in state:  # the unfinished trajectories carried over at the checkpoint
+        sched.load_state(state["scheduler"])
+    start_step, history, gen_time = state.get("step", 0), state.get("history", []), state.get("gen_time", 0.0)
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
+    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
+    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task, engine)
+
+    def log(metrics: dict, step: int):
+        history.append({"step": step, **metrics})
+        if tracker is not None:
+            tracker.log(metrics, step)
+
+    if start_step == 0 and is_main:
+        log(evaluate(), 0)
+    bar = tqdm(range(start_step + 1, args.steps + 1), desc=f"partial_rollout ({args.policy}, {args.is_mode})",
+               dynamic_ncols=True, disable=not is_main, initial=start_step, total=args.steps)
+    for step in bar:
+        # Every random draw of this step depends on (seed, step, rank) and the carried buffer only.
+        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
+        rng = np.random.default_rng([args.seed, step, rank])
+        generated = sched.generated
+        with timer("gen"):  # the weights that sample this step are version step - 1
+            batch = rollout(model, tok, task, args, rng, accel.device, engine, sched, version=step - 1)
+        with timer("train"):
+            stats = update(model, opt, batch, loss_fn, args, step, accel, ref_model, fused_logprob)
+        if engine is not None:
+            with timer("sync"):
+                engine.sync_weights(model)
+        t = timer.pop()
+        gen_time += t["gen"]
+        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
+                                            args.group_size, t["gen"]), **batch["partial"], **stats,
+                   "rollout/tokens_per_s": (sched.generated - generated) / t["gen"],  # generated, not trained
+                   "perf/lr": opt.param_groups[0]["lr"], **{f"perf/{k}_s": v for k, v in t.items()}}
+        if is_main and (step % args.eval_every == 0 or step == args.steps):
+            metrics.update(evaluate())
+        log(metrics, step)
+        if is_main:
+            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
+                            stale=f"{metrics['partial/stale_token_frac']:.2f}",
+                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
+        if is_main and (args.save_every and step % args.save_every == 0 or step == args.steps):
+            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
+                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
+                                    "gen_time": gen_time, "scheduler": sched.state()})
+    if not is_main:
+        return {}
+    summary = common.summarize(history, sched.generated, gen_time, time.time() - t_start)
+    summary.update(partial_summary(history, sched, sim))
+    common.save_curve(history, run_dir / "curve.png", f"{args.policy} + {args.is_mode} on {task.name} ({args.model})")
+    return tracker.finish(summary)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
