@@ -1,0 +1,702 @@
+"""GRPO with prompt selection: which prompts get rollouts, and how many (Pilot-Commit, GRESO, VADE, DAPO-style).
+
+Papers:
+  Pilot-Commit: Kim et al., "Spend Your Rollouts Where It Counts: Rollout Allocation for Group-Based RL
+    Post-Training", arXiv:2605.26606 (pilot rollouts estimate each prompt's informativeness; the rest of the
+    budget goes to high-variance prompts);
+  GRESO: Zheng et al., "Act Only When It Pays: Efficient Reinforcement Learning for LLM Reasoning via Selective
+    Rollouts", arXiv:2506.02177 (skip prompts predicted uninformative from their reward history);
+  VADE: Hu et al., "VADE: Variance-Aware Dynamic Sampling via Online Sample-Level Difficulty Estimation for
+    Multimodal RL", arXiv:2511.18902 (per-prompt Beta posterior, Thompson sampling, two-scale prior decay);
+  DAPO's dynamic sampling (Yu et al., arXiv:2503.14476) is the comparator: sample, filter, refill.
+
+The idea: a group of G rollouts whose rewards are all equal has zero advantage and gives no gradient, yet GRPO
+pays for it. A selector decides, before each generation round, which prompts to sample and how many completions
+each, and updates its state from the rewards after the round. The step trains on the groups it names.
+
+Equations and choices (each implemented by the function or class named on the right):
+  the selector interface   plan(round, groups, draw, rng, step) -> [(group, n samples)] ([] ends the step);
+                           observe(prompt, rewards, step); batch(groups) -> the training groups   Selector
+  uniform (= GRPO)         one round: prompts_per_step prompts, G each, all trained on         Uniform
+  DAPO-style               rounds of prompts_per_step prompts x G; keep groups with 0 < #correct < G until
+                           prompts_per_step are kept or --max-sample-rounds rounds are spent     DynamicSampling
+  Pilot-Commit             pilot: M = --pilot-factor * prompts_per_step prompts x k = --pilot-samples;
+                           score p_hat (1 - p_hat), p_hat = (s + 1) / (k + 2) (s pilot successes, Beta(1, 1)
+                           prior; ties broken at random); commit: G - k more samples to the top
+                           prompts_per_step; the group = k pilot + G - k commit samples         PilotCommit
+  GRESO                    z = consecutive zero-variance groups a prompt has had; it is rolled out with
+                           probability q = max(--greso-floor, --greso-base ** z) (drawn before rollout), then
+                           DAPO-style filtering and refilling                                   Greso, greso_keep_prob
+  VADE                     Beta(a, b) per prompt, prior Beta(1, 1); two-scale decay of old evidence toward the
+                           prior: x <- x0 + (x - x0) * --vade-visit-decay at each new observation and
+                           * --vade-step-decay ** (steps since it was last observed); Thompson draw
+                           p ~ Beta(a, b) for --vade-candidates x prompts_per_step candidates, the
+                           prompts_per_step with the largest p (1 - p) get G samples each       Vade, vade_posterior
+  then GRPO unchanged      A_i = (r_i - mean) / (std + eps) per group, clipped surrogate, aggregation
+                           (group_advantages, clipped_pg_loss, aggregate_loss, grpo_loss as algos/grpo.py)
+
+Parent: algos/grpo.py; changed: Args, check_args, rollout, main.
+
+Training prompts: --pool-size N fixes a training set of N prompts drawn once from the task's training split
+(the papers train for epochs over a dataset; GRESO's and VADE's histories need prompts to come back); each
+round draws uniformly with replacement from it. --pool-size 0 draws fresh prompts from the task each step, and
+then `--selector uniform` is algos/grpo.py exactly (same prompts, samples, loss and update; a test checks it).
+Selector state is keyed by the prompt text and saved with checkpoints, so resume stays exact.
+
+Difficulty mix of the default task (2-digit `add`, tiny-0.6m, temperature 1, 16 samples for each of 128
+training prompts): per-prompt success rate 0 for 16% of prompts, (0, 0.2) 39%, [0.2, 0.4) 20%, [0.4, 0.6) 14%,
+[0.6, 0.8) 7%, [0.8, 1) 3%, 1 for 1%; mean 0.27; about 35% of G = 8 groups have zero variance at the start.
+(The long-response task `--task sumsmix --model tiny-sums --max-new-tokens 48` mixes more, 53% zero-variance
+groups, from 86% success at 2 operands to 0% from 7 on, but costs about 12x more per rollout.)
+
+Deviations from the papers (each abstract leaves these open; they are this file's choices):
+- Pilot-Commit: the pilot score uses the pilot samples only (no history); the pilot samples of committed prompts
+  stay in their group (the group is still G samples of the same policy); the pilot samples of skipped prompts
+  are paid for and dropped. The per-step cost is M k + prompts_per_step (G - k) sequences (288 by default,
+  against GRPO's 256).
+- GRESO: a fixed exploration base and floor instead of the paper's adaptive exploration rates; one rule for
+  all-correct and all-wrong prompts. Candidates are drawn until prompts_per_step pass (at most 8 x
+  prompts_per_step draws a round).
+- VADE: the abstract names "a two-scale prior decay" without a formula; the two scales here are per
+  observation and per training step, as above. The Thompson draw uses numpy's generator of the step.
+- Metrics: rollout/sampled (sequences generated this step, all processes), rollout/cumulative_rollouts,
+  rollout/zero_var_group_frac (of the training groups; 0 by construction for the filtering selectors),
+  rollout/rollouts_per_informative_group (sequences generated / training groups whose rewards differ);
+  the summary carries cumulative_rollouts, zero_var_group_frac and rollouts_per_informative_group.
+- Several processes: each keeps its own selector state for its own prompts; after the rounds one gather makes
+  every rank train on the fewest groups any rank holds (all skip the update when one holds none), as
+  algos/dapo.py does.
+- --rollout-budget (off by default) stops once that many sequences have been generated, for comparisons at
+  equal rollouts.
+- Everything else as algos/grpo.py.
+
+Commands:
+  python algos/grpo_prompt_selection.py                                       # VADE on add, 2-core CPU
+  python algos/grpo_prompt_selection.py --selector pilot-commit               # or greso, dynamic, uniform
+  python algos/grpo_prompt_selection.py --selector uniform --pool-size 0      # = algos/grpo.py
+  python algos/grpo_prompt_selection.py --model tiny-sums --task sumsmix --digits 1 --max-new-tokens 48
+  python algos/grpo_prompt_selection.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm \
+      --device cuda --max-new-tokens 512 --prompts-per-step 64 --pool-size 0 --lr 1e-6    # one GPU
+  accelerate launch --num_processes 4 algos/grpo_prompt_selection.py --model ... --device cuda
+Expected: see benchmarks/results/defaults.md (this script's row) and benchmarks/results/prompt_selection.md
+(cumulative rollouts to reach GRPO's final held-out accuracy, per selector).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    # bookkeeping
+    exp_name: str = "grpo_prompt_selection"
+    """name of the run (the output folder is out_dir/exp_name)"""
+    seed: int = 0
+    """random seed: prompts and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
+    track: bool = False
+    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
+    out_dir: str = "runs"
+    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
+    # model and task
+    model: str = "tiny-0.6m"
+    """tiny-0.6m, tiny-5m, smollm2-135m, a Hugging Face id or a local path"""
+    task: str = "add"
+    """add, addsteps, jsonl:PATH (prompt/answer records) or gsm8k"""
+    digits: int = 2
+    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
+    device: str = "auto"
+    """auto (CUDA if present), cpu or cuda"""
+    threads: int = 2
+    """torch CPU threads per process"""
+    # rollout
+    engine: Literal["hf", "vllm"] = "hf"
+    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
+    vllm_gpu_memory: float = 0.3
+    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
+    prompts_per_step: int = 32
+    """distinct prompts per rollout batch (per process)"""
+    group_size: int = 8
+    """completions per prompt (G)"""
+    max_new_tokens: int = 8
+    """generation budget per completion"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer scores with the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    # prompt selection
+    selector: Literal["uniform", "dynamic", "pilot-commit", "greso", "vade"] = "vade"
+    """uniform (= GRPO), dynamic (DAPO-style filter and refill), pilot-commit, greso or vade"""
+    pool_size: int = 256
+    """training prompts drawn once from the task's training split (0 = fresh prompts every step, as grpo.py)"""
+    max_sample_rounds: int = 3
+    """dynamic and greso: at most this many generation rounds per step"""
+    pilot_factor: float = 1.5
+    """pilot-commit: pilot prompts = this x prompts_per_step"""
+    pilot_samples: int = 2
+    """pilot-commit: samples per pilot prompt (k); the commit stage adds G - k"""
+    greso_base: float = 0.5
+    """greso: a prompt with z consecutive zero-variance groups is rolled out with probability base ** z ..."""
+    greso_floor: float = 0.1
+    """greso: ... but never below this exploration floor"""
+    vade_candidates: float = 4.0
+    """vade: candidates per step = this x prompts_per_step; the prompts_per_step best by p (1 - p) are sampled"""
+    vade_visit_decay: float = 0.5
+    """vade: old evidence is multiplied by this at each new observation of the prompt (fast scale)"""
+    vade_step_decay: float = 0.98
+    """vade: ... and by this per training step since it was observed (slow scale)"""
+    rollout_budget: int = 0
+    """stop once this many sequences have been generated, all processes together (0 = run all --steps)"""
+    # objective
+    adv_std_norm: bool = True
+    """divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
+    clip_eps_low: float = 0.2
+    """lower clip range: ratio >= 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """upper clip range: ratio <= 1 + eps_high (DAPO's clip-higher uses 0.28)"""
+    kl_coef: float = 0.0
+    """weight of the k3 KL to the frozen initial policy (0 = no reference model)"""
+    loss_agg: Literal["seq-mean", "token-mean", "const"] = "seq-mean"
+    """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
+    agg_const: int = 0
+    """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    # optimisation
+    steps: int = 80
+    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
+    ppo_epochs: int = 1
+    """passes over each rollout batch"""
+    minibatches: int = 1
+    """optimiser steps per pass; the rollout batch is split into this many"""
+    micro_batch_size: int = 256
+    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
+    lr: float = 1e-4
+    """peak learning rate (AdamW); 1e-3 collapses the tiny policy, real LLMs want about 1e-6"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
+    warmup_steps: int = 0
+    """linear warm-up (optimiser steps)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    kernels: bool = False
+    """use the Triton kernels (fused log-prob, fused clipped loss) when a GPU is present"""
+    # eval and checkpoints
+    eval_every: int = 25
+    """rollout batches between held-out evaluations"""
+    eval_examples: int = 500
+    """held-out prompts for greedy accuracy"""
+    pass_k: int = 8
+    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
+    eval_hard: bool = True
+    """also evaluate one digit harder than training (out of distribution)"""
+    save_every: int = 0
+    """rollout batches between checkpoints (0 = only at the end)"""
+    resume: str = ""
+    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
+
+
+def check_args(args: Args) -> None:
+    """Fail early, naming the flag, instead of deep inside torch."""
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size must be at least 2 for a group baseline, got {args.group_size}")
+    if args.prompts_per_step < 1 or args.steps < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--prompts-per-step, --steps and --max-new-tokens must be positive")
+    batch = args.prompts_per_step * args.group_size
+    if batch % args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} must divide the rollout batch "
+                         f"(prompts_per_step * group_size = {batch})")
+    if args.micro_batch_size < 1:
+        raise SystemExit("--micro-batch-size must be positive")
+    if not (0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0):
+        raise SystemExit("clip ranges need 0 <= eps_low < 1 and eps_high >= 0")
+    if args.temperature <= 0:
+        raise SystemExit("--temperature must be > 0 (greedy decoding is used for eval only)")
+    if args.engine == "vllm" and not torch.cuda.is_available():
+        raise SystemExit("--engine vllm needs a CUDA GPU; use --engine hf on CPU")
+    if args.pool_size < 0 or args.rollout_budget < 0 or args.max_sample_rounds < 1:
+        raise SystemExit("--pool-size and --rollout-budget must be >= 0 and --max-sample-rounds >= 1")
+    if not 1 <= args.pilot_samples < args.group_size or args.pilot_factor < 1:
+        raise SystemExit(f"--pilot-samples must be in [1, group_size={args.group_size}) and --pilot-factor >= 1")
+    if not 0 < args.greso_floor <= 1 or not 0 < args.greso_base <= 1:
+        raise SystemExit("--greso-floor and --greso-base must be in (0, 1]")
+    if args.vade_candidates < 1 or not (0 <= args.vade_visit_decay <= 1 and 0 <= args.vade_step_decay <= 1):
+        raise SystemExit("--vade-candidates must be >= 1 and the VADE decays in [0, 1]")
+
+
+# ---- the idea: advantage, clipped surrogate, KL, aggregation ----
+def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True, eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std_g r + eps); rewards [B] group-major -> advantages [B]."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(1, keepdim=True)
+    if std_norm:
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def clipped_pg_loss(logp, old_logp, adv, eps_low: float, eps_high: float):
+    """Per-token PPO-clip loss -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); logp [B, C], adv [B].
+
+    Returns (loss [B, C], clipped [B, C] as float: where the clipped branch was the active one).
+    """
+    ratio = torch.exp(logp - old_logp)
+    a = adv.unsqueeze(1)
+    unclipped, clipped = ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def k3_kl(logp, ref_logp):
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, const: int):
+    """This micro-batch's share of the step loss; summing the shares over micro-batches gives J.
+
+    token_loss, mask: [b, C]; n_seqs, n_tokens: counted over the whole optimiser step (all ranks).
+    """
+    per_seq_sum = (token_loss * mask).sum(1)
+    if mode == "seq-mean":
+        return (per_seq_sum / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if mode == "token-mean":
+        return per_seq_sum.sum() / max(n_tokens, 1)
+    if mode == "const":
+        return per_seq_sum.sum() / (n_seqs * const)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def agg_const(args: Args) -> int:
+    """The constant k of --loss-agg const (default: the generation budget, as Dr. GRPO)."""
+    return args.agg_const or args.max_new_tokens
+
+
+def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """This micro-batch's share of J: clipped surrogate + kl_coef * k3 KL, aggregated over the step.
+
+    logp [b, C] (with grad); mb holds old, ref (or None), adv [b], mask [b, C]. Returns (loss, per-token stats).
+    """
+    tok_loss, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    stats = {"clipfrac": clipped}
+    if mb["ref"] is not None:
+        kl = k3_kl(logp, mb["ref"])
+        tok_loss, stats["kl"] = tok_loss + args.kl_coef * kl, kl
+    return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
+
+
+def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """grpo_loss from the fused Triton kernel (--kernels on a GPU): the same value and gradient.
+
+    The kernel normalises inside the micro-batch (token or sequence mean); rescaling by this micro-batch's
+    share of the step's sequences or tokens gives aggregate_loss's step-level normaliser.
+    """
+    from kernels.clipped_pg_loss import clipped_pg_loss as fused
+
+    mask = mb["mask"]
+    loss, kst = fused(logp, mb["old"], mb["adv"], mask, args.clip_eps_low, args.clip_eps_high, ref_logp=mb["ref"],
+                      beta=args.kl_coef, reduction="seq_mean" if args.loss_agg == "seq-mean" else "token_mean")
+    mb_tokens = float(mask.sum())
+    scale = {"seq-mean": mask.shape[0] / n_seqs, "token-mean": mb_tokens / max(n_tokens, 1),
+             "const": mb_tokens / (n_seqs * agg_const(args))}[args.loss_agg]
+    return loss * scale, {"clipfrac": torch.full_like(mask, float(kst["clip_frac"]))}  # micro-batch mean
+
+
+# ---- the selectors: which prompts get rollouts, and how many ----
+def draw_prompts(task, pool, n: int, rng) -> list:
+    """n training prompts: fresh from the task when pool is None (exactly grpo.py's draw), else from the pool."""
+    if pool is None:
+        return task.sample("train", n, rng)
+    return [pool[i] for i in rng.integers(0, len(pool), size=n)]
+
+
+def make_pool(task, args: Args):
+    """The fixed training prompts, or None: a data set, the same for every seed and every process."""
+    return task.sample("train", args.pool_size, np.random.default_rng(7919)) if args.pool_size else None
+
+
+def new_group(example) -> dict:
+    """One prompt's group in this step: its rows in the step's rollouts and their rewards, filled round by round."""
+    return {"example": example, "rows": [], "rewards": []}
+
+
+def informative(group: dict) -> bool:
+    """The group's rewards are not all equal, so its advantages are not all zero."""
+    return max(group["rewards"]) > min(group["rewards"])
+
+
+class Uniform:
+    """GRPO: one round of prompts_per_step prompts with G samples each; every group is trained on.
+
+    The selector interface (every selector below has it):
+      plan(rnd, groups, draw, rng, step) -> [(group, n)]: before generation round rnd = 0, 1, ... of a step, the
+        groups to sample and how many completions each (a group already in `groups` gets more samples,
+        new_group(prompt) starts one); [] ends the rounds. draw(n) gives n training prompts.
+      observe(prompt, rewards, step): after each round, once per group sampled in it; updates `state`.
+      batch(groups) -> the groups the step trains on (each with at least G samples; its first G are used).
+    `state` is a JSON-able dict keyed by prompt text, saved with checkpoints.
+    """
+
+    def __init__(self, args: Args, state: dict | None = None):
+        self.args, self.state = args, state or {}
+
+    def plan(self, rnd: int, groups: list, draw, rng, step: int) -> list:
+        return [(new_group(e), self.args.group_size) for e in draw(self.args.prompts_per_step)] if rnd == 0 else []
+
+    def observe(self, prompt: str, rewards: list, step: int) -> None:
+        pass
+
+    def batch(self, groups: list) -> list:
+        return groups
+
+
+class DynamicSampling(Uniform):
+    """DAPO's dynamic sampling (as algos/dapo.py): rounds of prompts_per_step prompts x G until prompts_per_step
+    informative groups are held (at most --max-sample-rounds rounds); only those are trained on."""
+
+    def plan(self, rnd, groups, draw, rng, step):
+        a = self.args
+        if sum(map(informative, groups)) >= a.prompts_per_step or rnd >= a.max_sample_rounds:
+            return []
+        return [(new_group(e), a.group_size) for e in self.candidates(draw, rng)]
+
+    def candidates(self, draw, rng) -> list:
+        return draw(self.args.prompts_per_step)
+
+    def batch(self, groups):
+        return [g for g in groups if informative(g)][:self.args.prompts_per_step]
+
+
+def pilot_score(rewards: list) -> float:
+    """Pilot-Commit's informativeness: p_hat (1 - p_hat), p_hat = (successes + 1) / (k + 2) (Beta(1, 1) prior)."""
+    p = (sum(rewards) + 1) / (len(rewards) + 2)
+    return p * (1 - p)
+
+
+class PilotCommit(Uniform):
+    """Round 0 (pilot): pilot_factor x prompts_per_step prompts, k = pilot_samples each. Round 1 (commit): the
+    prompts_per_step prompts with the highest pilot_score (ties at random) get G - k more; the others are
+    skipped. The step trains on the committed groups (k pilot + G - k commit samples)."""
+
+    def plan(self, rnd, groups, draw, rng, step):
+        a = self.args
+        if rnd == 0:
+            n_pilot = max(a.prompts_per_step, round(a.pilot_factor * a.prompts_per_step))
+            return [(new_group(e), a.pilot_samples) for e in draw(n_pilot)]
+        if rnd == 1:
+            tie = rng.random(len(groups))
+            order = sorted(range(len(groups)), key=lambda i: (-pilot_score(groups[i]["rewards"]), tie[i]))
+            return [(groups[i], a.group_size - a.pilot_samples) for i in order[:a.prompts_per_step]]
+        return []
+
+    def batch(self, groups):
+        return [g for g in groups if len(g["rewards"]) >= self.args.group_size]
+
+
+def greso_keep_prob(z: int, base: float, floor: float) -> float:
+    """GRESO's pre-rollout filter: a prompt after z consecutive zero-variance groups is rolled out with
+    probability base ** z, never less than the exploration floor."""
+    return max(floor, base ** z)
+
+
+class Greso(DynamicSampling):
+    """DAPO-style rounds whose candidates first pass GRESO's filter: state[prompt] = z, the prompt's consecutive
+    zero-variance groups (0 after an informative one). Candidates are drawn until prompts_per_step pass (at most
+    8 x prompts_per_step draws a round)."""
+
+    def candidates(self, draw, rng) -> list:
+        a, chosen = self.args, []
+        for _ in range(8):
+            for e in draw(a.prompts_per_step):
+                z = self.state.get(e.prompt, 0)
+                if len(chosen) < a.prompts_per_step and rng.random() < greso_keep_prob(z, a.greso_base, a.greso_floor):
+                    chosen.append(e)
+            if len(chosen) == a.prompts_per_step:
+                break
+        return chosen
+
+    def observe(self, prompt, rewards, step):
+        self.state[prompt] = 0 if max(rewards) > min(rewards) else self.state.get(prompt, 0) + 1
+
+
+def vade_posterior(entry: list, step: int, args: Args) -> tuple[float, float]:
+    """(a, b) of a prompt's Beta posterior at `step`: entry = [a, b, step of its last observation]; the evidence
+    beyond the Beta(1, 1) prior decays by vade_step_decay per step since then."""
+    a, b, last = entry
+    f = args.vade_step_decay ** (step - last)
+    return 1 + (a - 1) * f, 1 + (b - 1) * f
+
+
+class Vade(Uniform):
+    """One round: vade_candidates x prompts_per_step candidates; a Thompson draw p ~ Beta(a, b) per candidate
+    (numpy's generator of the step); the prompts_per_step with the largest p (1 - p) get G samples each.
+    observe: old evidence x vade_visit_decay, then a += successes, b += failures."""
+
+    def plan(self, rnd, groups, draw, rng, step):
+        a = self.args
+        if rnd > 0:
+            return []
+        cands = draw(max(a.prompts_per_step, round(a.vade_candidates * a.prompts_per_step)))
+        p = self.thompson([e.prompt for e in cands], rng, step)
+        order = np.argsort(-p * (1 - p), kind="stable")[:a.prompts_per_step]
+        return [(new_group(cands[i]), a.group_size) for i in order]
+
+    def thompson(self, prompts: list, rng, step: int) -> np.ndarray:
+        """One draw p ~ Beta(a, b) from each prompt's posterior at `step` (unseen prompts: the prior Beta(1, 1))."""
+        post = np.array([vade_posterior(self.state.get(q, [1.0, 1.0, step]), step, self.args) for q in prompts])
+        return rng.beta(post[:, 0], post[:, 1])
+
+    def observe(self, prompt, rewards, step):
+        a, b = vade_posterior(self.state.get(prompt, [1.0, 1.0, step]), step, self.args)
+        v, s = self.args.vade_visit_decay, float(sum(rewards))
+        self.state[prompt] = [1 + (a - 1) * v + s, 1 + (b - 1) * v + len(rewards) - s, step]
+
+
+SELECTORS = {"uniform": Uniform, "dynamic": DynamicSampling, "pilot-commit": PilotCommit, "greso": Greso,
+             "vade": Vade}
+
+
+# ---- rollout and update ----
+def concat_rollouts(parts: list, pad_id: int) -> common.Rollout:
+    """Stack rollouts of several generation rounds (prompts left-padded, completions right-padded)."""
+    P = max(r.prompt_ids.shape[1] for r in parts)
+    C = max(r.completion_ids.shape[1] for r in parts)
+    lp = lambda x, w, v: torch.nn.functional.pad(x, (w - x.shape[1], 0), value=v)  # noqa: E731
+    rp = lambda x, w, v: torch.nn.functional.pad(x, (0, w - x.shape[1]), value=v)  # noqa: E731
+    return common.Rollout(
+        torch.cat([lp(r.prompt_ids, P, pad_id) for r in parts]), torch.cat([lp(r.prompt_mask, P, 0) for r in parts]),
+        torch.cat([rp(r.completion_ids, C, pad_id) for r in parts]),
+        torch.cat([rp(r.completion_mask, C, 0) for r in parts]), torch.cat([rp(r.logprobs, C, 0.0) for r in parts]),
+        [f for r in parts for f in r.finish_reasons], [t for r in parts for t in r.texts])
+
+
+def select_rows(ro: common.Rollout, rows: list) -> common.Rollout:
+    """The given rows of a rollout, in that order."""
+    idx = torch.tensor(rows, dtype=torch.long)
+    return common.Rollout(ro.prompt_ids[idx], ro.prompt_mask[idx], ro.completion_ids[idx], ro.completion_mask[idx],
+                          ro.logprobs[idx], [ro.finish_reasons[i] for i in rows], [ro.texts[i] for i in rows])
+
+
+def rollout(model, tok, task, args: Args, rng, device, engine=None, selector=None, pool=None, step: int = 0,
+            accel=None) -> dict:
+    """The selector's rounds (plan -> generate -> reward -> observe), then GRPO's batch of the groups it names.
+
+    Each round is one generation call over the planned prompts (each repeated n times). All processes then train
+    on the fewest groups any of them holds (one gather). Returns the training batch (G rows per group,
+    group-major, A_i per group), `drawn` (every generated sequence) and `sampling` (the counts, all processes).
+    """
+    G, groups, parts, all_rewards = args.group_size, [], [], []
+    selector = selector or Uniform(args)
+    for rnd in range(max(2, args.max_sample_rounds) + 1):  # a safety bound: every selector stops by itself
+        plan = selector.plan(rnd, groups, lambda n: draw_prompts(task, pool, n, rng), rng, step)
+        if not plan:
+            break
+        prompts = [g["example"].prompt for g, n in plan for _ in range(n)]
+        ro = common.generate(model, tok, common.encode_prompts(tok, prompts), 1, args.max_new_tokens,
+                             args.temperature, args.top_p, engine=engine)
+        answers = [g["example"].answer for g, n in plan for _ in range(n)]
+        rewards = [task.verify(t, a)[0] for t, a in zip(ro.texts, answers)]
+        i = 0
+        for g, n in plan:
+            if not g["rows"]:  # a new prompt (a pilot group coming back for its commit samples is not)
+                groups.append(g)
+            g["rows"] += range(len(all_rewards) + i, len(all_rewards) + i + n)
+            g["rewards"] += rewards[i:i + n]
+            selector.observe(g["example"].prompt, rewards[i:i + n], step)
+            i += n
+        parts.append(ro), all_rewards.extend(rewards)
+    train = selector.batch(groups)
+    counts = torch.tensor([[len(train), len(all_rewards)]], device=device)  # [1, 2] on this process
+    counts = accel.gather(counts) if accel is not None and accel.num_processes > 1 else counts  # [ranks, 2]
+    train = train[:int(counts[:, 0].min())]
+    n_inf = torch.tensor([sum(map(informative, train))], device=device)
+    n_inf = int(accel.reduce(n_inf, "sum") if accel is not None and accel.num_processes > 1 else n_inf)
+    ro = concat_rollouts(parts, tok.pad_token_id) if len(parts) > 1 else parts[0]
+    kept = select_rows(ro, [r for g in train for r in g["rows"][:G]])
+    rewards = torch.tensor([r for g in train for r in g["rewards"][:G]], device=device)
+    batch = {k: getattr(kept, k).to(device) for k in
+             ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
+    batch.update(rewards=rewards, adv=group_advantages(rewards, G, args.adv_std_norm) if train else rewards,
+                 finish_reasons=kept.finish_reasons,
+                 drawn={"rewards": torch.tensor(all_rewards), "completion_mask": ro.completion_mask,
+                        "finish_reasons": ro.finish_reasons})
+    sampled = int(counts[:, 1].sum())
+    batch["sampling"] = {"rollout/sampled": sampled, "rollout/informative_groups": n_inf,
+                         "rollout/rollouts_per_informative_group": sampled / n_inf if n_inf else float("nan")}
+    if train:  # of the training groups: the share that carries no gradient
+        batch["sampling"]["rollout/zero_var_group_frac"] = 1 - n_inf / (len(train) * counts.shape[0])
+    return batch
+
+
+def lr_factor(step: int, total: int, args: Args) -> float:
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return 1.0
+    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
+    """All-reduce (sum: the loss used global normalisers), NaN guard, clip, scheduled lr, step; returns the norm."""
+    if accel.num_processes > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad = accel.reduce(p.grad, "sum")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+    if not math.isfinite(grad_norm):  # the same all-reduced value on every rank, so all ranks stop together
+        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
+                         "intact. Lower --lr or check the rewards.")
+    for group in opt.param_groups:
+        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
+    opt.step()
+    return grad_norm
+
+
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+    """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
+
+    pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
+    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged.
+    """
+    B = batch["completion_ids"].shape[0]
+    micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
+    logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
+        batch["completion_mask"][idx], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+    on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
+    with torch.no_grad():
+        old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
+        ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
+    stats = {"pg": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
+    mismatch = 0.0 if on_policy else common.masked_mean((old - batch["logprobs"]).abs(),
+                                                        batch["completion_mask"].float()).item()
+    n_opt = 0
+    for _ in range(args.ppo_epochs):
+        for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
+            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
+                                  device=batch["adv"].device)
+            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            opt.zero_grad(set_to_none=True)
+            for idx in micro(mb_idx):
+                logp, ent = logprobs_of(model, idx, True)
+                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
+                      "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx]}
+                loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
+                loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
+                stats["pg"] += loss.item()
+                for k, v in {**token_stats, "entropy": ent}.items():
+                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
+                if on_policy:  # the only forward on the sampler's weights
+                    mismatch += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
+                                                  mb["mask"]).item() / max(n_tokens, 1)
+            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
+            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+            n_opt += 1
+    return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, "rollout/logprob_mismatch": mismatch}
+
+
+# ---- main ----
+def main(args: Args) -> dict:
+    check_args(args)
+    from accelerate import Accelerator
+
+    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
+    rank, is_main = accel.process_index, accel.is_main_process
+    torch.set_num_threads(args.threads)
+    common.set_seed(args.seed)
+    task = common.make_task(args.task, args.digits)
+    hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    model, tok = common.load_model(args.model, accel.device)
+    model.train()
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    engine = common.VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
+        if args.engine == "vllm" else None
+    use_kernels = args.kernels and accel.device.type == "cuda"
+    fused_logprob = None
+    if use_kernels:  # Triton: the fused lm_head + log-softmax (the loss kernel is in kernel_grpo_loss)
+        from kernels.fused_logprob import fused_linear_logprob as fused_logprob
+    loss_fn = kernel_grpo_loss if use_kernels else grpo_loss
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    run_dir = Path(args.out_dir) / args.exp_name
+    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
+    if args.resume and engine is not None:
+        engine.sync_weights(model)
+    start_step, history = state.get("step", 0), state.get("history", [])
+    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
+    sampled, informative_total = state.get("sampled", 0), state.get("informative_total", 0)
+    pool, selector = make_pool(task, args), SELECTORS[args.selector](args, state.get("selector"))
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
+    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
+    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task, engine)
+
+    def log(metrics: dict, step: int):
+        history.append({"step": step, **metrics})
+        if tracker is not None:
+            tracker.log(metrics, step)
+
+    if start_step == 0 and is_main:
+        log(evaluate(), 0)
+    bar = tqdm(range(start_step + 1, args.steps + 1), desc=args.selector, dynamic_ncols=True, disable=not is_main,
+               initial=start_step, total=args.steps)
+    for step in bar:
+        # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
+        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
+        rng = np.random.default_rng([args.seed, step, rank])
+        with timer("gen"):
+            batch = rollout(model, tok, task, args, rng, accel.device, engine, selector, pool, step, accel)
+        with timer("train"):  # every process trains, or every process skips (one holds no training group)
+            stats = update(model, opt, batch, loss_fn, args, step, accel, ref_model, fused_logprob) \
+                if len(batch["adv"]) else {}
+        if engine is not None:
+            with timer("sync"):
+                engine.sync_weights(model)
+        t, drawn = timer.pop(), batch["drawn"]
+        gen_tokens, gen_time = gen_tokens + int(drawn["completion_mask"].sum()), gen_time + t["gen"]
+        sampled += batch["sampling"]["rollout/sampled"]
+        informative_total += batch["sampling"]["rollout/informative_groups"]
+        metrics = {**common.rollout_metrics(drawn["rewards"], drawn["completion_mask"], drawn["finish_reasons"], 1,
+                                            t["gen"]), **batch["sampling"], "rollout/cumulative_rollouts": sampled,
+                   **stats, "perf/lr": opt.param_groups[0]["lr"], **{f"perf/{k}_s": v for k, v in t.items()}}
+        last = step == args.steps or bool(args.rollout_budget and sampled >= args.rollout_budget)
+        if is_main and (step % args.eval_every == 0 or last):
+            metrics.update(evaluate())
+        log(metrics, step)
+        if is_main:
+            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
+                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
+        if is_main and (args.save_every and step % args.save_every == 0 or last):
+            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
+                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
+                                    "gen_tokens": gen_tokens, "gen_time": gen_time, "sampled": sampled,
+                                    "informative_total": informative_total, "selector": selector.state})
+        if last:  # the budget is counted over all processes: every process stops at the same step
+            break
+    if not is_main:
+        return {}
+    summary = common.summarize(history, gen_tokens, gen_time, time.time() - t_start)
+    summary.update(cumulative_rollouts=sampled, steps_done=history[-1]["step"],
+                   rollouts_per_informative_group=sampled / informative_total if informative_total else math.nan)
+    common.save_curve(history, run_dir / "curve.png", f"GRPO + {args.selector} on {task.name} ({args.model})")
+    return tracker.finish(summary)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

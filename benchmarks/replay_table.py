@@ -1,0 +1,148 @@
+"""Experience replay: accuracy against generated tokens for reuse factor x maximum age, and RLEP's updates to
+reach GRPO's peak.
+
+    python benchmarks/replay_table.py                  # GRPO + RLEP (3 seeds), the replay grid (GRID_SEEDS)
+    python benchmarks/replay_table.py --report-only    # rebuilds the tables from the CSV
+
+The claims: the replay-buffer study (Arnal et al., "Efficient RL Training for LLMs with Experience Replay",
+arXiv:2604.08706): a well-designed buffer cuts inference compute without degrading final accuracy, and keeps the
+policy's entropy; RLEP (Zhang et al., "RLEP: Reinforcement Learning with Experience Replay for LLM Reasoning",
+arXiv:2507.07451): replaying verified successes reaches the baseline's peak accuracy in fewer updates.
+
+Runs (algos/grpo_replay.py, one file): the default task (tiny-0.6m, 2-digit `add`, a fixed training set of 256
+prompts, 32 prompt groups x 8 completions per update, lr 1e-4), STEPS updates, held-out greedy accuracy on 500
+prompts every EVAL_EVERY updates.
+  GRPO        --reuse 1, and --experience-out: its final policy's verified successes (8 samples per training
+              prompt) are RLEP's phase 1
+  RLEP        --reuse 1 --experience-in (the same seed's GRPO successes), M = 2 per group; restarted from the
+              initial policy
+  reuse R, age A   --reuse R --max-age A: 32 / R fresh groups per update, the rest replayed (their ratio
+              pi_theta / mu clipped as PPO's)
+Accuracy at equal generated tokens: GRPO's held-out accuracy interpolated linearly between its evaluations at the
+replay run's total generated tokens (same seed).
+
+Writes benchmarks/results/replay.csv (rows through benchmarks/_results.py) and replay.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
+
+CSV, NAME, SCRIPT = "replay.csv", "replay", "algos/grpo_replay.py"
+STEPS, EVAL_EVERY = 40, 4
+GRID = {"reuse 2, age 1": (2, 1), "reuse 2, age 4": (2, 4), "reuse 4, age 1": (4, 1), "reuse 4, age 4": (4, 4)}
+FLAGS = dict(steps=STEPS, eval_every=EVAL_EVERY, eval_examples=500, pass_k=0, eval_hard=False, threads=1)
+COMMON = f"--steps {STEPS} --eval-every {EVAL_EVERY} --eval-examples 500 --pass-k 0 --no-eval-hard --threads 1"
+
+
+def curve(run_dir: Path) -> list[tuple[int, int, float]]:
+    """[(update, generated tokens, held-out accuracy)] at every evaluation of a run."""
+    return [(r["step"], r.get("rollout/gen_tokens", 0), r["eval/acc"])
+            for r in map(json.loads, open(run_dir / "metrics.jsonl")) if "eval/acc" in r]
+
+
+def acc_at_tokens(points: list, tokens: float) -> float:
+    """Accuracy interpolated linearly in generated tokens between the two evaluations around `tokens`."""
+    for (_, t0, a0), (_, t1, a1) in zip(points, points[1:]):
+        if t0 <= tokens <= t1:
+            return a0 + (a1 - a0) * (tokens - t0) / max(t1 - t0, 1)
+    return points[-1][2]
+
+
+def updates_to(points: list, target: float) -> tuple[float, bool]:
+    """The first evaluated update with accuracy at or above target (the last update if none: censored)."""
+    for step, _, acc in points:
+        if acc >= target - 1e-9:
+            return float(step), True
+    return float(points[-1][0]), False
+
+
+def run(seeds, grid_seeds) -> None:
+    from algos import grpo_replay as rp
+
+    for seed in seeds:
+        out = Path(f"runs/bench_replay/s{seed}")
+        out.mkdir(parents=True, exist_ok=True)
+        exp = out / "experience.json"
+        g = rp.main(rp.Args(reuse=1, max_age=0, experience_out=str(exp), seed=seed, out_dir=str(out), exp_name="grpo",
+                            **FLAGS))
+        grpo_curve = curve(out / "grpo")
+        peak = g["eval_acc_best"]
+        g_up, _ = updates_to(grpo_curve, peak)
+        append_rows(CSV, NAME, SCRIPT, "GRPO", seed, {**g, "updates_to_grpo_peak": g_up, "reached_grpo_peak": 1.0},
+                    f"python {SCRIPT} --reuse 1 --max-age 0 --experience-out EXP.json {COMMON} --seed {seed}")
+        r = rp.main(rp.Args(reuse=1, max_age=0, experience_in=str(exp), seed=seed, out_dir=str(out), exp_name="rlep",
+                            **FLAGS))
+        up, reached = updates_to(curve(out / "rlep"), peak)
+        append_rows(CSV, NAME, SCRIPT, "RLEP", seed, {**r, "updates_to_grpo_peak": up, "reached_grpo_peak": float(reached),
+                                                      "grpo_peak": peak},
+                    f"python {SCRIPT} --reuse 1 --max-age 0 --experience-in EXP.json {COMMON} --seed {seed}")
+        for label, (reuse, age) in GRID.items() if seed in grid_seeds else []:
+            s = rp.main(rp.Args(reuse=reuse, max_age=age, seed=seed, out_dir=str(out), exp_name=f"r{reuse}a{age}",
+                                **FLAGS))
+            grpo_same = acc_at_tokens(grpo_curve, s["gen_tokens"])
+            append_rows(CSV, NAME, SCRIPT, label, seed,
+                        {**s, "grpo_acc_at_equal_tokens": grpo_same, "gain_at_equal_tokens": s["eval_acc_end"] - grpo_same,
+                         "token_fraction": s["gen_tokens"] / g["gen_tokens"]},
+                        f"python {SCRIPT} --reuse {reuse} --max-age {age} {COMMON} --seed {seed}")
+
+
+def report() -> None:
+    by, meta = defaultdict(dict), {}  # config -> seed -> metrics (a later row wins)
+    for r in read_rows(CSV):
+        by[r["config"]].setdefault(r["seed"], {})[r["metric"]] = float(r["value"])
+        meta[r["config"]] = r
+    lines = ["| run | held-out acc end | best | generated tokens | tokens vs GRPO | GRPO's acc at equal tokens | "
+             "entropy first -> last | replayed rows | seeds |", "|---|---|---|---|---|---|---|---|---|"]
+    for label in ["GRPO", *GRID]:
+        runs = list(by.get(label, {}).values())
+        if not runs:
+            continue
+        get = lambda k: [r[k] for r in runs if k in r]  # noqa: E731
+        lines.append(f"| {label} | {mean_std(get('eval_acc_end'), 100)} | {mean_std(get('eval_acc_best'), 100)} | "
+                     f"{mean_std(get('gen_tokens'), 1, 0)} | {mean_std(get('token_fraction'), 1, 2) if label != 'GRPO' else '1'} | "
+                     f"{mean_std(get('grpo_acc_at_equal_tokens'), 100)} | {mean_std(get('entropy_first'), 1, 3)} -> "
+                     f"{mean_std(get('entropy_last'), 1, 3)} | {mean_std(get('replayed_frac'), 100)}% | {len(runs)} |")
+    lines += ["", "| run | held-out acc end | best | updates to GRPO's peak | reached | seeds |", "|---|---|---|---|---|---|"]
+    for label in ("GRPO", "RLEP"):
+        runs = list(by.get(label, {}).values())
+        if runs:
+            get = lambda k: [r[k] for r in runs if k in r]  # noqa: E731
+            lines.append(f"| {label} | {mean_std(get('eval_acc_end'), 100)} | {mean_std(get('eval_acc_best'), 100)} | "
+                         f"{mean_std(get('updates_to_grpo_peak'), 1, 1)} | {int(sum(get('reached_grpo_peak')))}/{len(runs)} | "
+                         f"{len(runs)} |")
+    if meta:
+        row = next(iter(meta.values()))
+        start = [r["eval_acc_start"] for r in by["GRPO"].values()]
+        lines += ["", f"tiny-0.6m on 2-digit `add` from a fixed training set of 256 prompts, {STEPS} updates of 32 "
+                  f"prompt groups x 8 completions (fresh: 32 / reuse groups, the rest replayed with the ratio "
+                  f"pi_theta / mu clipped as PPO's), lr 1e-4; held-out greedy accuracy on 500 prompts every {EVAL_EVERY} "
+                  f"updates, start {mean_std(start, 100)}. GRPO's accuracy at equal tokens is interpolated between its "
+                  f"evaluations (same seed). Entropy: mean per-token entropy of the trained rows at the first and the "
+                  f"last update. RLEP replays the same seed's GRPO run's final-policy successes (phase 1 costs that "
+                  f"whole run) and restarts from the initial policy; updates to GRPO's peak are counted at "
+                  f"evaluations (every {EVAL_EVERY}); a run that never reaches it counts all {STEPS} (a lower bound, "
+                  f"see `reached`). Mean ± std over seeds. Hardware: {row['hardware']} (shared); {row['versions']}; "
+                  f"commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; command: "
+                  f"`python benchmarks/replay_table.py`."]
+    (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--report-only", action="store_true", help="only rebuild the tables from the CSV")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--grid-seeds", type=int, nargs="+", default=[0, 1])
+    a = ap.parse_args()
+    if not a.report_only:
+        run(a.seeds, a.grid_seeds)
+    report()
