@@ -61,6 +61,8 @@ Deviations from the papers:
   position. Forced tokens and pruning make the leaves off-policy: rollout/forced_frac and rollout/pruned_frac say
   how much; the loss treats them as samples of pi.
 - TRACE-style allocation of branch points by p(1 - p) of a subtree's success is not implemented.
+- --threads defaults to 1 (grpo.py: 2): on a shared 2-core machine two 2-thread jobs oversubscribe the cores and
+  this script's many small generate calls slowed from about 4 s to 20-30 s per step.
 - grpo.py's other deviations hold (KL off by default, sample std, pi_old handling, accelerate all-reduce).
 
 Commands:
@@ -116,8 +118,9 @@ class Args:
     """operand digits of the arithmetic tasks (training and the main held-out eval)"""
     device: str = "auto"
     """auto (CUDA if present), cpu or cuda"""
-    threads: int = 2
-    """torch CPU threads per process"""
+    threads: int = 1
+    """torch CPU threads per process (1: generation here is per-call overhead; 2 threads gain little and slow ~10x
+    when another 2-thread job shares the 2 cores)"""
     # rollout
     engine: Literal["hf", "vllm"] = "hf"
     """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
