@@ -76,8 +76,11 @@ Commands:
   python algos/async_offpolicy_grpo.py --correction decoupled --staleness 8 --gen-rate 2   # bounded mode
   python algos/async_offpolicy_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm \
       --device cuda --max-new-tokens 512 --prompts-per-step 64 --lr 1e-6 --staleness 8     # one GPU
-Expected: see the async_offpolicy_grpo row of benchmarks/results/defaults.md and
-benchmarks/results/async_offpolicy.md (python benchmarks/async_offpolicy_table.py).
+Expected: the default (decoupled PPO on rollouts 4 versions stale, lr 5e-5, 150 batches) lifts tiny-0.6m's held-out
+greedy accuracy on 2-digit addition from 38.8% to 51.6% (+12.8 points) in 143 s on one shared core
+(benchmarks/results/defaults.md). benchmarks/results/async_offpolicy.md (python benchmarks/async_offpolicy_table.py,
+lr 1e-4, 40 batches, one seed so far): at k = 16, KL(mu || pi) = 0.156; PPO-clip around mu falls from 35.3% to
+24.0% and clips 12.2% of tokens, M2PO's clip form rises to 44.0% and clips 9.8%.
 """
 from __future__ import annotations
 
@@ -124,8 +127,8 @@ class Args:
     """operand digits of the arithmetic tasks (training and the main held-out eval)"""
     device: str = "auto"
     """auto (CUDA if present), cpu or cuda"""
-    threads: int = 2
-    """torch CPU threads per process"""
+    threads: int = 1
+    """torch CPU threads per process (1: on a shared 2-core machine two threads ran 10x slower here)"""
     # rollout
     engine: Literal["hf", "vllm"] = "hf"
     """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
@@ -171,7 +174,7 @@ class Args:
     agg_const: int = 0
     """the constant k of --loss-agg const (0 = max_new_tokens)"""
     # optimisation
-    steps: int = 400
+    steps: int = 150
     """rollout batches trained (each followed by ppo_epochs * minibatches optimiser steps)"""
     ppo_epochs: int = 2
     """passes over each rollout batch (two, so that the clip binds)"""
@@ -179,8 +182,9 @@ class Args:
     """optimiser steps per pass; the rollout batch is split into this many"""
     micro_batch_size: int = 256
     """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
-    lr: float = 1e-4
-    """peak learning rate (AdamW); 1e-3 collapses the tiny policy, real LLMs want about 1e-6"""
+    lr: float = 5e-5
+    """peak learning rate (AdamW); half grpo.py's, since each batch gets two epochs (1e-4 made the tiny policy
+    oscillate here); real LLMs want about 1e-6"""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
     warmup_steps: int = 0
@@ -192,7 +196,7 @@ class Args:
     kernels: bool = False
     """use the Triton fused log-prob kernel when a GPU is present"""
     # eval and checkpoints
-    eval_every: int = 25
+    eval_every: int = 50
     """rollout batches between held-out evaluations"""
     eval_examples: int = 500
     """held-out prompts for greedy accuracy"""
