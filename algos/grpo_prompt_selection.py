@@ -26,7 +26,8 @@ Equations and choices (each implemented by the function or class named on the ri
                            prompts_per_step; the group = k pilot + G - k commit samples         PilotCommit
   GRESO                    z = consecutive zero-variance groups a prompt has had; it is rolled out with
                            probability q = max(--greso-floor, --greso-base ** z) (drawn before rollout), then
-                           DAPO-style filtering and refilling                                   Greso, greso_keep_prob
+                           DAPO-style filtering; a refill round rolls out ceil(missing / informative rate)
+                           prompts (adaptive batch size)                                        Greso, greso_keep_prob
   VADE                     Beta(a, b) per prompt, prior Beta(1, 1); two-scale decay of old evidence toward the
                            prior: x <- x0 + (x - x0) * --vade-visit-decay at each new observation and
                            * --vade-step-decay ** (steps since it was last observed); Thompson draw
@@ -175,7 +176,7 @@ class Args:
     agg_const: int = 0
     """the constant k of --loss-agg const (0 = max_new_tokens)"""
     # optimisation
-    steps: int = 80
+    steps: int = 150
     """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
     ppo_epochs: int = 1
     """passes over each rollout batch"""
@@ -371,9 +372,9 @@ class DynamicSampling(Uniform):
         a = self.args
         if sum(map(informative, groups)) >= a.prompts_per_step or rnd >= a.max_sample_rounds:
             return []
-        return [(new_group(e), a.group_size) for e in self.candidates(draw, rng)]
+        return [(new_group(e), a.group_size) for e in self.candidates(draw, rng, groups)]
 
-    def candidates(self, draw, rng) -> list:
+    def candidates(self, draw, rng, groups=()) -> list:
         return draw(self.args.prompts_per_step)
 
     def batch(self, groups):
@@ -414,17 +415,21 @@ def greso_keep_prob(z: int, base: float, floor: float) -> float:
 
 class Greso(DynamicSampling):
     """DAPO-style rounds whose candidates first pass GRESO's filter: state[prompt] = z, the prompt's consecutive
-    zero-variance groups (0 after an informative one). Candidates are drawn until prompts_per_step pass (at most
-    8 x prompts_per_step draws a round)."""
+    zero-variance groups (0 after an informative one). Round 0 rolls out prompts_per_step prompts; a refill round
+    only about as many as the missing groups need, ceil(missing / informative rate so far) (GRESO's adaptive batch
+    size). Candidates are drawn until enough pass (at most 8 x prompts_per_step draws a round)."""
 
-    def candidates(self, draw, rng) -> list:
-        a, chosen = self.args, []
+    def candidates(self, draw, rng, groups=()) -> list:
+        a, chosen, want = self.args, [], self.args.prompts_per_step
+        if groups:
+            n_inf = sum(map(informative, groups))
+            want = min(want, math.ceil((want - n_inf) / max(n_inf / len(groups), 1 / a.group_size)))
         for _ in range(8):
             for e in draw(a.prompts_per_step):
                 z = self.state.get(e.prompt, 0)
-                if len(chosen) < a.prompts_per_step and rng.random() < greso_keep_prob(z, a.greso_base, a.greso_floor):
+                if len(chosen) < want and rng.random() < greso_keep_prob(z, a.greso_base, a.greso_floor):
                     chosen.append(e)
-            if len(chosen) == a.prompts_per_step:
+            if len(chosen) == want:
                 break
         return chosen
 

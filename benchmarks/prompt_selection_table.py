@@ -13,10 +13,12 @@ Arms (algos/grpo_prompt_selection.py, one file: everything but the selector is t
 dynamic (DAPO's dynamic sampling, GRPO's loss), pilot-commit, greso, vade, each with its defaults. Setting: the
 default task (tiny-0.6m, 2-digit `add`, a fixed training set of 256 prompts, 32 prompts x 8 completions per
 step, lr 1e-4), each run stopped once it has generated BUDGET sequences (GRPO's 40 steps), held-out greedy
-accuracy on 500 prompts every EVAL_EVERY steps. Per seed the target is GRPO's final accuracy of that seed; an
-arm's cost is the cumulative rollouts at its first evaluation at or above the target (a run that never gets
-there counts its whole budget: a lower bound, flagged in the `reached` column); speed-up = GRPO's cost / the
-arm's (and DAPO-style's / the arm's), per seed.
+accuracy on 500 prompts about every 1,024 generated sequences. Accuracy between evaluations moves by several points
+(the policy's own fluctuation, beyond the 2-point sampling error of 500 prompts), so curves are smoothed: per seed
+the target is GRPO's final accuracy, the mean of its last SMOOTH evaluations; an arm's cost is the cumulative
+rollouts at its first evaluation where the mean of its last SMOOTH evaluations reaches the target (a run that
+never gets there counts its whole budget: a lower bound, flagged in the `reached` column); speed-up = GRPO's cost
+/ the arm's (and DAPO-style's / the arm's), per seed.
 
 Writes benchmarks/results/prompt_selection.csv (rows through benchmarks/_results.py) and prompt_selection.md.
 """
@@ -34,11 +36,11 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
 
 CSV, NAME, SCRIPT = "prompt_selection.csv", "prompt_selection", "algos/grpo_prompt_selection.py"
-ARMS = {"GRPO (uniform)": "uniform", "DAPO-style dynamic sampling": "dynamic", "Pilot-Commit": "pilot-commit",
-        "GRESO": "greso", "VADE": "vade"}
-BUDGET, EVAL_EVERY = 40 * 32 * 8, 4
-FLAGS = dict(steps=200, rollout_budget=BUDGET, eval_every=EVAL_EVERY, eval_examples=500, pass_k=0, eval_hard=False,
-             threads=1)
+# label -> (selector, steps between evaluations): an evaluation about every 1,024 generated sequences in each arm
+ARMS = {"GRPO (uniform)": ("uniform", 4), "DAPO-style dynamic sampling": ("dynamic", 2),
+        "Pilot-Commit": ("pilot-commit", 4), "GRESO": ("greso", 2), "VADE": ("vade", 4)}
+BUDGET, SMOOTH = 40 * 32 * 8, 3
+FLAGS = dict(steps=200, rollout_budget=BUDGET, eval_examples=500, pass_k=0, eval_hard=False, threads=1)
 
 
 def curve(run_dir: Path) -> list[tuple[int, float]]:
@@ -51,9 +53,16 @@ def curve(run_dir: Path) -> list[tuple[int, float]]:
     return out
 
 
+def smoothed(points: list, k: int = SMOOTH) -> list[tuple[int, float]]:
+    """Each evaluation's accuracy replaced by the mean of the last k evaluations (fewer at the start)."""
+    return [(r, sum(a for _, a in points[max(0, i - k + 1):i + 1]) / len(points[max(0, i - k + 1):i + 1]))
+            for i, (r, _) in enumerate(points)]
+
+
 def cost_to(points: list, target: float) -> tuple[float, bool]:
-    """Cumulative rollouts at the first evaluation at or above target (the whole run's if none: censored)."""
-    for spent, acc in points:
+    """Cumulative rollouts at the first evaluation whose smoothed accuracy reaches target (the whole run's if
+    none: censored)."""
+    for spent, acc in smoothed(points):
         if acc >= target - 1e-9:
             return float(spent), True
     return float(points[-1][0]), False
@@ -64,14 +73,15 @@ def run(seeds) -> None:
 
     for seed in seeds:
         out, curves, summaries = Path(f"runs/bench_prompt_selection/s{seed}"), {}, {}
-        for label, sel in ARMS.items():
-            summaries[label] = ps.main(ps.Args(selector=sel, seed=seed, out_dir=str(out), exp_name=sel, **FLAGS))
+        for label, (sel, every) in ARMS.items():
+            summaries[label] = ps.main(ps.Args(selector=sel, seed=seed, out_dir=str(out), exp_name=sel,
+                                               eval_every=every, **FLAGS))
             curves[label] = curve(out / sel)
-        target = summaries["GRPO (uniform)"]["eval_acc_end"]
+        target = smoothed(curves["GRPO (uniform)"])[-1][1]  # GRPO's final: the mean of its last SMOOTH evaluations
         costs = {label: cost_to(c, target) for label, c in curves.items()}
-        for label, sel in ARMS.items():
+        for label, (sel, every) in ARMS.items():
             (r, reached), s = costs[label], summaries[label]
-            cmd = (f"python {SCRIPT} --selector {sel} --steps 200 --rollout-budget {BUDGET} --eval-every {EVAL_EVERY} "
+            cmd = (f"python {SCRIPT} --selector {sel} --steps 200 --rollout-budget {BUDGET} --eval-every {every} "
                    f"--eval-examples 500 --pass-k 0 --no-eval-hard --threads 1 --seed {seed}")
             append_rows(CSV, NAME, SCRIPT, label, seed,
                         {**s, "target_acc": target, "rollouts_to_target": r, "reached_target": float(reached),
@@ -104,10 +114,12 @@ def report() -> None:
         lines += ["", f"tiny-0.6m on 2-digit `add` from a fixed training set of 256 prompts (per-prompt success "
                   f"rates at the start: 0 for 16%, (0, 0.2) for 39%, 1 for 1%; about 35% of G = 8 groups have zero "
                   f"variance), 32 prompts x 8 completions per step, lr 1e-4; every run stops after {BUDGET:,} generated "
-                  f"sequences (GRPO's 40 steps). Held-out greedy accuracy on 500 prompts every {EVAL_EVERY} steps, "
-                  f"start {mean_std(start, 100)}. Target: GRPO's final accuracy of the same seed; rollouts to it are "
-                  f"counted at the first evaluation at or above it (a run that never reaches it counts its whole "
-                  f"budget, a lower bound: see `reached`). Speed-ups are per seed. Zero-variance groups are those "
+                  f"sequences (GRPO's 40 steps). Held-out greedy accuracy on 500 prompts about every 1,024 generated "
+                  f"sequences (every 4 steps; every 2 for the filtering selectors), start {mean_std(start, 100)}. "
+                  f"Target: GRPO's final accuracy of the same seed, the mean of its last {SMOOTH} evaluations; an "
+                  f"arm's rollouts to it are counted at the first evaluation where the mean of its last {SMOOTH} "
+                  f"evaluations reaches it (a run that never does counts its whole budget, a lower bound: see "
+                  f"`reached`). Speed-ups are per seed. Zero-variance groups are those "
                   f"trained on (the filtering selectors drop them; their cost shows as rollouts per informative "
                   f"group). Mean ± std over {len(start)} seeds. Hardware: {row['hardware']} (shared); "
                   f"{row['versions']}; commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; command: "

@@ -85,6 +85,13 @@ def test_greso_state_and_keep_probability():
     want = {0: 1.0, 1: 0.5, 2: 0.25, 3: 0.125, 4: 0.1, 10: 0.1}  # 0.5 ** 4 = 0.0625 < the floor
     for z, q in want.items():
         assert ps.greso_keep_prob(z, 0.5, 0.1) == q
+    # adaptive refill: 3 of 4 groups informative, 8 wanted -> ceil(5 / 0.75) = 7 prompts; none informative ->
+    # the rate floor 1/G caps it at prompts_per_step
+    sel, rng = ps.Greso(replace(args, prompts_per_step=8, group_size=4)), np.random.default_rng(0)
+    groups = [group(0, [1, 0, 0, 0]), group(1, [1, 1, 0, 1]), group(2, [0, 0, 0, 0]), group(3, [0, 1, 0, 0])]
+    assert len(sel.candidates(Drawer(), rng, groups)) == 7  # fresh prompts: z = 0, always kept
+    assert len(sel.candidates(Drawer(), rng, [group(0, [0, 0, 0, 0])])) == 8
+    assert len(sel.candidates(Drawer(), rng)) == 8
 
 
 @pytest.mark.parametrize("base,floor", [(0.5, 0.1), (0.9, 0.3), (0.01, 0.02), (1.0, 0.5)])
