@@ -345,6 +345,17 @@ def optimiser(model: nn.Module, lr: float, steps: int):
     return opt, sched
 
 
+def gated_planes(frame: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+    """Multiplicative action input: the frame (B, C, F, F) times each action's indicator -> (B, C * N_ACTIONS, F, F).
+
+    With the action as constant one-hot planes only, moving the agent needs the net to learn a product of the
+    action and the agent channel; here channel (a, c) holds channel c of the frame when the action is a and
+    zeros otherwise, so one 3x3 convolution can shift the agent in the action's direction.
+    """
+    onehot = torch.nn.functional.one_hot(action, N_ACTIONS).to(frame.dtype)  # (B, A)
+    return (onehot[:, :, None, None, None] * frame[:, None]).flatten(1, 2)
+
+
 def conv_stack(cin: int, ch: int, cout: int) -> nn.Sequential:
     """Four 3x3 convolutions (SiLU between them) that keep the frame size: the body of every model here."""
     return nn.Sequential(nn.Conv2d(cin, ch, 3, padding=1), nn.SiLU(), nn.Conv2d(ch, ch, 3, padding=1), nn.SiLU(),

@@ -36,12 +36,17 @@ Deviations:
   dropped from the estimate) is our reading of "terminates rollouts whose generated frames drift away from
   the requested actions"; the expected action is the effective one (noop when the frame shows a wall).
 - The policies' goal and walls are read from the initial frame (they are static in this world).
+- The forward model also gets the frame times each action's indicator (`action_gate`, `gated_planes` in
+  _envs.py), as in ar_world_model.py, where the one-hot planes alone left the agent unmoved. Options:
+  `--feedback snap` (imagined frames snapped to {0, 0.5, 1} before being fed back) and `--change-weight`.
+  Imagined success and the accuracy checks count an agent only where exactly one is drawn.
 
 Commands:
   python worldmodels/policy_eval.py                    # ~1-2 min on 1 CPU thread
   python worldmodels/policy_eval.py --train-eps 0.3    # train on greedy-policy data too
   python worldmodels/policy_eval.py --device cuda --steps 10000 --channels 128
-Expected result (benchmarks/results/world_models.md, policy-evaluation table, seed 0): with the default
+Expected result (measured before `action_gate`, being re-measured; benchmarks/results/world_models.md,
+policy-evaluation table, seed 0): with the default
 800-step budget the forward model does NOT learn to move the agent (one-step agent-cell accuracy 7%), so
 imagined success is nearly flat across policies (0.21-0.41 against real 0.09-0.98): Pearson 0.47, MMRV 0.45,
 far from the paper's 0.929 / 0.119. Inverse-dynamics termination stops 79% of imagined episodes and makes
@@ -56,6 +61,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from typing import Literal
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -68,7 +74,7 @@ import tyro
 from tqdm import tqdm
 
 from worldmodels._envs import (MOVES, N_ACTIONS, N_CHANNELS, NOOP, EnvConfig, GridWorld, RunArgs, agent_cells, collect,
-                               conv_stack, distance_map, greedy_actions, optimiser, start_run)
+                               conv_stack, distance_map, gated_planes, greedy_actions, optimiser, start_run)
 
 
 # ---- args ----
@@ -90,6 +96,12 @@ class Args(RunArgs):  # the fields all world-model scripts share: RunArgs in wor
     """steps per episode"""
     term_threshold: float = 0.5
     """terminate an imagined episode when g gives the expected action less than this probability"""
+    feedback: Literal["soft", "snap"] = "soft"
+    """what an imagined step feeds back: probabilities, or the frame snapped to the pixel values {0, .5, 1}"""
+    change_weight: float = 0.0
+    """extra BCE weight on the pixels a step changed (the agent's old and new cells); 0: unweighted"""
+    action_gate: bool = True
+    """also feed the frame times each action's indicator (`gated_planes` in _envs.py) to the forward model"""
 
 
 def check_args(args: Args) -> EnvConfig:
@@ -110,25 +122,34 @@ def check_args(args: Args) -> EnvConfig:
 class WorldModel(nn.Module):
     """forward(x (B,C,F,F), a (B,)) -> next-frame logits; inverse(x, x_next) -> action logits (B, A)."""
 
-    def __init__(self, channels: int):
+    def __init__(self, channels: int, action_gate: bool = True):
         super().__init__()
-        self.f = conv_stack(N_CHANNELS + N_ACTIONS, channels, N_CHANNELS)
+        self.action_gate = action_gate
+        self.f = conv_stack(N_CHANNELS + N_ACTIONS + (N_ACTIONS * N_CHANNELS if action_gate else 0), channels, N_CHANNELS)
         self.g = conv_stack(2 * N_CHANNELS, channels, N_ACTIONS)
 
     def forward(self, x, a):
         b, _, h, w = x.shape
         planes = F.one_hot(a, N_ACTIONS).float()[:, :, None, None].expand(b, N_ACTIONS, h, w)
-        return self.f(torch.cat([x, planes], 1))
+        gate = [gated_planes(x, a)] if self.action_gate else []
+        return self.f(torch.cat([x, planes, *gate], 1))
 
     def inverse(self, x, x_next):
         return self.g(torch.cat([x, x_next], 1)).amax(dim=(2, 3))  # max-pool: the move happens in one place
 
 
 # ---- losses ----
-def forward_loss(model: WorldModel, x, a, x_next):
-    """Eq. (1). Returns (loss, logits)."""
+def forward_loss(model: WorldModel, x, a, x_next, change_weight: float = 0.0):
+    """Eq. (1), the pixels where x_next != x weighted 1 + change_weight. Returns (loss, logits)."""
     logits = model(x, a)
-    return F.binary_cross_entropy_with_logits(logits, x_next), logits
+    w = 1.0 + change_weight * (x_next != x).float() if change_weight else None
+    return F.binary_cross_entropy_with_logits(logits, x_next, weight=w), logits
+
+
+def feed(logits: torch.Tensor, feedback: str) -> torch.Tensor:
+    """The imagined frame fed back: sigmoid(logits), snapped to {0, 0.5, 1} if feedback == 'snap'."""
+    p = torch.sigmoid(logits)
+    return torch.round(p * 2) / 2 if feedback == "snap" else p
 
 
 def inverse_loss(model: WorldModel, x, a, x_next_or_pred):
@@ -176,7 +197,8 @@ def run_real(cfg: EnvConfig, eps: float, n: int, horizon: int, seed: int):
 
 
 @torch.no_grad()
-def run_imagined(model: WorldModel, cfg: EnvConfig, eps: float, n: int, horizon: int, seed: int, thr: float):
+def run_imagined(model: WorldModel, cfg: EnvConfig, eps: float, n: int, horizon: int, seed: int, thr: float,
+                 feedback: str = "soft"):
     """Imagined episodes from the same initial frames. Returns success (n,), terminated (n,), frames."""
     env = GridWorld(cfg, n, seed)  # only its initial frame and static layout are used
     rng = np.random.default_rng(seed + 7)
@@ -188,18 +210,19 @@ def run_imagined(model: WorldModel, cfg: EnvConfig, eps: float, n: int, horizon:
     for _ in range(horizon):
         cells = agent_cells(x.numpy(), cfg)
         a = greedy_actions(dist, cells, eps, rng)
-        nxt = torch.sigmoid(model(x, torch.from_numpy(a)))
+        nxt = feed(model(x, torch.from_numpy(a)), feedback)
         probs = torch.softmax(model.inverse(x, nxt), -1).numpy()
         exp_a = expected_action(walls, cells, a)
         term |= ~done & (probs[np.arange(n), exp_a] < thr)
         x = nxt
         frames.append(x.numpy())
-        done |= (agent_cells(x.numpy(), cfg) == goal).all(1)
+        done |= (agent_cells(x.numpy(), cfg, strict=True) == goal).all(1)  # an agent drawn on the goal
     return done, term, np.stack(frames, 1)
 
 
 @torch.no_grad()
-def next_state_check(model: WorldModel, cfg: EnvConfig, frames: np.ndarray, effs: np.ndarray) -> dict:
+def next_state_check(model: WorldModel, cfg: EnvConfig, frames: np.ndarray, effs: np.ndarray,
+                     feedback: str = "soft") -> dict:
     """Eq. (6): one-step and open-loop agreement with real executed rollouts (frames (n, T+1, ...))."""
     n, t = effs.shape
     x = torch.from_numpy(frames[:, :-1].reshape(n * t, *frames.shape[2:]))
@@ -207,10 +230,10 @@ def next_state_check(model: WorldModel, cfg: EnvConfig, frames: np.ndarray, effs
     one = torch.sigmoid(model(x, a)).numpy().reshape(frames[:, 1:].shape)
     cur, open_loop = torch.from_numpy(frames[:, 0]), []
     for j in range(t):
-        cur = torch.sigmoid(model(cur, torch.from_numpy(effs[:, j])))
+        cur = feed(model(cur, torch.from_numpy(effs[:, j])), feedback)
         open_loop.append(cur.numpy())
     open_loop = np.stack(open_loop, 1)
-    hit = lambda p: (agent_cells(p, cfg) == agent_cells(frames[:, 1:], cfg)).all(-1)  # (n, T)
+    hit = lambda p: (agent_cells(p, cfg, strict=True) == agent_cells(frames[:, 1:], cfg)).all(-1)  # (n, T)
     return {"one_step_mse": float(((one - frames[:, 1:]) ** 2).mean()), "one_step_agent_acc": float(hit(one).mean()),
             "open_loop_mse": ((open_loop - frames[:, 1:]) ** 2).mean(axis=(0, 2, 3, 4)),
             "open_loop_agent_acc": hit(open_loop).mean(0)}
@@ -252,7 +275,7 @@ def main(args: Args) -> dict:
     y_all = torch.from_numpy(fr[:, 1:].reshape(-1, *fr.shape[2:])).to(device)
     a_all = torch.from_numpy(eff.reshape(-1)).to(device)
 
-    model = WorldModel(args.channels).to(device)
+    model = WorldModel(args.channels, args.action_gate).to(device)
     opt, sched = optimiser(model, args.lr, args.steps)
     gen = torch.Generator().manual_seed(args.seed)
     bar = tqdm(range(args.steps), desc=args.exp_name, disable=None)
@@ -260,7 +283,7 @@ def main(args: Args) -> dict:
         with timer("train"):
             idx = torch.randint(0, len(a_all), (args.batch_size,), generator=gen)
             x, a, y = x_all[idx], a_all[idx], y_all[idx]
-            lf, logits = forward_loss(model, x, a, y)
+            lf, logits = forward_loss(model, x, a, y, args.change_weight)
             lg = inverse_loss(model, x, a, y)
             lc = inverse_loss(model, x, a, torch.sigmoid(logits)) if args.consistency > 0 else torch.zeros(())
             loss = lf + lg + args.consistency * lc
@@ -278,13 +301,14 @@ def main(args: Args) -> dict:
     for i, eps in enumerate(args.policies):
         seed = args.seed + 20_000 + i
         r_succ, r_frames, r_effs = run_real(cfg, eps, args.episodes, args.horizon, seed)
-        i_succ, i_term, _ = run_imagined(model, cfg, eps, args.episodes, args.horizon, seed, args.term_threshold)
+        i_succ, i_term, _ = run_imagined(model, cfg, eps, args.episodes, args.horizon, seed, args.term_threshold,
+                                         args.feedback)
         keep = ~i_term
         real.append(r_succ.mean())
         imag.append(i_succ.mean())
         imag_t.append(i_succ[keep].mean() if keep.any() else i_succ.mean())
         term_frac.append(i_term.mean())
-        checks.append(next_state_check(model, cfg, r_frames, r_effs))
+        checks.append(next_state_check(model, cfg, r_frames, r_effs, args.feedback))
         tracker.log({"eval/real_success": real[-1], "eval/imagined_success": imag[-1],
                      "eval/imagined_success_term": imag_t[-1], "eval/terminated": term_frac[-1], "eval/eps": eps}, i)
     r, m = pearson(imag, real), mmrv(real, imag)
