@@ -70,6 +70,17 @@ def run(names: list[str], seeds: list[int], out_root: Path) -> None:
                                                             "pearson", "mmrv", "wall_s"))), flush=True)
 
 
+MODEL_CHANGE = "371f7af"  # the commit where the world models' action input and diffusion loss changed
+
+
+def _after_model_change(commit: str) -> bool:
+    """Whether a row's commit contains MODEL_CHANGE (False when git cannot tell)."""
+    import subprocess
+
+    r = subprocess.run(["git", "merge-base", "--is-ancestor", MODEL_CHANGE, commit], cwd=ROOT, capture_output=True)
+    return r.returncode == 0
+
+
 def collect_rows() -> dict:
     """{script: {metric: [values over seeds]}} from the CSV (the latest row per script/seed/metric)."""
     latest = {}
@@ -131,6 +142,12 @@ def report() -> None:
                 f"{np.mean(data[n][f'{key}_{i}']):.2f}" for i in range(n_pol)) for n in pe_names) + " |")
     any_row = next(iter(meta.values()))
     commits = ", ".join(f"`{c}`" for c in sorted({r["commit"] for r in read_rows(CSV)}))
+    stale = sorted({r["commit"] for r in read_rows(CSV) if not _after_model_change(r["commit"])})
+    if stale:
+        lines += ["", f"Rows from commits {', '.join(f'`{c}`' for c in stale)} predate `{MODEL_CHANGE}` (the action "
+                  "also entering multiplicatively, the diffusion x0-prediction fitted by cross-entropy) and, there, "
+                  "the agent-cell error took the brightest cell of the agent channel; they show the models that "
+                  "lost the agent, not the current ones."]
     lines += ["", f"Commits {commits}; {any_row['hardware']}, {any_row['versions']}; "
               "rows in `benchmarks/results/world_models.csv`; curves in `benchmarks/results/world_models.png`."]
     MD.write_text("\n".join(lines) + "\n")
