@@ -109,8 +109,9 @@ class Args:
     """operand digits of the arithmetic tasks (training and the main held-out eval)"""
     device: str = "auto"
     """auto (CUDA if present), cpu or cuda"""
-    threads: int = 2
-    """torch CPU threads per process"""
+    threads: int = 1
+    """torch CPU threads per process (1: the chunk loop is bound by per-call costs; 2 ran 4x slower on a busy 2-core
+    machine)"""
     # rollout
     engine: Literal["hf", "vllm"] = "hf"
     """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
@@ -165,7 +166,7 @@ class Args:
     agg_const: int = 0
     """the constant k of --loss-agg const (0 = max_new_tokens)"""
     # optimisation
-    steps: int = 50
+    steps: int = 40
     """training steps (each trains B complete groups; 0 = simulator only)"""
     ppo_epochs: int = 1
     """passes over each rollout batch"""
@@ -186,7 +187,7 @@ class Args:
     kernels: bool = False
     """use the Triton kernels (fused log-prob; the fused loss with --is recompute) when a GPU is present"""
     # eval and checkpoints
-    eval_every: int = 25
+    eval_every: int = 20
     """training steps between held-out evaluations"""
     eval_examples: int = 500
     """held-out prompts for greedy accuracy"""
