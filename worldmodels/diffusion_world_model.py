@@ -25,17 +25,17 @@ Deviations:
   loss instead of EDM's c_skip/c_out mixing and weighting: with the EDM form and our ~1 minute CPU budget the
   3-step samples kept speckle noise (measured: agent cell wrong at h=1 in 75% of test rollouts); predicting
   the clean frame directly removes it.
-- Why the agent was lost (measured, 500 steps on 500 trajectories, seed 0, 256 test rollouts, agent-cell
-  error at h=1 counting only frames that draw exactly one agent): with the action as constant one-hot planes
-  only, the small conv net learned to copy the frame but not to move the agent by the action; the old
-  x0-prediction (linear output, squared error) never drew the agent at all (error 1.00; the one-shot
-  prediction D(x; sigma=5) had an agent channel of at most 0.18, and 3 or 6 Euler steps, sigma_min from 2e-3
-  to 0.2, training log-sigma mean 0.5 instead of -0.4, or a 20x loss weight on changed pixels left it at
-  0.96-1.00). The noise schedule and the sampler were not the cause. Changes, both on by default:
-  `x0_loss = bce` (the x0-prediction is 2 P(pixel = 1) - 1, fitted by cross-entropy: same minimiser, but it
-  drew the agent; error 0.88, still unmoved) and `action_gate` (the last context frame times each action's
-  indicator as extra input planes, `gated_planes` in _envs.py, so one convolution can shift the agent the
-  way the action says). `--x0-loss mse --no-action-gate` is the old model up to the sigmoid head.
+- Why the agent is lost (measured, 500 steps on 500 trajectories, seed 0, 256 test rollouts, agent-cell
+  error at h=1 counting only frames that draw exactly one agent): the denoiser copies the frame and does not
+  move the agent by the action; with this x0-prediction (linear output, squared error) it never draws the
+  agent at all (error 1.00; the one-shot prediction D(x; sigma=5) has an agent channel of at most 0.18).
+  Not the sampler or the noise schedule: 3 or 6 Euler steps, sigma_min from 2e-3 to 0.2, training log-sigma
+  mean 0.5 instead of -0.4, or a 20x loss weight on changed pixels left it at 0.96-1.00. Options tried,
+  off by default because they did not fix it at this budget: `--x0-loss bce` (the x0-prediction as
+  2 P(pixel = 1) - 1 fitted by cross-entropy; draws an agent, error 0.88, still unmoved), plus
+  `--action-gate` (the last context frame times each action's indicator as extra input, `gated_planes` in
+  _envs.py; error 0.93). Still open: a model that moves the agent (more steps, a larger net, or an
+  architecture that shifts the frame by the action).
 - DIAMOND's U-Net with adaptive group norm is replaced by a 4-layer conv net; the noise level and the action
   enter as constant input planes. Frames are 10 x 10 x 3 gridworld images, not Atari.
 - 3 Euler steps, as in DIAMOND, without its stochastic churn. Sampled frames are clamped to [-1, 1] and
@@ -48,8 +48,7 @@ Commands:
   python worldmodels/diffusion_world_model.py                      # ~2 min on 1 CPU thread
   python worldmodels/diffusion_world_model.py --diffusion-forcing --ctx-sigma-eval 0.1
   python worldmodels/diffusion_world_model.py --device cuda --steps 20000 --channels 128
-Expected result: the figures below were measured before `x0_loss = bce` and `action_gate` (see Deviations)
-and are being re-measured. Old (benchmarks/results/world_models.md, row `diffusion`, seed 0): one-step pixel MSE 0.0038,
+Expected result (benchmarks/results/world_models.md, row `diffusion`, seed 0): one-step pixel MSE 0.0038,
 below copying the last frame (0.0048), but the agent is often misdrawn (agent cell wrong in 73% of
 rollouts at h=1 after this 1-minute budget), and the rollout blows up beyond the training horizon: MSE 0.019
 at h=8, 0.11 at h=16, 0.28 at h=32 (the frame fills with spurious walls and objects).
@@ -95,9 +94,9 @@ class Args(RolloutArgs):  # the fields all world-model scripts share: RolloutArg
     """mean of log sigma for the training noise levels (EDM/DIAMOND: -0.4)"""
     change_weight: float = 0.0
     """extra loss weight on the pixels the step changed (eq. 2's weight; 0: unweighted)"""
-    x0_loss: Literal["bce", "mse"] = "bce"
+    x0_loss: Literal["bce", "mse"] = "mse"
     """eq. (2) as cross-entropy on pixel probabilities (bce) or squared error (mse)"""
-    action_gate: bool = True
+    action_gate: bool = False
     """also feed the last context frame times each action's indicator (`gated_planes`)"""
 
 
@@ -120,7 +119,7 @@ def c_noise(sigma: torch.Tensor) -> torch.Tensor:
 class Denoiser(nn.Module):
     """Eq. (1). x_noisy (B, C, F, F), sigma (B,), ctx (B, K, C, F, F) in [-1, 1], ctx_sigma (B, K), action (B,)."""
 
-    def __init__(self, context: int, channels: int, action_gate: bool = True):
+    def __init__(self, context: int, channels: int, action_gate: bool = False):
         super().__init__()
         self.action_gate = action_gate
         cin = N_CHANNELS + context * N_CHANNELS + N_ACTIONS + 1 + context + (N_ACTIONS * N_CHANNELS if action_gate else 0)
@@ -159,7 +158,7 @@ def change_weights(x0: torch.Tensor, prev: torch.Tensor, change_weight: float) -
 
 
 def diffusion_loss(model: Denoiser, x0, ctx, ctx_sigma, action, gen: torch.Generator | None = None,
-                   weight: torch.Tensor | None = None, p_mean: float = P_MEAN, x0_loss: str = "bce"):
+                   weight: torch.Tensor | None = None, p_mean: float = P_MEAN, x0_loss: str = "mse"):
     """Eq. (2): denoising loss on target x0 (B, C, F, F) given the context, per-pixel `weight` (None: 1);
     noise levels s ~ LogNormal(p_mean, P_STD). x0_loss 'bce': cross-entropy of the predicted pixel
     probabilities against (x0 + 1) / 2 (same minimiser as the squared error, E[x0 | x_noisy]); 'mse': the
