@@ -47,7 +47,7 @@ Commands:
 Expected: the default run (100 rollout batches of 64 prompts x 8, lr 1e-4) lifted held-out greedy accuracy on reach
 from 12.0 to 22.0 (+10.0 points) for seed 0 and for seed 1 alike (146-196 s on one shared thread with the pass@k
 curve off; at 32 prompts x 150 batches it was +6.0, peaking at 23.6: the larger batch is steadier). Greedy accuracy
-still moves by +-3 points between evaluations (seed 1: 22.4 at 70 batches, 16.8 at 80), so +10 is the margin, not a floor.
+still moves by +-3 points between evaluations (seed 1: 22.4 at 70 batches, 16.8 at 80): +10 is met, barely.
 Against plain GRPO after 40 batches (3 seeds): pass@1 14.8 ±
 1.3 vs 14.6 ± 0.2, AUC@16 58.9 ± 2.2 vs 58.6 ± 0.9, distinct strategies 1.19 ± 0.06 vs 1.18 ± 0.03: no difference
 at this scale (benchmarks/results/poise_unique.md).
