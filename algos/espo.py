@@ -55,8 +55,13 @@ Commands:
   python algos/espo.py --stop-k inf                             # no stop: algos/ppo.py exactly
   python algos/espo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --device cuda --max-new-tokens 512 \
       --prompts-per-step 64 --lr 1e-6 --vf-lr 1e-5 --stop-reward -1                          # one GPU (HF sampling)
-  accelerate launch --num_processes 4 algos/espo.py --model ... --device cuda          # several GPUs
-Expected: EXPECTED
+  accelerate launch --num_processes 4 algos/espo.py --model ... --device cuda          # several GPUs (each process
+                                                                                      # keeps its own statistics)
+Expected: the default lifts held-out greedy accuracy on the long-response task from 49.4 to 65.2 (+15.8 points,
+seed 0), with 22% of rows stopped, 90% of the stops after the first wrong token (2.8 tokens later) and an estimated
+11% of rollout tokens saved (benchmarks/results/defaults.md; 840 s measured while the 2 cores were shared with other
+jobs: decoding ran at 653 tokens/s, against 5000-7000 in the benchmark's runs). Against PPO, 30 batches of 64, 3
+seeds: 13.5 +- 0.7% fewer rollout tokens, accuracy inconclusive (benchmarks/results/espo.md, rows in espo.csv).
 """
 from __future__ import annotations
 
