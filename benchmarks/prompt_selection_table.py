@@ -89,6 +89,16 @@ def run(seeds) -> None:
                          "speedup_vs_dynamic": costs["DAPO-style dynamic sampling"][0] / r}, cmd)
 
 
+def verdict(a: list, b: list, spec: str) -> str:
+    """benchmarks/report.py's direction rule on two lists of per-seed values (figure 0 = a, figure 1 = b)."""
+    import statistics
+
+    from benchmarks.report import expected_direction
+
+    stat = lambda v: (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v))  # noqa: E731
+    return expected_direction(spec, [stat(a), stat(b)])
+
+
 def report() -> None:
     by, meta = defaultdict(dict), {}  # config -> seed -> metrics (a later row wins)
     for r in read_rows(CSV):
@@ -124,6 +134,17 @@ def report() -> None:
                   f"group). Mean ± std over {len(start)} seeds. Hardware: {row['hardware']} (shared); "
                   f"{row['versions']}; commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; command: "
                   f"`python benchmarks/prompt_selection_table.py`."]
+        cost = lambda label, k="rollouts_to_target": [r[k] for r in by[label].values()]  # noqa: E731
+        lines += ["", "In direction (benchmarks/report.py's rule: a difference counts only beyond the larger std): "
+                  f"Pilot-Commit needs fewer rollouts than GRPO: "
+                  f"{verdict(cost('Pilot-Commit'), cost('GRPO (uniform)'), '0<1')}; than DAPO-style: "
+                  f"{verdict(cost('Pilot-Commit'), cost('DAPO-style dynamic sampling'), '0<1')}; GRESO than DAPO-style: "
+                  f"{verdict(cost('GRESO'), cost('DAPO-style dynamic sampling'), '0<1')} (rollouts per informative "
+                  f"group: {verdict(cost('GRESO', 'rollouts_per_informative_group'), cost('DAPO-style dynamic sampling', 'rollouts_per_informative_group'), '0<1')}); "
+                  f"VADE trains on fewer zero-variance groups than GRPO: "
+                  f"{verdict(cost('VADE', 'zero_var_group_frac'), cost('GRPO (uniform)', 'zero_var_group_frac'), '0<1')}. "
+                  f"Every arm's held-out accuracy plateaus near 45-48% within the first ~2,000 sequences here and "
+                  f"then moves by several points between evaluations, so rollouts-to-target mostly measure that noise."]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -95,6 +95,16 @@ def run(seeds, grid_seeds) -> None:
                         f"python {SCRIPT} --reuse {reuse} --max-age {age} {COMMON} --seed {seed}")
 
 
+def verdict(a: list, b: list, spec: str) -> str:
+    """benchmarks/report.py's direction rule on two lists of per-seed values (figure 0 = a, figure 1 = b)."""
+    import statistics
+
+    from benchmarks.report import expected_direction
+
+    stat = lambda v: (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v))  # noqa: E731
+    return expected_direction(spec, [stat(a), stat(b)])
+
+
 def report() -> None:
     by, meta = defaultdict(dict), {}  # config -> seed -> metrics (a later row wins)
     for r in read_rows(CSV):
@@ -133,6 +143,16 @@ def report() -> None:
                   f"see `reached`). Mean ± std over seeds. Hardware: {row['hardware']} (shared); {row['versions']}; "
                   f"commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; command: "
                   f"`python benchmarks/replay_table.py`."]
+        get = lambda label, k: [r[k] for r in by[label].values()]  # noqa: E731
+        r2 = "reuse 2, age 1"
+        lines += ["", "At reuse 2 a group's second use is always the next update, so any maximum age >= 1 gives the "
+                  "same run (the age 1 and age 4 rows are identical); age matters from reuse 3 on. In direction "
+                  "(benchmarks/report.py's rule): reuse 2 beats GRPO at equal generated tokens: "
+                  f"{verdict(get(r2, 'eval_acc_end'), get(r2, 'grpo_acc_at_equal_tokens'), '0>1')}; keeps GRPO's "
+                  f"accuracy at equal updates with half the tokens: "
+                  f"{verdict(get(r2, 'eval_acc_end'), get('GRPO', 'eval_acc_end'), '0~1')}; keeps its entropy: "
+                  f"{verdict(get(r2, 'entropy_last'), get('GRPO', 'entropy_last'), '0~1')}; RLEP reaches GRPO's peak "
+                  f"in fewer updates: {verdict(get('RLEP', 'updates_to_grpo_peak'), get('GRPO', 'updates_to_grpo_peak'), '0<1')}."]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
