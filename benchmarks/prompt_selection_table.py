@@ -40,7 +40,8 @@ CSV, NAME, SCRIPT = "prompt_selection.csv", "prompt_selection", "algos/grpo_prom
 ARMS = {"GRPO (uniform)": ("uniform", 4), "DAPO-style dynamic sampling": ("dynamic", 2),
         "Pilot-Commit": ("pilot-commit", 4), "GRESO": ("greso", 2), "VADE": ("vade", 4)}
 BUDGET, SMOOTH = 40 * 32 * 8, 3
-FLAGS = dict(steps=200, rollout_budget=BUDGET, eval_examples=500, pass_k=0, eval_hard=False, threads=1)
+FLAGS = dict(steps=200, rollout_budget=BUDGET, pool_size=256, eval_examples=500, pass_k=0, eval_hard=False,
+             threads=1)
 
 
 def curve(run_dir: Path) -> list[tuple[int, float]]:
@@ -81,7 +82,7 @@ def run(seeds) -> None:
         costs = {label: cost_to(c, target) for label, c in curves.items()}
         for label, (sel, every) in ARMS.items():
             (r, reached), s = costs[label], summaries[label]
-            cmd = (f"python {SCRIPT} --selector {sel} --steps 200 --rollout-budget {BUDGET} --eval-every {every} "
+            cmd = (f"python {SCRIPT} --selector {sel} --pool-size 256 --steps 200 --rollout-budget {BUDGET} --eval-every {every} "
                    f"--eval-examples 500 --pass-k 0 --no-eval-hard --threads 1 --seed {seed}")
             append_rows(CSV, NAME, SCRIPT, label, seed,
                         {**s, "target_acc": target, "rollouts_to_target": r, "reached_target": float(reached),

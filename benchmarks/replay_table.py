@@ -39,8 +39,9 @@ from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noq
 CSV, NAME, SCRIPT = "replay.csv", "replay", "algos/grpo_replay.py"
 STEPS, EVAL_EVERY = 40, 4
 GRID = {"reuse 2, age 1": (2, 1), "reuse 2, age 4": (2, 4), "reuse 4, age 1": (4, 1), "reuse 4, age 4": (4, 4)}
-FLAGS = dict(steps=STEPS, eval_every=EVAL_EVERY, eval_examples=500, pass_k=0, eval_hard=False, threads=1)
-COMMON = f"--steps {STEPS} --eval-every {EVAL_EVERY} --eval-examples 500 --pass-k 0 --no-eval-hard --threads 1"
+FLAGS = dict(steps=STEPS, pool_size=256, eval_every=EVAL_EVERY, eval_examples=500, pass_k=0, eval_hard=False,
+             threads=1)
+COMMON = f"--pool-size 256 --steps {STEPS} --eval-every {EVAL_EVERY} --eval-examples 500 --pass-k 0 --no-eval-hard --threads 1"
 
 
 def curve(run_dir: Path) -> list[tuple[int, int, float]]:

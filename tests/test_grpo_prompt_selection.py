@@ -13,7 +13,7 @@ from algos import grpo
 from algos import grpo_prompt_selection as ps
 
 SMALL = ps.Args(steps=50, prompts_per_step=32, group_size=8, eval_every=50, eval_examples=300, pass_k=0,
-                eval_hard=False, out_dir="", exp_name="t", threads=1)
+                eval_hard=False, out_dir="", exp_name="t", threads=1, pool_size=256)
 
 
 def ex(i):
