@@ -91,8 +91,7 @@ def test_loss_is_zero_for_a_perfect_denoiser():
             return self.x0
     o = Oracle()
     o.x0 = torch.rand(3, 3, 10, 10)
-    assert dm.diffusion_loss(o, o.x0, torch.zeros(3, 2, 3, 10, 10), torch.zeros(3, 2), torch.zeros(3, dtype=torch.long),
-                             x0_loss="mse") == 0
+    assert dm.diffusion_loss(o, o.x0, torch.zeros(3, 2, 3, 10, 10), torch.zeros(3, 2), torch.zeros(3, dtype=torch.long)) == 0
 
 
 def test_one_step_beats_copy_last_frame(tmp_path):

@@ -25,17 +25,6 @@ Deviations:
   loss instead of EDM's c_skip/c_out mixing and weighting: with the EDM form and our ~1 minute CPU budget the
   3-step samples kept speckle noise (measured: agent cell wrong at h=1 in 75% of test rollouts); predicting
   the clean frame directly removes it.
-- Why the agent is lost (measured, 500 steps on 500 trajectories, seed 0, 256 test rollouts, agent-cell
-  error at h=1 counting only frames that draw exactly one agent): the denoiser copies the frame and does not
-  move the agent by the action; with this x0-prediction (linear output, squared error) it never draws the
-  agent at all (error 1.00; the one-shot prediction D(x; sigma=5) has an agent channel of at most 0.18).
-  Not the sampler or the noise schedule: 3 or 6 Euler steps, sigma_min from 2e-3 to 0.2, training log-sigma
-  mean 0.5 instead of -0.4, or a 20x loss weight on changed pixels left it at 0.96-1.00. Options tried,
-  off by default because they did not fix it at this budget: `--x0-loss bce` (the x0-prediction as
-  2 P(pixel = 1) - 1 fitted by cross-entropy; draws an agent, error 0.88, still unmoved), plus
-  `--action-gate` (the last context frame times each action's indicator as extra input, `gated_planes` in
-  _envs.py; error 0.93). Still open: a model that moves the agent (more steps, a larger net, or an
-  architecture that shifts the frame by the action).
 - DIAMOND's U-Net with adaptive group norm is replaced by a 4-layer conv net; the noise level and the action
   enter as constant input planes. Frames are 10 x 10 x 3 gridworld images, not Atari.
 - 3 Euler steps, as in DIAMOND, without its stochastic churn. Sampled frames are clamped to [-1, 1] and
@@ -58,7 +47,6 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Literal
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -71,7 +59,7 @@ import tyro
 from tqdm import tqdm
 
 from worldmodels._envs import (N_ACTIONS, N_CHANNELS, EnvConfig, RolloutArgs, check_rollout_args, conv_stack,
-                               gated_planes, load_data, optimiser, random_windows, report_rollouts, start_run)
+                               load_data, optimiser, random_windows, report_rollouts, start_run)
 
 SIGMA_DATA, P_MEAN, P_STD = 0.5, -0.4, 1.2  # EDM / DIAMOND defaults
 SIGMA_MIN, SIGMA_MAX, RHO = 2e-3, 5.0, 7.0
@@ -90,14 +78,6 @@ class Args(RolloutArgs):  # the fields all world-model scripts share: RolloutArg
     """noise level put on context frames at sampling time (needs --diffusion-forcing to mean anything)"""
     denoise_steps: int = 3
     """Euler steps per sampled frame"""
-    p_mean: float = P_MEAN
-    """mean of log sigma for the training noise levels (EDM/DIAMOND: -0.4)"""
-    change_weight: float = 0.0
-    """extra loss weight on the pixels the step changed (eq. 2's weight; 0: unweighted)"""
-    x0_loss: Literal["bce", "mse"] = "mse"
-    """eq. (2) as cross-entropy on pixel probabilities (bce) or squared error (mse)"""
-    action_gate: bool = False
-    """also feed the last context frame times each action's indicator (`gated_planes`)"""
 
 
 def check_args(args: Args) -> EnvConfig:
@@ -119,27 +99,20 @@ def c_noise(sigma: torch.Tensor) -> torch.Tensor:
 class Denoiser(nn.Module):
     """Eq. (1). x_noisy (B, C, F, F), sigma (B,), ctx (B, K, C, F, F) in [-1, 1], ctx_sigma (B, K), action (B,)."""
 
-    def __init__(self, context: int, channels: int, action_gate: bool = False):
+    def __init__(self, context: int, channels: int):
         super().__init__()
-        self.action_gate = action_gate
-        cin = N_CHANNELS + context * N_CHANNELS + N_ACTIONS + 1 + context + (N_ACTIONS * N_CHANNELS if action_gate else 0)
+        cin = N_CHANNELS + context * N_CHANNELS + N_ACTIONS + 1 + context
         self.net = conv_stack(cin, channels, N_CHANNELS)
 
     def raw(self, x_in, sigma, ctx, ctx_sigma, action):
         b, k, c, h, w = ctx.shape
         planes = torch.cat([F.one_hot(action, N_ACTIONS).float(), c_noise(sigma)[:, None],
                             c_noise(ctx_sigma)], 1)[:, :, None, None].expand(b, -1, h, w)
-        gate = [gated_planes(ctx[:, -1], action)] if self.action_gate else []
-        return self.net(torch.cat([x_in, ctx.reshape(b, k * c, h, w), planes, *gate], 1))
-
-    def logits(self, x_noisy, sigma, ctx, ctx_sigma, action):
-        """Per-pixel logits of P(clean pixel = 1) (pixel values in [0, 1]; see Deviations)."""
-        c_in = 1 / (sigma[:, None, None, None] ** 2 + SIGMA_DATA ** 2).sqrt()
-        return self.raw(c_in * x_noisy, sigma, ctx, ctx_sigma, action)
+        return self.net(torch.cat([x_in, ctx.reshape(b, k * c, h, w), planes], 1))
 
     def forward(self, x_noisy, sigma, ctx, ctx_sigma, action):
-        """The x0-prediction in [-1, 1]: E[x0] = 2 P(pixel = 1) - 1."""
-        return 2 * torch.sigmoid(self.logits(x_noisy, sigma, ctx, ctx_sigma, action)) - 1
+        c_in = 1 / (sigma[:, None, None, None] ** 2 + SIGMA_DATA ** 2).sqrt()
+        return self.raw(c_in * x_noisy, sigma, ctx, ctx_sigma, action)
 
 
 # ---- losses ----
@@ -151,26 +124,12 @@ def noise_context(ctx: torch.Tensor, gen: torch.Generator | None = None):
     return ctx + sig[:, :, None, None, None] * torch.randn_like(ctx), sig
 
 
-def change_weights(x0: torch.Tensor, prev: torch.Tensor, change_weight: float) -> torch.Tensor:
-    """Per-pixel loss weights 1 + w [x0 != prev]: the pixels that the step changed (the agent's old and new
-    cells, 2 of 300 values) count 1 + w times."""
-    return 1.0 + change_weight * (x0 != prev).float()
-
-
-def diffusion_loss(model: Denoiser, x0, ctx, ctx_sigma, action, gen: torch.Generator | None = None,
-                   weight: torch.Tensor | None = None, p_mean: float = P_MEAN, x0_loss: str = "mse"):
-    """Eq. (2): denoising loss on target x0 (B, C, F, F) given the context, per-pixel `weight` (None: 1);
-    noise levels s ~ LogNormal(p_mean, P_STD). x0_loss 'bce': cross-entropy of the predicted pixel
-    probabilities against (x0 + 1) / 2 (same minimiser as the squared error, E[x0 | x_noisy]); 'mse': the
-    squared error of D. Returns a scalar."""
+def diffusion_loss(model: Denoiser, x0, ctx, ctx_sigma, action, gen: torch.Generator | None = None):
+    """Eq. (2): denoising loss on target x0 (B, C, F, F) given the context; returns a scalar."""
     b = x0.shape[0]
-    sigma = torch.exp(p_mean + P_STD * torch.randn(b, generator=gen, device=x0.device))
+    sigma = torch.exp(P_MEAN + P_STD * torch.randn(b, generator=gen, device=x0.device))
     x_noisy = x0 + sigma[:, None, None, None] * torch.randn(x0.shape, generator=gen, device=x0.device)
-    if x0_loss == "bce":
-        return F.binary_cross_entropy_with_logits(model.logits(x_noisy, sigma, ctx, ctx_sigma, action),
-                                                  (x0 + 1) / 2, weight=weight)
-    err = (model(x_noisy, sigma, ctx, ctx_sigma, action) - x0) ** 2
-    return (err if weight is None else weight * err).mean()
+    return F.mse_loss(model(x_noisy, sigma, ctx, ctx_sigma, action), x0)
 
 
 # ---- sampling and eval ----
@@ -213,7 +172,7 @@ def main(args: Args) -> dict:
     frames = frames * 2 - 1  # the denoiser works in [-1, 1]
 
     k = args.context
-    model = Denoiser(k, args.channels, args.action_gate).to(device)
+    model = Denoiser(k, args.channels).to(device)
     opt, sched = optimiser(model, args.lr, args.steps)
     gen = torch.Generator().manual_seed(args.seed)
     bar = tqdm(range(args.steps), desc=args.exp_name, disable=None)
@@ -223,8 +182,7 @@ def main(args: Args) -> dict:
             ctx, csig = win[:, :k], torch.zeros(args.batch_size, k)
             if args.diffusion_forcing:
                 ctx, csig = noise_context(ctx, gen)
-            wgt = change_weights(win[:, k], win[:, k - 1], args.change_weight) if args.change_weight else None
-            loss = diffusion_loss(model, win[:, k], ctx, csig, wacts[:, 0], gen, wgt, args.p_mean, args.x0_loss)
+            loss = diffusion_loss(model, win[:, k], ctx, csig, wacts[:, 0], gen)
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -40,9 +40,6 @@ Deviations:
   steps (2) to save time; evaluation uses `denoise_steps` (3).
 - x0-prediction instead of EDM's preconditioning, a 4-layer conv net, 10 x 10 x 3 frames (see the
   parent's Deviations).
-- The parent's options `--x0-loss bce`, `--action-gate`, `--change-weight` and `--p-mean` are here too (the
-  cycle loss uses the same loss); off by default: in the parent they did not make the denoiser move the
-  agent at a 500-step budget (see the parent's Deviations).
 
 Commands:
   python worldmodels/live.py                    # LIVE, ~3 min on 1 CPU thread
@@ -76,7 +73,7 @@ import tyro
 from tqdm import tqdm
 
 from worldmodels._envs import (INVERSE, N_ACTIONS, N_CHANNELS, EnvConfig, RolloutArgs, check_rollout_args, conv_stack,
-                               gated_planes, load_data, optimiser, random_windows, report_rollouts, start_run)
+                               load_data, optimiser, random_windows, report_rollouts, start_run)
 
 SIGMA_DATA, P_MEAN, P_STD = 0.5, -0.4, 1.2  # EDM / DIAMOND defaults
 SIGMA_MIN, SIGMA_MAX, RHO = 2e-3, 5.0, 7.0
@@ -106,14 +103,6 @@ class Args(RolloutArgs):  # the fields all world-model scripts share: RolloutArg
     """noise level put on context frames at sampling time (needs --mode df to mean anything)"""
     denoise_steps: int = 3
     """Euler steps per sampled frame"""
-    p_mean: float = P_MEAN
-    """mean of log sigma for the training noise levels (EDM/DIAMOND: -0.4)"""
-    change_weight: float = 0.0
-    """extra loss weight on the pixels the step changed (eq. 2's weight; 0: unweighted)"""
-    x0_loss: Literal["bce", "mse"] = "mse"
-    """eq. (2) as cross-entropy on pixel probabilities (bce) or squared error (mse)"""
-    action_gate: bool = False
-    """also feed the last context frame times each action's indicator (`gated_planes`)"""
 
 
 def check_args(args: Args) -> EnvConfig:
@@ -142,27 +131,20 @@ def c_noise(sigma: torch.Tensor) -> torch.Tensor:
 class Denoiser(nn.Module):
     """Eq. (1). x_noisy (B, C, F, F), sigma (B,), ctx (B, K, C, F, F) in [-1, 1], ctx_sigma (B, K), action (B,)."""
 
-    def __init__(self, context: int, channels: int, action_gate: bool = False):
+    def __init__(self, context: int, channels: int):
         super().__init__()
-        self.action_gate = action_gate
-        cin = N_CHANNELS + context * N_CHANNELS + N_ACTIONS + 1 + context + (N_ACTIONS * N_CHANNELS if action_gate else 0)
+        cin = N_CHANNELS + context * N_CHANNELS + N_ACTIONS + 1 + context
         self.net = conv_stack(cin, channels, N_CHANNELS)
 
     def raw(self, x_in, sigma, ctx, ctx_sigma, action):
         b, k, c, h, w = ctx.shape
         planes = torch.cat([F.one_hot(action, N_ACTIONS).float(), c_noise(sigma)[:, None],
                             c_noise(ctx_sigma)], 1)[:, :, None, None].expand(b, -1, h, w)
-        gate = [gated_planes(ctx[:, -1], action)] if self.action_gate else []
-        return self.net(torch.cat([x_in, ctx.reshape(b, k * c, h, w), planes, *gate], 1))
-
-    def logits(self, x_noisy, sigma, ctx, ctx_sigma, action):
-        """Per-pixel logits of P(clean pixel = 1) (pixel values in [0, 1]; see Deviations)."""
-        c_in = 1 / (sigma[:, None, None, None] ** 2 + SIGMA_DATA ** 2).sqrt()
-        return self.raw(c_in * x_noisy, sigma, ctx, ctx_sigma, action)
+        return self.net(torch.cat([x_in, ctx.reshape(b, k * c, h, w), planes], 1))
 
     def forward(self, x_noisy, sigma, ctx, ctx_sigma, action):
-        """The x0-prediction in [-1, 1]: E[x0] = 2 P(pixel = 1) - 1."""
-        return 2 * torch.sigmoid(self.logits(x_noisy, sigma, ctx, ctx_sigma, action)) - 1
+        c_in = 1 / (sigma[:, None, None, None] ** 2 + SIGMA_DATA ** 2).sqrt()
+        return self.raw(c_in * x_noisy, sigma, ctx, ctx_sigma, action)
 
 
 # ---- losses ----
@@ -174,26 +156,12 @@ def noise_context(ctx: torch.Tensor, gen: torch.Generator | None = None):
     return ctx + sig[:, :, None, None, None] * torch.randn_like(ctx), sig
 
 
-def change_weights(x0: torch.Tensor, prev: torch.Tensor, change_weight: float) -> torch.Tensor:
-    """Per-pixel loss weights 1 + w [x0 != prev]: the pixels that the step changed (the agent's old and new
-    cells, 2 of 300 values) count 1 + w times."""
-    return 1.0 + change_weight * (x0 != prev).float()
-
-
-def diffusion_loss(model: Denoiser, x0, ctx, ctx_sigma, action, gen: torch.Generator | None = None,
-                   weight: torch.Tensor | None = None, p_mean: float = P_MEAN, x0_loss: str = "mse"):
-    """Eq. (2): denoising loss on target x0 (B, C, F, F) given the context, per-pixel `weight` (None: 1);
-    noise levels s ~ LogNormal(p_mean, P_STD). x0_loss 'bce': cross-entropy of the predicted pixel
-    probabilities against (x0 + 1) / 2 (same minimiser as the squared error, E[x0 | x_noisy]); 'mse': the
-    squared error of D. Returns a scalar."""
+def diffusion_loss(model: Denoiser, x0, ctx, ctx_sigma, action, gen: torch.Generator | None = None):
+    """Eq. (2): denoising loss on target x0 (B, C, F, F) given the context; returns a scalar."""
     b = x0.shape[0]
-    sigma = torch.exp(p_mean + P_STD * torch.randn(b, generator=gen, device=x0.device))
+    sigma = torch.exp(P_MEAN + P_STD * torch.randn(b, generator=gen, device=x0.device))
     x_noisy = x0 + sigma[:, None, None, None] * torch.randn(x0.shape, generator=gen, device=x0.device)
-    if x0_loss == "bce":
-        return F.binary_cross_entropy_with_logits(model.logits(x_noisy, sigma, ctx, ctx_sigma, action),
-                                                  (x0 + 1) / 2, weight=weight)
-    err = (model(x_noisy, sigma, ctx, ctx_sigma, action) - x0) ** 2
-    return (err if weight is None else weight * err).mean()
+    return F.mse_loss(model(x_noisy, sigma, ctx, ctx_sigma, action), x0)
 
 
 # ---- sampling and eval ----
@@ -256,11 +224,10 @@ def reconstruct_initial(step_fn, ctx0: torch.Tensor, acts: torch.Tensor, k: int)
     return step_fn(rev_ctx, last)
 
 
-def cycle_loss(model: Denoiser, x0: torch.Tensor, rev_ctx: torch.Tensor, last_action: torch.Tensor, gen=None,
-               weight: torch.Tensor | None = None, p_mean: float = P_MEAN, x0_loss: str = "mse"):
+def cycle_loss(model: Denoiser, x0: torch.Tensor, rev_ctx: torch.Tensor, last_action: torch.Tensor, gen=None):
     """Eq. (6): the diffusion loss on the true initial frame given the (detached) generated reverse context."""
     zeros = torch.zeros(rev_ctx.shape[:2], device=rev_ctx.device)
-    return diffusion_loss(model, x0, rev_ctx.detach(), zeros, last_action, gen, weight, p_mean, x0_loss)
+    return diffusion_loss(model, x0, rev_ctx.detach(), zeros, last_action, gen)
 
 
 def curriculum_length(step: int, total: int, horizon: int, start: float, ramp: float) -> int:
@@ -280,7 +247,7 @@ def main(args: Args) -> dict:
     frames = frames * 2 - 1  # the denoiser works in [-1, 1]
 
     k = args.context
-    model = Denoiser(k, args.channels, args.action_gate).to(device)
+    model = Denoiser(k, args.channels).to(device)
     opt, sched = optimiser(model, args.lr, args.steps)
     gen = torch.Generator().manual_seed(args.seed)
     bar = tqdm(range(args.steps), desc=args.exp_name, disable=None)
@@ -290,8 +257,7 @@ def main(args: Args) -> dict:
             ctx, csig = win[:, :k], torch.zeros(args.batch_size, k)
             if args.mode == "df":
                 ctx, csig = noise_context(ctx, gen)
-            wgt = change_weights(win[:, k], win[:, k - 1], args.change_weight) if args.change_weight else None
-            base = diffusion_loss(model, win[:, k], ctx, csig, wacts[:, 0], gen, wgt, args.p_mean, args.x0_loss)
+            base = diffusion_loss(model, win[:, k], ctx, csig, wacts[:, 0], gen)
             n = curriculum_length(step, args.steps, args.cycle_horizon, args.cycle_start, args.curriculum)
             cyc = torch.zeros(())
             if args.mode == "live" and n > 0:
@@ -301,9 +267,7 @@ def main(args: Args) -> dict:
                     step_fn = lambda c, a: sample_next(model, c, a, args.rollout_denoise_steps, gen=gen)
                     rev_ctx, last, _ = forward_reverse(step_fn, cwin[:, :k], cacts, k)
                     model.train()
-                    cw = (change_weights(cwin[:, k - 1], cwin[:, k], args.change_weight)
-                          if args.change_weight else None)  # x_0 against x_1: the cells the step changed
-                    cyc = cycle_loss(model, cwin[:, k - 1], rev_ctx, last, gen, cw, args.p_mean, args.x0_loss)
+                    cyc = cycle_loss(model, cwin[:, k - 1], rev_ctx, last, gen)
             loss = base + args.cycle_weight * cyc
             opt.zero_grad()
             loss.backward()
