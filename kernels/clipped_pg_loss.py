@@ -25,14 +25,27 @@ Maths (per token, r = exp(logp - old_logp), A the advantage, w the reduction wei
     d kl / d logp = 1 - exp(ref - logp)
 Padding positions (w = 0) are ignored even when they hold inf or NaN.
 
-Memory layout: the [B, T] inputs are read through their strides (no copies; a [B] advantage is read with a
-T-stride of 0); each forward program reduces BLOCK tokens to three partial sums (pg, kl, clip) written to a
-[programs, 3] buffer that torch sums (deterministic, no atomics). The backward re-reads the inputs and
-writes d logp: it is cheaper to recompute r than to store it.
+Schedule: the op is launch-bound (a few MB of traffic, microseconds of HBM time), so it is built to issue as
+few launches as possible, gradients computed in the forward as Liger-Kernel's losses do:
+    forward   1. torch `mask.sum` (token_mean: the token count; seq_mean: the per-row lengths), one launch;
+              2. one Triton kernel: per token the weight w = mask / denominator, the loss terms and the
+                 gradient w (d pg / d logp + beta d kl / d logp), stored as a [B, T] tensor in logp's dtype;
+                 each program writes its partial sums (pg, kl, clip, loss) to a [programs, 4] buffer;
+              3. torch `.sum()` of the loss partials and 4. `.sum(0)` of the statistics partials, one launch
+                 each (deterministic: a fixed summation order, no atomics). The statistics are views of that
+                 [3] vector; the loss is a tensor of its own, so a caller may still modify it in place.
+    backward  grad_out * saved_grad: one elementwise torch op (the 0-d fp32 grad_out does not promote a
+              bf16 gradient). A second backward through retain_graph reuses the same saved gradient.
+    In all 4 launches forward + 1 backward (fewer would need atomics into a buffer zeroed per call, itself a
+    launch, or a loss that is a view), none of them a host sync; every buffer is torch.empty from the
+    caching allocator (no launch). The previous design took ~9: the weights in torch (4), the forward
+    kernel, its sum, the loss arithmetic (2), the backward kernel.
+The [B, T] inputs are read through their strides (no copies; a [B] advantage is read with a T-stride of 0).
 
-Roofline floor: purely memory-bound. Forward reads 4-5 values per token (logp, old, adv, mask, ref);
-backward reads the same and writes one. At fp32 that is about 20 B/token forward and 24 B/token backward:
-floor = bytes / HBM bandwidth. Eager torch materialises ~10 temporaries of [B, T], hence the speedup.
+Roofline floor: purely memory-bound. The forward reads 4-5 values per token (logp, old, adv, mask, ref) and
+writes the gradient; the backward reads and writes it once more: 25-36 B/token in fp32 (the benchmark counts 36),
+so at B=64 T=4096 (9.4 MB) the floor is about 0.002 ms on an H200 (4.8 TB/s); the measured time is set by the
+launches and Python, not by memory. Measured ratio to the floor: see benchmarks/results/kernels.md.
 """
 from __future__ import annotations
 
@@ -47,15 +60,19 @@ def _use_triton(*tensors) -> bool:
     return use_triton(globals(), *tensors)  # this module's kernels, made interpretable when asked
 
 
-# ---- Triton kernels ----
+# ---- Triton kernel ----
 @triton.jit
-def _token_terms(LP, OLD, ADV, REF, W, offs, T, numel, s_lp, s_old, s_adv_b, s_adv_t, s_ref, s_w,
-                 eps_low, eps_high, HAS_REF: tl.constexpr):
-    """Per-token (weight, ratio, advantage, clip-active flag, pg, kl, d kl / d logp) for a block of tokens."""
+def _pg_fwd_kernel(LP, OLD, ADV, REF, MASK, DEN, GRAD, PART, T, numel, s_lp, s_old, s_adv_b, s_adv_t, s_ref, s_m,
+                   s_den, den_scale, eps_low, eps_high, beta, HAS_REF: tl.constexpr, BLOCK: tl.constexpr):
+    """Per token: weight, loss terms and d loss / d logp (stored); per program: 4 partial sums."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < numel
     b = offs // T
     t = offs % T
-    inb = offs < numel
-    w = tl.load(W + b * s_w + t, mask=inb, other=0.0)
+    m = tl.load(MASK + b * s_m + t, mask=inb, other=0).to(tl.float32)
+    den = tl.maximum(tl.load(DEN + b * s_den, mask=inb, other=1.0).to(tl.float32), 1.0) * den_scale
+    w = m / den                                            # the reduction weight (0 on padding)
     active = w != 0.0
     # padding may hold inf/NaN: replace it before any arithmetic so it cannot leak through 0 * inf
     lp = tl.where(active, tl.load(LP + b * s_lp + t, mask=inb, other=0.0).to(tl.float32), 0.0)
@@ -65,81 +82,73 @@ def _token_terms(LP, OLD, ADV, REF, W, offs, T, numel, s_lp, s_old, s_adv_b, s_a
     clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
     pg = -tl.minimum(ratio * adv, clipped * adv)
     clip_on = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
+    dpg = tl.where(clip_on, 0.0, -ratio * adv)
     if HAS_REF:
         ref = tl.where(active, tl.load(REF + b * s_ref + t, mask=inb, other=0.0).to(tl.float32), 0.0)
         d = ref - lp
         kl = tl.exp(d) - d - 1.0
         dkl = 1.0 - tl.exp(d)
+        grad = w * (dpg + beta * dkl)
     else:
         kl = tl.zeros_like(ratio)
-        dkl = tl.zeros_like(ratio)
-    return w, ratio, adv, clip_on, pg, kl, dkl
-
-
-@triton.jit
-def _pg_fwd_kernel(LP, OLD, ADV, REF, W, PART, T, numel, s_lp, s_old, s_adv_b, s_adv_t, s_ref, s_w,
-                   eps_low, eps_high, HAS_REF: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    w, ratio, adv, clip_on, pg, kl, dkl = _token_terms(LP, OLD, ADV, REF, W, offs, T, numel, s_lp, s_old,
-                                                       s_adv_b, s_adv_t, s_ref, s_w, eps_low, eps_high, HAS_REF)
-    tl.store(PART + pid * 3 + 0, tl.sum(w * pg, 0))
-    tl.store(PART + pid * 3 + 1, tl.sum(w * kl, 0))
-    tl.store(PART + pid * 3 + 2, tl.sum(tl.where(clip_on, w, 0.0), 0))
-
-
-@triton.jit
-def _pg_bwd_kernel(LP, OLD, ADV, REF, W, GRAD, DLP, T, numel, s_lp, s_old, s_adv_b, s_adv_t, s_ref, s_w,
-                   eps_low, eps_high, beta, HAS_REF: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    w, ratio, adv, clip_on, pg, kl, dkl = _token_terms(LP, OLD, ADV, REF, W, offs, T, numel, s_lp, s_old,
-                                                       s_adv_b, s_adv_t, s_ref, s_w, eps_low, eps_high, HAS_REF)
-    g = tl.load(GRAD)
-    dpg = tl.where(clip_on, 0.0, -ratio * adv)
-    tl.store(DLP + offs, g * w * (dpg + beta * dkl), mask=offs < numel)  # DLP is a contiguous [B, T]
+        grad = w * dpg
+    tl.store(GRAD + offs, grad.to(GRAD.dtype.element_ty), mask=inb)  # GRAD is a contiguous [B, T]
+    pg_sum = tl.sum(w * pg, 0)
+    kl_sum = tl.sum(w * kl, 0)
+    tl.store(PART + pid * 4 + 0, pg_sum)
+    tl.store(PART + pid * 4 + 1, kl_sum)
+    tl.store(PART + pid * 4 + 2, tl.sum(tl.where(clip_on, w, 0.0), 0))
+    tl.store(PART + pid * 4 + 3, pg_sum + beta * kl_sum)
 
 
 # ---- autograd wrapper ----
-def _strides(logp, old, adv, ref, w):
+def _strides(logp, old, adv, ref, mask):
     s_adv_t = adv.stride(1) if adv.dim() == 2 else 0
-    for name, x in (("logp", logp), ("old_logp", old), ("ref_logp", ref), ("weights", w)):
+    for name, x in (("logp", logp), ("old_logp", old), ("ref_logp", ref), ("mask", mask)):
         if x.stride(1) != 1:
             raise ValueError(f"{name} must be contiguous along the token dimension")
     if adv.dim() == 2 and adv.stride(1) != 1:
         raise ValueError("advantages must be contiguous along the token dimension")
-    return logp.stride(0), old.stride(0), adv.stride(0), s_adv_t, ref.stride(0), w.stride(0)
+    return logp.stride(0), old.stride(0), adv.stride(0), s_adv_t, ref.stride(0), mask.stride(0)
 
 
 BLOCK = 1024
 
 
 class _ClippedPG(torch.autograd.Function):
+    """Forward computes the loss, the statistics and the gradient; backward only scales the saved gradient."""
+
     @staticmethod
-    def forward(ctx, logp, old, adv, ref, w, eps_low, eps_high, beta, has_ref):
+    def forward(ctx, logp, old, adv, ref, mask, reduction, eps_low, eps_high, beta, has_ref):
         B, T = logp.shape
         numel = B * T
+        # launch 1: the denominators (the token count, or each row's length for seq_mean)
+        if reduction == "token_mean":
+            den, s_den, den_scale = mask.sum(dtype=torch.float32), 0, 1.0
+        else:
+            den, s_den, den_scale = mask.sum(1, dtype=torch.float32), 1, float(B)
         block = BLOCK if logp.is_cuda else max(16, min(BLOCK, triton.next_power_of_2(numel)))
         n_prog = triton.cdiv(numel, block)
-        part = new_output((n_prog, 3), logp.device)
-        _pg_fwd_kernel[(n_prog,)](logp, old, adv, ref, w, part, T, numel, *_strides(logp, old, adv, ref, w),
-                                  eps_low, eps_high, HAS_REF=has_ref, BLOCK=block)
-        sums = part.sum(0)
-        ctx.save_for_backward(logp, old, adv, ref, w)
-        ctx.args = (eps_low, eps_high, beta, has_ref, block)
-        loss, kl, clip, pg = sums[0] + beta * sums[1], sums[1], sums[2], sums[0]
-        ctx.mark_non_differentiable(kl, clip, pg)  # statistics only
-        return loss, kl, clip, pg
+        part = new_output((n_prog, 4), logp.device)
+        grad = new_output((B, T), logp.device, logp.dtype)
+        # launch 2: everything per token
+        _pg_fwd_kernel[(n_prog,)](logp, old, adv, ref, mask, den, grad, part, T, numel,
+                                  *_strides(logp, old, adv, ref, mask), s_den, den_scale, eps_low, eps_high, beta,
+                                  HAS_REF=has_ref, BLOCK=block)
+        # launches 3 and 4: the loss gets its own tensor (a view of a stats vector would forbid in-place use
+        # of the returned loss); the statistics are views of one [3] sum
+        loss = part[:, 3].sum()
+        stats = part[:, :3].sum(0)
+        ctx.save_for_backward(grad)
+        pg, kl, clip = stats[0], stats[1], stats[2]
+        ctx.mark_non_differentiable(pg, kl, clip)  # statistics only
+        return loss, pg, kl, clip
 
     @staticmethod
     def backward(ctx, g_loss, *_stats_grads):
-        logp, old, adv, ref, w = ctx.saved_tensors
-        eps_low, eps_high, beta, has_ref, block = ctx.args
-        B, T = logp.shape
-        dlp = new_output((B, T), logp.device)
-        _pg_bwd_kernel[(triton.cdiv(B * T, block),)](logp, old, adv, ref, w, g_loss.float().reshape(1), dlp, T,
-                                                     B * T, *_strides(logp, old, adv, ref, w), eps_low,
-                                                     eps_high, beta, HAS_REF=has_ref, BLOCK=block)
-        return dlp.to(logp.dtype), None, None, None, None, None, None, None, None
+        (grad,) = ctx.saved_tensors
+        # one launch; a 0-d grad_out keeps grad's dtype (fp32 maths, one rounding for bf16)
+        return grad * g_loss, None, None, None, None, None, None, None, None, None
 
 
 # ---- public function and reference ----
@@ -169,12 +178,17 @@ def clipped_pg_loss(logp, old_logp, advantages, mask, eps_low: float = 0.2, eps_
                     ref_logp=None, beta: float = 0.0, reduction: str = "token_mean"):
     """Clipped surrogate + optional k3 KL, reduced over masked tokens. Returns (loss, stats)."""
     _check(logp, old_logp, advantages, mask, ref_logp, eps_low, eps_high)
-    w = _weights(mask, reduction)
-    if not _use_triton(logp, old_logp, advantages, w):
+    if reduction not in ("token_mean", "seq_mean"):
+        raise ValueError(f"reduction must be 'token_mean' or 'seq_mean', got {reduction!r}")
+    if not _use_triton(logp, old_logp, advantages, mask):
         return clipped_pg_loss_ref(logp, old_logp, advantages, mask, eps_low, eps_high, ref_logp, beta, reduction)
     has_ref = ref_logp is not None
+    if mask.stride(1) != 1:  # read through its row stride; a transposed or expanded mask is copied once
+        mask = mask.contiguous()
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)  # same bytes, no copy; Triton reads it as 0/1 integers
     ref = ref_logp.detach() if has_ref else logp.detach()  # dummy pointer when there is no reference
-    loss, kl, clip, pg = _ClippedPG.apply(logp, old_logp.detach(), advantages.detach(), ref, w,
+    loss, pg, kl, clip = _ClippedPG.apply(logp, old_logp.detach(), advantages.detach(), ref, mask.detach(), reduction,
                                           float(eps_low), float(eps_high), float(beta), has_ref)
     return loss, {"pg": pg.detach(), "kl": kl.detach(), "clip_frac": clip.detach()}
 

@@ -1,4 +1,4 @@
-"""Speculative-decoding rejection sampler: accept or resample a batch of drafts in one kernel.
+"""Speculative-decoding rejection sampler: accept or resample a batch of drafts in two kernel launches.
 
 Public function:
 
@@ -12,7 +12,7 @@ Public function:
         returns tokens [B, K + 1] int64 (emitted tokens, -1 after the last one) and num_accepted [B] int64;
         each row emits num_accepted + 1 tokens.
 
-Triton kernel when the tensors are on CUDA (or on CPU with TRITON_INTERPRET=1, the tests); the pure-torch
+Triton kernels when the tensors are on CUDA (or on CPU with TRITON_INTERPRET=1, the tests); the pure-torch
 `spec_rejection_sample_ref` otherwise. The inputs are read through their strides, so broadcast (expanded)
 p and q cost nothing.
 
@@ -25,13 +25,23 @@ test, and check that the wrong rule min(1, q/p) fails it). The draw y = smallest
 C the running sum of the (unnormalised) weights: inverse-CDF sampling without normalising.
 If rounding leaves max(0, p - q) with zero mass, the row falls back to p_j.
 
-Memory layout and schedule: one program handles BLOCK_B rows as vectors (so the K acceptance steps are a
-handful of gathers); the final draw walks the vocabulary in [BLOCK_B, BLOCK_V] tiles twice (total mass, then
-the inverse-CDF count), reading only the one distribution row each sequence needs.
+Schedule (two launches, the vocabulary split across programs so that every SM streams):
+    1. `_accept_and_mass_kernel`, grid (row blocks, vocabulary chunks of CHUNK = N_IT x BLOCK_V): every program
+       redoes the row's K acceptance tests (a handful of cached gathers; the chunk-0 program stores the
+       accepted drafts, -1 padding and num_accepted), then reads the one distribution row it needs, p_r and,
+       only for rows that rejected, q_r, over its chunk and stores two partial masses: sum max(p - q, 0)
+       and sum p. Rows that accepted all K drafts read only p_K (the masked q loads move no memory).
+    2. `_draw_kernel`, grid (row blocks): prefix sums of the chunk masses pick the chunk that holds the
+       inverse-CDF point u_K * total, then only that chunk is re-read and scanned with a cumsum. The second
+       pass therefore reads CHUNK values per row instead of V.
+The previous design ran one program per 4 rows walking V serially twice: 64 programs on 132 SMs, each
+streaming 2.4 MB, latency-bound; this one runs B x V / CHUNK programs (4864 at B=256, V=151936).
 
-Roofline floor: memory-bound: the draw reads at most 2 rows of V probabilities per sequence (p and q at the
-rejected position) twice, plus O(K) gathers: about 16 V bytes per sequence in fp32. Eager torch builds the
-[B, V] residual, its cumsum and a multinomial, several passes more.
+Roofline floor: memory-bound: the draw must read the rejected position's p and q rows once, 8 V bytes per
+sequence in fp32 (4 V for bonus rows), plus O(K) gathers and the chunk re-read (8 CHUNK bytes): at B=256,
+V=151936 about 311 MB, 0.065 ms at 4.8 TB/s (the benchmark's floor column counts the older two-pass design's
+16 V bytes per sequence, 0.13 ms). Measured ratio to the floor: see benchmarks/results/kernels.md.
+Eager torch builds the [B, V] residual, its cumsum and a multinomial, several passes more.
 """
 from __future__ import annotations
 
@@ -46,14 +56,16 @@ def _use_triton(*tensors) -> bool:
     return use_triton(globals(), *tensors)  # this module's kernels, made interpretable when asked
 
 
-# ---- Triton kernel ----
+# ---- Triton kernels ----
 @triton.jit
-def _spec_kernel(D, Q, P, U, OUT, NACC, B, V,
-                 sd_b, sq_b, sq_k, sp_b, sp_k, su_b, so_b,
-                 K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
+def _accept_and_mass_kernel(D, Q, P, U, OUT, NACC, PART, B, V, n_chunks,
+                            sd_b, sq_b, sq_k, sp_b, sp_k, su_b, so_b,
+                            K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_IT: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    chunk = tl.program_id(1)
     rmask = rows < B
     rows64 = rows.to(tl.int64)
+    first = (tl.zeros((BLOCK_B,), tl.int32) + chunk) == 0  # chunk 0's programs store the tokens
     n_acc = tl.zeros((BLOCK_B,), tl.int64)
     alive = rmask
     # 1. acceptance tests, left to right; a row stops at its first rejection
@@ -63,42 +75,72 @@ def _spec_kernel(D, Q, P, U, OUT, NACC, B, V,
         qx = tl.load(Q + rows64 * sq_b + j * sq_k + x, mask=rmask, other=0.0).to(tl.float32)
         u = tl.load(U + rows64 * su_b + j, mask=rmask, other=1.0)
         acc = alive & (u * qx < px)
-        tl.store(OUT + rows64 * so_b + j, tl.where(acc, x, -1), mask=rmask)
+        tl.store(OUT + rows64 * so_b + j, tl.where(acc, x, -1), mask=rmask & first)
         n_acc += acc.to(tl.int64)
         alive = acc
-    tl.store(OUT + rows64 * so_b + K, tl.full((BLOCK_B,), -1, tl.int64), mask=rmask)
+    tl.store(OUT + rows64 * so_b + K, tl.full((BLOCK_B,), -1, tl.int64), mask=rmask & first)
+    tl.store(NACC + rows64, n_acc, mask=rmask & first)
 
-    # 2. the final draw at position r = n_acc: residual max(0, p_r - q_r) after a rejection, p_K as bonus
+    # 2. this chunk's mass of the residual max(0, p_r - q_r) (= p_K for bonus rows) and of p_r (the fallback)
     r = n_acc
     rejected = r < K
     p_row = P + rows64 * sp_b + r * sp_k
     q_row = Q + rows64 * sq_b + tl.minimum(r, K - 1) * sq_k
-    tot_res = tl.zeros((BLOCK_B,), tl.float32)
-    tot_p = tl.zeros((BLOCK_B,), tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
+    res = tl.zeros((BLOCK_B,), tl.float32)
+    tot = tl.zeros((BLOCK_B,), tl.float32)
+    for it in tl.static_range(N_IT):
+        cols = chunk * (N_IT * BLOCK_V) + it * BLOCK_V + tl.arange(0, BLOCK_V)
         m2 = rmask[:, None] & (cols < V)[None, :]
         p = tl.load(p_row[:, None] + cols[None, :], mask=m2, other=0.0).to(tl.float32)
         q = tl.load(q_row[:, None] + cols[None, :], mask=m2 & rejected[:, None], other=0.0).to(tl.float32)
-        tot_res += tl.sum(tl.maximum(p - q, 0.0), 1)
-        tot_p += tl.sum(p, 1)
-    use_res = rejected & (tot_res > 0)                   # otherwise draw from p itself (bonus, or fallback)
-    total = tl.where(use_res, tot_res, tot_p)
+        res += tl.sum(tl.maximum(p - q, 0.0), 1)
+        tot += tl.sum(p, 1)
+    base = PART + (rows64 * n_chunks + chunk) * 2
+    tl.store(base, res, mask=rmask)
+    tl.store(base + 1, tot, mask=rmask)
+
+
+@triton.jit
+def _draw_kernel(Q, P, U, OUT, NACC, PART, B, V, n_chunks,
+                 sq_b, sq_k, sp_b, sp_k, su_b, so_b,
+                 K: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, N_IT: tl.constexpr,
+                 NC: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rmask = rows < B
+    rows64 = rows.to(tl.int64)
+    r = tl.load(NACC + rows64, mask=rmask, other=0)
+    rejected = r < K
+    # chunk masses -> which chunk holds the point u_K * total
+    cidx = tl.arange(0, NC)
+    cm = rmask[:, None] & (cidx < n_chunks)[None, :]
+    pbase = PART + (rows64[:, None] * n_chunks + cidx[None, :]) * 2
+    res_c = tl.load(pbase, mask=cm, other=0.0)
+    p_c = tl.load(pbase + 1, mask=cm, other=0.0)
+    use_res = rejected & (tl.sum(res_c, 1) > 0)          # otherwise draw from p itself (bonus, or fallback)
+    w_c = tl.where(use_res[:, None], res_c, p_c)
+    cum = tl.cumsum(w_c, 1)                              # C at each chunk's end
+    total = tl.sum(tl.where(cidx[None, :] == n_chunks - 1, cum, 0.0), 1)
     thr = tl.load(U + rows64 * su_b + K, mask=rmask, other=0.0) * total
-    running = tl.zeros((BLOCK_B,), tl.float32)
-    count = tl.zeros((BLOCK_B,), tl.int64)               # number of v with C_v <= thr = the sampled index
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        m2 = rmask[:, None] & (cols < V)[None, :]
-        p = tl.load(p_row[:, None] + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        q = tl.load(q_row[:, None] + cols[None, :], mask=m2 & use_res[:, None], other=0.0).to(tl.float32)
+    c_star = tl.sum(((cum <= thr[:, None]) & cm).to(tl.int32), 1)   # first chunk whose end passes thr
+    c_star = tl.minimum(c_star, n_chunks - 1)                        # u * total can round up to total
+    running = tl.sum(tl.where(cidx[None, :] == c_star[:, None] - 1, cum, 0.0), 1)  # C before that chunk
+    # scan the chosen chunk: count v with C_v <= thr
+    start = c_star.to(tl.int64) * (N_IT * BLOCK_V)
+    p_row = P + rows64 * sp_b + r * sp_k + start
+    q_row = Q + rows64 * sq_b + tl.minimum(r, K - 1) * sq_k + start
+    count = tl.zeros((BLOCK_B,), tl.int64)
+    for it in tl.static_range(N_IT):
+        offs = it * BLOCK_V + tl.arange(0, BLOCK_V)
+        m2 = rmask[:, None] & ((start[:, None] + offs[None, :]) < V)
+        p = tl.load(p_row[:, None] + offs[None, :], mask=m2, other=0.0).to(tl.float32)
+        q = tl.load(q_row[:, None] + offs[None, :], mask=m2 & use_res[:, None], other=0.0).to(tl.float32)
         w = tl.maximum(p - q, 0.0)                        # = p where q was not loaded
         c = tl.cumsum(w, 1) + running[:, None]
         count += tl.sum(((c <= thr[:, None]) & m2).to(tl.int64), 1)
         running += tl.sum(w, 1)
-    y = tl.minimum(count, V - 1)                         # u * total can round up to the last C_v
+    # rounding (the chunk's own cumsum vs its mass) can push the count past the chunk or the vocabulary
+    y = tl.minimum(start + tl.minimum(count, N_IT * BLOCK_V - 1), V - 1)
     tl.store(OUT + rows64 * so_b + r, y, mask=rmask)
-    tl.store(NACC + rows64, n_acc, mask=rmask)
 
 
 # ---- public function and reference ----
@@ -131,13 +173,25 @@ def spec_rejection_sample(draft_tokens, draft_probs, target_probs, uniforms):
     u = uniforms.to(torch.float32).contiguous()
     out = new_output((B, K + 1), d.device, torch.int64, fill=0)  # poisoned with -7, a value it never writes
     n_acc = new_output((B,), d.device, torch.int64, fill=0)
-    if d.is_cuda:
-        block_b, block_v = 4, 1024
-    else:  # interpreter: few programs, one large tile
-        block_b, block_v = min(1024, triton.next_power_of_2(B)), min(256, triton.next_power_of_2(V))
-    _spec_kernel[(triton.cdiv(B, block_b),)](d, q, p, u, out, n_acc, B, V, d.stride(0), q.stride(0), q.stride(1),
-                                            p.stride(0), p.stride(1), u.stride(0), out.stride(0),
-                                            K=K, BLOCK_B=block_b, BLOCK_V=block_v)
+    if d.is_cuda:  # one row per program, 8 K-value chunks: B x V / 8192 programs (4864 at B=256, V=151936)
+        block_b, n_it = 1, 2
+        block_v = min(4096, triton.next_power_of_2(V))
+        warps = 8 if block_v >= 2048 else 4
+    else:  # interpreter: few programs, large row blocks; small chunks so the tests span several of them
+        block_b, n_it, warps = min(1024, triton.next_power_of_2(B)), 2, 4
+        block_v = min(64, triton.next_power_of_2(V))
+    n_chunks = triton.cdiv(V, n_it * block_v)
+    part = new_output((B, n_chunks, 2), d.device)
+    n_row_blocks = triton.cdiv(B, block_b)
+    # launch 1 of 2: acceptance + per-chunk masses
+    _accept_and_mass_kernel[(n_row_blocks, n_chunks)](d, q, p, u, out, n_acc, part, B, V, n_chunks, d.stride(0),
+                                                     q.stride(0), q.stride(1), p.stride(0), p.stride(1),
+                                                     u.stride(0), out.stride(0), K=K, BLOCK_B=block_b,
+                                                     BLOCK_V=block_v, N_IT=n_it, num_warps=warps)
+    # launch 2 of 2: the final draw
+    _draw_kernel[(n_row_blocks,)](q, p, u, out, n_acc, part, B, V, n_chunks, q.stride(0), q.stride(1), p.stride(0),
+                                  p.stride(1), u.stride(0), out.stride(0), K=K, BLOCK_B=block_b, BLOCK_V=block_v,
+                                  N_IT=n_it, NC=max(2, triton.next_power_of_2(n_chunks)), num_warps=warps)
     return out, n_acc
 
 

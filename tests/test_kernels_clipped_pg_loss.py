@@ -62,6 +62,48 @@ def test_ratio_one_gives_reinforce_gradient(interpret, monkeypatch):
     torch.testing.assert_close(logp.grad, expected.float())
 
 
+def test_backward_twice_through_retain_graph(interpret, monkeypatch):
+    """The forward saves d loss / d logp; every backward scales that one tensor by grad_out, leaving it intact."""
+    poison(monkeypatch)
+    logp, old, adv, mask, ref = _inputs(5, 33, torch.float32, DEV, per_token_adv=True)
+    lp = logp.detach().clone().requires_grad_()
+    loss, _ = K.clipped_pg_loss(lp, old, adv, mask, eps_low=0.2, eps_high=0.28, ref_logp=ref, beta=0.05)
+    loss.backward(retain_graph=True)
+    g1 = lp.grad.clone()
+    lp.grad = None
+    loss.backward(retain_graph=True)
+    torch.testing.assert_close(lp.grad, g1, rtol=0, atol=0)
+    lp.grad = None
+    (3.0 * loss).backward()                                # grad_out != 1 scales the saved gradient
+    torch.testing.assert_close(lp.grad, 3.0 * g1)
+    gold = _run(K.clipped_pg_loss_ref, logp.double(), old.double(), adv.double(), mask, ref.double(), 0.05,
+                "token_mean")[4]
+    torch.testing.assert_close(g1.double(), gold, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean"])
+def test_float_mask_and_row_strided_inputs(reduction, interpret, monkeypatch):
+    """A float mask and inputs that are column slices of wider tensors (row stride != T) are read in place."""
+    poison(monkeypatch)
+    logp, old, adv, mask, ref = _inputs(6, 40, torch.float32, DEV, per_token_adv=True, seed=3)
+    wide = [torch.cat([x, torch.zeros_like(x[:, :8])], 1)[:, :40] for x in (logp, old, adv, mask.float(), ref)]
+    assert wide[0].stride(0) == 48
+    out = _run(K.clipped_pg_loss, *wide, 0.05, reduction)
+    gold = _run(K.clipped_pg_loss_ref, *[x.double() for x in wide], 0.05, reduction)
+    for o, gl in zip(out, gold):
+        torch.testing.assert_close(o.double(), gl.double(), rtol=1e-5, atol=1e-7)
+
+
+def test_statistics_are_deterministic(interpret, monkeypatch):
+    """A fixed summation order (per-program partials, then one torch sum): bitwise equal results run to run."""
+    poison(monkeypatch)
+    logp, old, adv, mask, ref = _inputs(17, 100, torch.float32, DEV, per_token_adv=False)
+    a = _run(K.clipped_pg_loss, logp, old, adv, mask, ref, 0.1, "seq_mean")
+    b = _run(K.clipped_pg_loss, logp, old, adv, mask, ref, 0.1, "seq_mean")
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
 def test_bad_inputs_raise_clear_errors():
     x = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="advantages"):

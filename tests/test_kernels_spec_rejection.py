@@ -54,6 +54,31 @@ def test_fp32_matches_reference_draw_for_draw(shape, interpret, monkeypatch):
     _check(shape, torch.float32, DEV)
 
 
+def test_edge_rows_match_reference(interpret, monkeypatch):
+    """Rows that stress the chunked draw: zero residual (fallback to p), a residual that is zero over whole
+    leading chunks (u_K = 0 must skip them), u_K next to 1, next to ordinary rows; draw for draw."""
+    poison(monkeypatch)
+    d, q, p, u = _inputs(12, 2, 300, torch.float32, DEV, seed=4)
+    p, q, u, d = p.clone(), q.clone(), u.clone(), d.clone()
+    p[0:2, 0] = q[0:2, 0]
+    u[0:2, 0] = 1.0                                       # reject although p == q: max(p - q, 0) has no mass
+    d[6:8, 0] = 5                                         # (rows 0-2 have p == q at the drafted positions)
+    q[6:8, 0, :200] = 2 * p[6:8, 0, :200]                 # residual 0 on the first 200 tokens (chunks of 128)
+    u[6:8, 0] = 0.9                                       # q(x) = 2 p(x): rejected at 0
+    u[6:8, 2] = 0.0
+    u[8:10, 2] = 1.0 - 1e-7
+    tok, n = K.spec_rejection_sample(d, q, p, u)
+    tok_ref, n_ref = K.spec_rejection_sample_ref(d, q, p, u)
+    assert torch.equal(n.cpu(), n_ref.cpu()) and torch.equal(tok.cpu(), tok_ref.cpu())
+    assert (n[0:2] == 0).all() and (n[6:8] == 0).all() and (tok[6:8, 0] >= 200).all()
+
+
+def test_many_chunks_inverse_cdf(interpret, monkeypatch):
+    """A vocabulary of 25 chunks (interpreter chunk 128): every final draw is the inverse-CDF draw."""
+    poison(monkeypatch)
+    _check((24, 3, 3100), torch.float32, DEV, exact=False)
+
+
 # ---- distribution test ----
 V_TINY, K_TINY, N_SAMPLES = 6, 3, 40000
 # E[TV] of an n-sample empirical distribution over V outcomes is at most about 0.4 sqrt(V / n): allow ~4x that.
