@@ -143,6 +143,15 @@ def _draw_kernel(Q, P, U, OUT, NACC, PART, B, V, n_chunks,
     tl.store(OUT + rows64 * so_b + r, y, mask=rmask)
 
 
+def _launch_config(B: int, V: int, on_cuda: bool):
+    """(BLOCK_B, BLOCK_V, N_IT, num_warps). A test runs the CUDA choice through the interpreter."""
+    if on_cuda:  # one row per program, 8 K-value chunks: B x V / 8192 programs (4864 at B=256, V=151936)
+        block_v = min(4096, triton.next_power_of_2(V))
+        return 1, block_v, 2, (8 if block_v >= 2048 else 4)
+    # interpreter: few programs, large row blocks; small chunks so the tests span several of them
+    return min(1024, triton.next_power_of_2(B)), min(64, triton.next_power_of_2(V)), 2, 4
+
+
 # ---- public function and reference ----
 def _check(draft_tokens, draft_probs, target_probs, uniforms):
     if draft_tokens.dim() != 2:
@@ -173,13 +182,7 @@ def spec_rejection_sample(draft_tokens, draft_probs, target_probs, uniforms):
     u = uniforms.to(torch.float32).contiguous()
     out = new_output((B, K + 1), d.device, torch.int64, fill=0)  # poisoned with -7, a value it never writes
     n_acc = new_output((B,), d.device, torch.int64, fill=0)
-    if d.is_cuda:  # one row per program, 8 K-value chunks: B x V / 8192 programs (4864 at B=256, V=151936)
-        block_b, n_it = 1, 2
-        block_v = min(4096, triton.next_power_of_2(V))
-        warps = 8 if block_v >= 2048 else 4
-    else:  # interpreter: few programs, large row blocks; small chunks so the tests span several of them
-        block_b, n_it, warps = min(1024, triton.next_power_of_2(B)), 2, 4
-        block_v = min(64, triton.next_power_of_2(V))
+    block_b, block_v, n_it, warps = _launch_config(B, V, d.is_cuda)
     n_chunks = triton.cdiv(V, n_it * block_v)
     part = new_output((B, n_chunks, 2), d.device)
     n_row_blocks = triton.cdiv(B, block_b)

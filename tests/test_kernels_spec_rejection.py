@@ -79,6 +79,17 @@ def test_many_chunks_inverse_cdf(interpret, monkeypatch):
     _check((24, 3, 3100), torch.float32, DEV, exact=False)
 
 
+def test_cuda_tiling_through_the_interpreter(interpret, monkeypatch):
+    """The GPU's own tile choice (one row per program, 2 x 4096-wide tiles per chunk) on a vocabulary of three
+    chunks, so the launch configuration the H200 runs is checked on CPU too."""
+    poison(monkeypatch)
+    cuda_config = K._launch_config
+    monkeypatch.setattr(K, "_launch_config", lambda B, V, on_cuda: cuda_config(B, V, True))
+    assert K._launch_config(6, 20000, False) == (1, 4096, 2, 8)
+    _check((6, 2, 20000), torch.float32, DEV, exact=False)
+    _check((9, 2, 300), torch.float32, DEV)
+
+
 # ---- distribution test ----
 V_TINY, K_TINY, N_SAMPLES = 6, 3, 40000
 # E[TV] of an n-sample empirical distribution over V outcomes is at most about 0.4 sqrt(V / n): allow ~4x that.
