@@ -12,7 +12,7 @@ import json
 import random
 import re
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
@@ -320,20 +320,33 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
-def load_model(name: str, device="cpu", dtype=torch.float32):
-    """(model, tokenizer) for a tiny-* name, smollm2-135m, a Hugging Face id or a local path."""
+def load_model(name: str, device="cpu", dtype: str = "auto"):
+    """(model, tokenizer) for a tiny-* name, smollm2-135m, a Hugging Face id or a local path. Weights stay fp32 (the
+    optimiser's master copy); dtype 'bf16' ('auto' on CUDA) sets model.amp_dtype: bf16 autocast in generate and
+    token_logprobs, with the log-softmax and the losses in fp32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if dtype not in ("auto", "fp32", "bf16"):
+        raise SystemExit(f"--dtype must be auto, fp32 or bf16, got {dtype!r}")
     path = resolve_model_path(name)
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except OSError as e:
         raise SystemExit(f"could not load model {name!r}: {e}")
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    return model.to(device), tok
+    model = model.to(device)
+    on_cuda = torch.device(device).type == "cuda"
+    model.amp_dtype = torch.bfloat16 if dtype == "bf16" or (dtype == "auto" and on_cuda) else None
+    return model, tok
+
+
+def autocast(model):
+    """The model's mixed-precision context (bf16 autocast when load_model gave it amp_dtype, else a no-op)."""
+    dt = getattr(model, "amp_dtype", None)
+    return torch.autocast(next(model.parameters()).device.type, dtype=dt) if dt is not None else nullcontext()
 
 
 def encode_prompts(tok, prompts: list[str]) -> list[list[int]]:
@@ -374,85 +387,73 @@ def _completion_mask(ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     return (~after_eos).long()
 
 
+class _BehaviourLogprobs:
+    """A logits processor after temperature and top-p: it keeps the log-softmax of the scores the sampler draws
+    from for one step and reads the drawn token's log-prob at the next (O(B V) memory, not all [B, C, V] scores)."""
+
+    def __init__(self):
+        self.prev, self.cols = None, []
+
+    def __call__(self, input_ids, scores):
+        if self.prev is not None:
+            self.cols.append(self.prev.gather(1, input_ids[:, -1:]))
+        self.prev = torch.log_softmax(scores.float(), -1)
+        return scores
+
+    def logprobs(self, completion_ids: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.cols + [self.prev.gather(1, completion_ids[:, -1:])], 1)
+
+
 @torch.no_grad()
 def generate(model, tok, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int = 32,
-             temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, engine=None) -> Rollout:
-    """Sample `group_size` completions per prompt (token ids). `engine` = a VLLMEngine, else Hugging Face.
+             temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, engine=None,
+             fast: bool | None = None) -> Rollout:
+    """Sample `group_size` completions per prompt (token ids) with Hugging Face, or with `engine` (algos/_vllm.py).
 
-    The behaviour log-probs are those of the distribution actually sampled from (after temperature and
-    top-p), so they are exactly what importance ratios need.
-    """
+    The behaviour log-probs are those of the distribution actually sampled from (after temperature and top-p),
+    as importance ratios need. `fast` (default: on CUDA) uses a static KV cache, with which Hugging Face compiles
+    the decode step once and reuses it across calls and weight updates."""
     if engine is not None:
         return engine.generate(tok, prompts, group_size, max_new_tokens, temperature, top_p, greedy)
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
     device = next(model.parameters()).device
+    fast = (device.type == "cuda" and not getattr(model, "static_cache_failed", False)) if fast is None else fast
     ids, mask = left_pad([p for p in prompts for _ in range(group_size)], tok.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
-    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    width = -ids.shape[1] % 32 if fast else 0  # a fixed prompt width keeps the static cache's shape across calls
+    gen_ids = torch.nn.functional.pad(ids, (width, 0), value=tok.pad_token_id)
+    gen_mask = torch.nn.functional.pad(mask, (width, 0), value=0)
+    # Temperature and top-p as our own processors, so the recorder runs after them (generate would append
+    # its own warpers after every user processor); with these settings generate adds none of its own.
+    warpers = [] if greedy else [TemperatureLogitsWarper(temperature)] * (temperature != 1.0) + \
+        [TopPLogitsWarper(top_p)] * (top_p < 1.0)  # each only when it changes the scores
+    recorder = _BehaviourLogprobs()
     # only what we set: generate() would fill unset fields (repetition_penalty...) from the model's own config
     gc = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                          return_dict_in_generate=True, output_scores=True, **sampling)
+                          do_sample=not greedy, temperature=1.0, top_p=1.0, top_k=0,
+                          cache_implementation="static" if fast else None)
     own, model.generation_config = model.generation_config, gc
     try:
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+        with autocast(model):
+            seqs = model.generate(input_ids=gen_ids, attention_mask=gen_mask, generation_config=gc,
+                                  logits_processor=LogitsProcessorList(warpers + [recorder]))
+    except Exception as e:  # noqa: BLE001 - a failed compile must not end a training run: fall back, once
+        if not fast or getattr(model, "static_cache_failed", False):
+            raise
+        print(f"static-cache generate failed ({type(e).__name__}: {str(e)[:200]}); using the dynamic cache")
+        model.static_cache_failed = True
+        return generate(model, tok, prompts, group_size, max_new_tokens, temperature, top_p, greedy, fast=False)
     finally:
         model.generation_config = own
-    comp = out.sequences[:, ids.shape[1]:]
-    scores = torch.stack(out.scores, 1).float()  # [B, C, V] processed logits the sampler drew from
-    logprobs = torch.log_softmax(scores, -1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)
+    comp = seqs[:, gen_ids.shape[1]:]
+    logprobs = recorder.logprobs(comp)
     cmask = _completion_mask(comp, tok.eos_token_id)
-    logprobs = torch.where(cmask.bool(), logprobs, torch.zeros_like(logprobs))
-    comp = torch.where(cmask.bool(), comp, torch.full_like(comp, tok.pad_token_id))
-    stopped = ((comp == tok.eos_token_id) & cmask.bool()).any(1)
-    finish = ["stop" if s else "length" for s in stopped.tolist()]
-    texts = tok.batch_decode(comp, skip_special_tokens=True)
-    return Rollout(ids, mask, comp, cmask, logprobs, finish, texts)
-
-
-class VLLMEngine:
-    """vLLM rollouts on a GPU (`--engine vllm`). Weights are pushed after every optimiser step.
-
-    Follows vLLM's public offline API: `LLM.generate` with token-id prompts, and `collective_rpc` to load
-    the trainer's weights into every worker through the model's own `load_weights`.
-    """
-
-    def __init__(self, model_path: str, gpu_memory_utilization: float = 0.3, max_model_len: int = 2048,
-                 seed: int = 0):
-        try:
-            from vllm import LLM  # lazy: GPU-only dependency
-        except ImportError:
-            raise SystemExit("--engine vllm needs vLLM on a CUDA machine: pip install -r requirements-gpu.txt")
-
-        # processed_logprobs: log-probs after temperature / top-p, i.e. of the distribution actually sampled
-        self.llm = LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                       seed=seed, enable_prefix_caching=True, logprobs_mode="processed_logprobs")
-
-    def generate(self, tok, prompts, group_size, max_new_tokens, temperature, top_p, greedy) -> Rollout:
-        from vllm import SamplingParams, TokensPrompt
-
-        sp = SamplingParams(n=group_size, max_tokens=max_new_tokens, logprobs=0,
-                            temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-        comps, lps, finish = [], [], []
-        for o in outs:
-            for c in o.outputs:
-                comps.append(list(c.token_ids))
-                lps.append([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
-                finish.append("stop" if c.finish_reason == "stop" else "length")
-        width = max(1, max(len(c) for c in comps))
-        comp = torch.full((len(comps), width), tok.pad_token_id, dtype=torch.long)
-        lp, cmask = torch.zeros(len(comps), width), torch.zeros(len(comps), width, dtype=torch.long)
-        for i, (c, l) in enumerate(zip(comps, lps)):
-            comp[i, :len(c)], lp[i, :len(c)], cmask[i, :len(c)] = torch.tensor(c), torch.tensor(l), 1
-        ids, mask = left_pad([p for p in prompts for _ in range(group_size)], tok.pad_token_id)
-        return Rollout(ids, mask, comp, cmask, lp, finish, tok.batch_decode(comp, skip_special_tokens=True))
-
-    def sync_weights(self, model) -> None:
-        """Copy the trainer's current weights into vLLM (call after each optimiser step)."""
-        params = [(n, p.detach()) for n, p in model.state_dict().items()]
-        self.llm.collective_rpc(lambda self, ws: self.model_runner.model.load_weights(weights=ws), args=(params,))
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+    # masked_fill, not a product: after EOS, top-p may have given the pad token a log-prob of -inf
+    logprobs, comp = logprobs.masked_fill(cmask == 0, 0.0), comp.masked_fill(cmask == 0, tok.pad_token_id)
+    stopped = ((comp == tok.eos_token_id) & cmask.bool()).any(1).tolist()
+    return Rollout(ids, mask, comp, cmask, logprobs, ["stop" if s else "length" for s in stopped],
+                   tok.batch_decode(comp, skip_special_tokens=True))
 
 
 # ---- per-token log-probs ----
@@ -467,22 +468,23 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     ids = torch.cat([prompt_ids, completion_ids], 1)
     mask = torch.cat([prompt_mask, completion_mask], 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)  # left padding: positions count real tokens only
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
     P, (B, C) = prompt_ids.shape[1], completion_ids.shape
-    h = hidden[:, P - 1:-1].reshape(B * C, -1)  # the state that predicts each completion token
     targets = completion_ids.reshape(-1)
     head = model.get_output_embeddings()
-    if fused_fn is not None:
-        lp, ent = fused_fn(h, head.weight, targets, temperature)
-    else:
-        lps, ents = [], []
-        for s in range(0, B * C, chunk_tokens):
-            logits = head(h[s:s + chunk_tokens]).float() / temperature
-            logp = torch.log_softmax(logits, -1)
-            lps.append(logp.gather(-1, targets[s:s + chunk_tokens, None]).squeeze(-1))
-            if with_entropy:
-                ents.append(-(logp.exp() * logp).sum(-1))
-        lp, ent = torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+    with autocast(model):  # bf16 matmuls under --dtype bf16; the log-softmax below is fp32 either way
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+        h = hidden[:, P - 1:-1].reshape(B * C, -1)  # the state that predicts each completion token
+        if fused_fn is not None:
+            lp, ent = fused_fn(h, head.weight.to(h.dtype), targets, temperature)
+        else:
+            lps, ents = [], []
+            for s in range(0, B * C, chunk_tokens):
+                logits = head(h[s:s + chunk_tokens]).float() / temperature
+                logp = torch.log_softmax(logits, -1)
+                lps.append(logp.gather(-1, targets[s:s + chunk_tokens, None]).squeeze(-1))
+                if with_entropy:
+                    ents.append(-(logp.exp() * logp).sum(-1))
+            lp, ent = torch.cat(lps), (torch.cat(ents) if with_entropy else None)
     lp = lp.view(B, C) * completion_mask
     return (lp, ent.view(B, C) * completion_mask) if with_entropy else lp
 

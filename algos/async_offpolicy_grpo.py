@@ -102,6 +102,7 @@ import tyro
 from tqdm import tqdm
 
 import common
+from algos._vllm import VLLMEngine
 
 CORRECTIONS = ("plain", "recompute", "decoupled", "decoupled-loglinear", "m2po-mask", "m2po-clip", "vcpo",
                "ppo-ewma", "double-sided")
@@ -129,6 +130,8 @@ class Args:
     """auto (CUDA if present), cpu or cuda"""
     threads: int = 1
     """torch CPU threads per process (1: on a shared 2-core machine two threads ran 10x slower here)"""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
     # rollout
     engine: Literal["hf", "vllm"] = "hf"
     """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
@@ -656,11 +659,11 @@ def main(args: Args) -> dict:
     task = common.make_task(args.task, args.digits)
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, accel.device)
+    model, tok = common.load_model(args.model, accel.device, args.dtype)
     model.train()
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
     ewma = EWMA(model, args.ewma_decay) if args.correction == "ppo-ewma" else None
-    engine = common.VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
+    engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
         if args.engine == "vllm" else None
     fused_logprob = None
     if args.kernels and accel.device.type == "cuda":  # Triton: the fused lm_head + log-softmax

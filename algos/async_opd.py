@@ -116,6 +116,8 @@ class Args:
     """auto, cpu or cuda"""
     threads: int = 1
     """torch CPU threads"""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
     variant: Literal["fkl", "rkl-stale", "rkl-tis", "rkl-recompute", "rkl-mc", "rkl-sparse"] = "rkl-mc"
     """the loss / signal (see the header)"""
     staleness: int = 2
@@ -431,8 +433,8 @@ def main(args: Args) -> dict:
     task = common.make_task(args.task, args.digits)
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, device)
-    teacher, tok_t = common.load_model(args.teacher, device)
+    model, tok = common.load_model(args.model, device, args.dtype)
+    teacher, tok_t = common.load_model(args.teacher, device, args.dtype)
     check_teacher(tok, tok_t, model, teacher, args.teacher)
     teacher.eval().requires_grad_(False)
     behaviour = copy.deepcopy(model).eval().requires_grad_(False)  # the stale sampler

@@ -105,6 +105,8 @@ class Args:
     """auto (CUDA if present), cpu or cuda"""
     threads: int = 2
     """torch CPU threads per process"""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
     # rollout
     engine: Literal["hf", "vllm"] = "hf"
     """rollout engine: Hugging Face generate only (the stop rule needs every decode step's logits)"""
@@ -596,7 +598,7 @@ def main(args: Args) -> dict:
     task = common.make_task(args.task, args.digits)
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, accel.device)
+    model, tok = common.load_model(args.model, accel.device, args.dtype)
     model.train()
     critic = Critic(model).to(accel.device).train()
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None

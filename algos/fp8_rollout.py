@@ -116,6 +116,8 @@ class Args:
     threads: int = 1
     """torch CPU threads per process (1: the FP8 simulation is many small ops; a second thread on a shared 2-core
     machine slowed a rollout batch about tenfold)"""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
     # rollout
     engine: Literal["hf", "vllm"] = "hf"
     """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
@@ -798,7 +800,7 @@ def main(args: Args) -> dict:
     task = common.make_task(args.task, args.digits)
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, accel.device)
+    model, tok = common.load_model(args.model, accel.device, args.dtype)
     model.train()
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
     engine = FP8Engine(model, args)  # mu: the rollout copy at --rollout-dtype, re-quantised after every update

@@ -95,6 +95,8 @@ class Args:
     """auto, cpu or cuda"""
     threads: int = 1
     """torch CPU threads"""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
     mode: Literal["opsd", "pw-opsd", "trace", "grpo"] = "pw-opsd"
     """all-token OPSD, position-weighted OPSD (PW-OPSD), critical-span routing (TRACE) or plain GRPO"""
     privileged: Literal["solution", "answer"] = "solution"
@@ -422,7 +424,7 @@ def main(args: Args) -> dict:
                          "(add, addsteps) have span marks")
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, device)
+    model, tok = common.load_model(args.model, device, args.dtype)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 

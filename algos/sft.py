@@ -32,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -69,6 +70,8 @@ class Args:
     """auto (CUDA if present), cpu or cuda"""
     threads: int = 2
     """torch CPU threads"""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
     steps: int = 200
     """optimiser steps"""
     batch_size: int = 64
@@ -176,7 +179,7 @@ def main(args: Args) -> dict:
         model, tok = new_model(args.model, args.seed)
         model.to(device)
     else:
-        model, tok = common.load_model(args.model, device)
+        model, tok = common.load_model(args.model, device, args.dtype)
     n_params = sum(p.numel() for p in model.parameters())
     eval_rng = np.random.default_rng(12345)  # the same held-out prompts for every run and every script
     eval_sets = {t.name: t.sample("test", args.eval_examples, eval_rng) for t in tasks}
@@ -192,7 +195,9 @@ def main(args: Args) -> dict:
     for step in bar:
         examples = [ex for t in tasks for ex in t.sample("train", args.batch_size // len(tasks), rng)]
         ids, attn, loss_mask = (x.to(device) for x in build_batch(tok, examples))
-        loss = sft_loss(model(input_ids=ids, attention_mask=attn).logits, ids, loss_mask)
+        with common.autocast(model):  # bf16 matmuls under --dtype bf16; sft_loss is fp32
+            logits = model(input_ids=ids, attention_mask=attn).logits
+        loss = sft_loss(logits, ids, loss_mask)
         if not torch.isfinite(loss):
             raise SystemExit(f"non-finite loss at step {step}: lower --lr")
         opt.zero_grad(set_to_none=True)

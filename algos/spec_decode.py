@@ -101,6 +101,8 @@ class Args:
     """auto (CUDA if present), cpu or cuda"""
     threads: int = 2
     """torch CPU threads"""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
     # sampling
     prompts: int = 32
     """distinct prompts"""
@@ -500,11 +502,11 @@ def main(args: Args) -> dict:
     common.set_seed(args.seed)
     device = common.get_device(args.device)
     task = common.make_task(args.task, args.digits)
-    target, tok = common.load_model(args.model, device)
+    target, tok = common.load_model(args.model, device, args.dtype)
     target.eval()
     drafter = None
     if args.drafter == "model":
-        draft, dtok = common.load_model(args.draft_model, device)
+        draft, dtok = common.load_model(args.draft_model, device, args.dtype)
         if dtok.get_vocab() != tok.get_vocab():
             raise SystemExit(f"--draft-model {args.draft_model} has a different tokenizer from --model {args.model}")
         drafter = ModelDrafter(draft.eval(), tok.pad_token_id, args.temperature, args.top_p, args.greedy)

@@ -102,6 +102,8 @@ class Args:
     """auto (CUDA if present), cpu or cuda"""
     threads: int = 2
     """torch CPU threads per process"""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
     # rollout
     drafter: Literal["prev", "prev+ngram", "ngram", "model", "self", "none"] = "prev"
     """prev = SPEC-RL (last epoch's rollout; +ngram: n-gram drafts after a rejection), ngram = siblings (Seer),
@@ -662,7 +664,7 @@ def make_drafter(args: Args, model, tok, device):
     """The drafter of --drafter (None: plain sampling through the same loop, the baseline)."""
     sampling = (tok.pad_token_id, args.temperature, args.top_p, False)
     if args.drafter == "model":
-        dm, dtok = common.load_model(args.draft_model, device) if args.draft_model else (copy.deepcopy(model), tok)
+        dm, dtok = common.load_model(args.draft_model, device, args.dtype) if args.draft_model else (copy.deepcopy(model), tok)
         if dtok.get_vocab() != tok.get_vocab():
             raise SystemExit(f"--draft-model {args.draft_model} has a different tokenizer from --model")
         return ModelDrafter(dm.eval().requires_grad_(False), *sampling)
@@ -840,7 +842,7 @@ def main(args: Args) -> dict:
     task = common.make_task(args.task, args.digits)
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, accel.device)
+    model, tok = common.load_model(args.model, accel.device, args.dtype)
     model.train()
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
     spec = Speculator(args, model, tok, task, accel.device, rank)  # the rollout engine: speculative sampling

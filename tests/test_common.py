@@ -415,12 +415,95 @@ def test_resolve_model_path():
     assert common.resolve_model_path("org/some-model") == "org/some-model"
 
 
-def test_vllm_engine_without_vllm_is_a_clear_message():
-    pytest.importorskip("torch")
+def _old_generate(model, tok, prompts, group_size, max_new_tokens, temperature, top_p):
+    """The previous rollout path, kept here as the reference: HF's own warpers, every step's scores stacked."""
+    from transformers import GenerationConfig
+
+    ids, mask = common.left_pad([p for p in prompts for _ in range(group_size)], tok.pad_token_id)
+    gc = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                          return_dict_in_generate=True, output_scores=True, do_sample=True, temperature=temperature,
+                          top_p=top_p, top_k=0)
+    own, model.generation_config = model.generation_config, gc
     try:
-        import vllm  # noqa: F401
-    except ImportError:
-        with pytest.raises(SystemExit, match="requirements-gpu"):
-            common.VLLMEngine("tiny-0.6m")
-    else:
-        pytest.skip("vLLM is installed: the GPU path is exercised on a GPU machine")
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+    finally:
+        model.generation_config = own
+    comp = out.sequences[:, ids.shape[1]:]
+    lp = torch.log_softmax(torch.stack(out.scores, 1).float(), -1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)
+    return comp, lp
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_recorded_logprobs_and_tokens_equal_the_previous_path(tiny, temperature, top_p):
+    """Same seed -> the same tokens as the stacked-scores path, and the same behaviour log-probs (fp32, CPU)."""
+    model, tok = tiny
+    prompts = common.encode_prompts(tok, ["12+34=", "5+6=", "70+8="])
+    torch.manual_seed(3)
+    comp_old, lp_old = _old_generate(model, tok, prompts, 4, 10, temperature, top_p)
+    torch.manual_seed(3)
+    ro = common.generate(model, tok, prompts, 4, 10, temperature, top_p, fast=False)
+    m = ro.completion_mask.bool()
+    assert torch.equal(ro.completion_ids[m], comp_old[:, :ro.completion_ids.shape[1]][m])
+    torch.testing.assert_close(ro.logprobs[m], lp_old[:, :ro.completion_ids.shape[1]][m], rtol=0, atol=1e-6)
+
+
+def test_static_cache_path_samples_the_same_tokens_on_cpu(tiny):
+    """The fast path (static KV cache; compiled only on CUDA) draws the same tokens under the same seed, and its
+    log-probs are those the trainer computes for them."""
+    model, tok = tiny
+    prompts = common.encode_prompts(tok, ["12+34=", "5+6=", "70+8=", "1+1="])
+    torch.manual_seed(5)
+    slow = common.generate(model, tok, prompts, 4, 10, 0.8, fast=False)
+    torch.manual_seed(5)
+    fast = common.generate(model, tok, prompts, 4, 10, 0.8, fast=True)
+    assert torch.equal(slow.completion_ids, fast.completion_ids)
+    torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=0, atol=1e-5)
+    trainer = common.token_logprobs(model, fast.prompt_ids, fast.prompt_mask, fast.completion_ids,
+                                    fast.completion_mask, temperature=0.8)
+    torch.testing.assert_close(trainer, fast.logprobs, rtol=0, atol=1e-5)
+
+
+def test_load_model_dtype_choices():
+    model, _ = common.load_model("tiny-0.6m")
+    assert model.amp_dtype is None and next(model.parameters()).dtype == torch.float32  # auto on CPU = fp32
+    model, _ = common.load_model("tiny-0.6m", "cpu", "bf16")
+    assert model.amp_dtype == torch.bfloat16 and next(model.parameters()).dtype == torch.float32  # fp32 master
+    with pytest.raises(SystemExit, match="--dtype"):
+        common.load_model("tiny-0.6m", "cpu", "fp16")
+
+
+def test_bf16_autocast_loss_and_gradients_close_to_fp32():
+    """Tolerance: bf16 keeps 8 mantissa bits (relative step 2^-8 = 0.004); through a few layers the per-token
+    log-probs move by a few 1e-2 at most, and the gradient direction stays (cosine > 0.99)."""
+    torch.manual_seed(0)
+    m32, tok = common.load_model("tiny-0.6m", "cpu", "fp32")
+    m16, _ = common.load_model("tiny-0.6m", "cpu", "bf16")
+    prompts = common.encode_prompts(tok, ["12+34=", "5+6=", "70+8=", "9+90="])
+    ro = common.generate(m32, tok, prompts, 4, 8)
+    adv = torch.randn(ro.completion_ids.shape[0])
+    grads, lps = [], []
+    for m in (m32, m16):
+        m.zero_grad()
+        lp = common.token_logprobs(m, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+        assert lp.dtype == torch.float32
+        loss = -(common.masked_mean(lp * adv[:, None], ro.completion_mask.float()))
+        loss.backward()
+        assert all(p.grad.dtype == torch.float32 for p in m.parameters() if p.grad is not None)
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]))
+        lps.append(lp.detach())
+    mask = ro.completion_mask.bool()
+    assert (lps[0] - lps[1])[mask].abs().max() < 0.2
+    assert (lps[0] - lps[1])[mask].abs().mean() < 0.02
+    assert torch.nn.functional.cosine_similarity(grads[0], grads[1], 0) > 0.99
+    assert (grads[0].norm() - grads[1].norm()).abs() / grads[0].norm() < 0.05
+
+
+def test_behaviour_logprobs_recorder_by_hand():
+    """Step t's scores are kept until step t+1 shows which token was drawn from them; the last token is read at
+    the end."""
+    rec = common._BehaviourLogprobs()
+    s0, s1 = torch.tensor([[0.0, 1.0, 2.0]]), torch.tensor([[3.0, 0.0, 0.0]])
+    assert rec(torch.tensor([[9, 9]]), s0) is s0  # the prompt; scores pass through unchanged
+    rec(torch.tensor([[9, 9, 2]]), s1)  # token 2 was drawn from s0
+    lp = rec.logprobs(torch.tensor([[2, 0]]))  # token 0 was drawn from s1
+    torch.testing.assert_close(lp, torch.stack([torch.log_softmax(s0, -1)[0, 2], torch.log_softmax(s1, -1)[0, 0]])[None])

@@ -1,0 +1,44 @@
+"""benchmarks/bench_gpu_step.py on a machine without a GPU: a clear exit, the physical floors, and the table.
+(Its --smoke run needs TRL, a benchmark-only dependency, so the suite does not run it; timings are never asserted.)"""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks import bench_gpu_step as B  # noqa: E402
+
+
+def test_without_a_gpu_it_exits_2_with_a_message():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    r = subprocess.run([sys.executable, "benchmarks/bench_gpu_step.py"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "--smoke" in r.stderr
+
+
+def test_floors_by_hand():
+    """135M parameters, 128 new tokens, 4 TB/s, 700 TFLOP/s: decode 128 x 270 MB / 4 TB/s = 8.64 ms; update
+    6 x 135e6 x 256 x 168 / 700e12 = 49.8 ms."""
+    f = B.floors(135_000_000, 128, {"copy_GBps": 4000.0, "bf16_TFLOPs": 700.0})
+    assert f["rollout_floor_s"] == pytest.approx(128 * 2 * 135e6 / 4e12)
+    assert f["update_floor_s"] == pytest.approx(6 * 135e6 * 256 * 168 / 700e12)
+
+
+def test_markdown_table(tmp_path, monkeypatch):
+    import benchmarks._results as R
+
+    monkeypatch.setattr(R, "RESULTS", tmp_path)
+    side = {"step_s": 1.0, "rollout_s": 0.6, "update_s": 0.4, "rollout_tokens_per_s": 50000.0, "peak_GB": 10.0}
+    ours = {**side, "rollout_fp32_dynamic_tokens_per_s": 10000.0, "rollout_bf16_dynamic_tokens_per_s": 12000.0,
+            "rollout_bf16_static_compiled_tokens_per_s": 50000.0, "logprob_mismatch": 0.01}
+    row = {"shape": "135m", "new_tokens": 128, "floors": {"rollout_floor_s": 0.01, "update_floor_s": 0.05},
+           "sides": {"ours": ours, "trl": {**side, "step_s": 4.0}, "trl-liger": None}, "ratio": 0.25}
+    B.write_markdown([row], {"hardware": "GPU", "versions": "v", "commit": "abc"})
+    text = (tmp_path / "gpu_step.md").read_text()
+    assert "| 135m | 128 | ours | 1.00 |" in text and "**0.25**" in text
+    assert "| trl-liger | failed |" in text and "(5.0x previous)" in text
