@@ -590,11 +590,7 @@ def main() -> int:
             free_memory()
         if write:  # after every kernel, so a run cut short still leaves its finished rows
             save_rows(rows, triton.__version__)
-        text = kernels_markdown(table, prov, rates, keep_others=bool(args.only))
-        if write:
-            RESULTS.mkdir(parents=True, exist_ok=True)
-            (RESULTS / "kernels.md").write_text(text)
-            print(f"wrote {RESULTS / 'kernels.md'} ({len(table)} rows)")
+        text = write_markdown(table, prov, rates, keep_others=bool(args.only), dry=not write)
     if args.sweep and (not args.only or SWEEP in args.only):
         log(f"{SWEEP}: ours vs SDPA on the replicated layout")
         points = run_sweep(device, args.smoke, triton.__version__, write)
@@ -678,6 +674,16 @@ def kernels_markdown(table, prov, rates, keep_others: bool = False) -> str:
         old_head = old[0].split(" Rows for ")[0] if kept else head
         lines = [old_head + note, ""] + lines[2:4] + sorted(rows + kept, key=_order)
     return "\n".join(lines) + "\n"
+
+
+def write_markdown(table, prov, rates, keep_others: bool = False, dry: bool = False) -> str:
+    """Write kernels.md (see kernels_markdown; dry: only return the text)."""
+    text = kernels_markdown(table, prov, rates, keep_others)
+    if not dry:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "kernels.md").write_text(text)
+        print(f"wrote {RESULTS / 'kernels.md'} ({len(table)} rows)")
+    return text
 
 
 if __name__ == "__main__":
