@@ -71,3 +71,34 @@ def test_only_choices_are_accepted(only):
 
     assert set(only) <= set(BK.KERNEL_ORDER + [BK.SWEEP])
     assert set(BK.BUILDERS) == set(BK.KERNEL_ORDER)
+
+
+def test_rows_sweep_table_and_plot_are_written(tmp_path, monkeypatch):
+    """The writing half of a GPU run, on CPU: rows with provenance, the sweep's rows, table and plot."""
+    import torch
+
+    import benchmarks._results as R
+    import benchmarks.bench_kernels as BK
+
+    monkeypatch.setattr(R, "RESULTS", tmp_path)
+    monkeypatch.setattr(BK, "RESULTS", tmp_path)
+    monkeypatch.setattr(BK, "SMOKE", True)
+    monkeypatch.setattr(BK, "SKIP_COMPILE", True)
+    dev, g = torch.device("cpu"), torch.Generator().manual_seed(0)
+    rates = {"bw": 1e10, "mm_bf16": 1e11, "mm_fp8": 2e11}
+    rows = []
+    for case in BK.clipped_pg_cases(dev, g, True):
+        BK.run_case(case, rates, True, rows)
+    BK.save_rows(rows, "9.9")
+    csv_rows = R.read_rows("kernels.csv")
+    ours = [r for r in csv_rows if r["config"] == "clipped_pg_loss B=4 T=50 fwd+bwd ours triton=9.9"]
+    assert {r["metric"] for r in ours} == {"median_ms", "peak_mb", "floor_ms", "x_floor", "x_best_baseline"}
+    assert all(r["hardware"] and r["commit"] for r in ours)
+    points = BK.run_sweep(dev, True, "9.9", write=True)
+    assert [(p["N"], p["P"], p["R"]) for p in points] == BK.sweep_configs(True)[0]
+    sweep = [r for r in R.read_rows("kernels.csv") if r["config"].startswith("dualkv_sweep ")]
+    assert {r["metric"] for r in sweep} == {"median_ms", "speedup_vs_sdpa", "rho"}
+    md = BK.sweep_markdown(points, R.provenance(), True)
+    assert md.count("\n| ") == 1 + len(points)
+    BK.sweep_plot(points, tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").stat().st_size > 1000
