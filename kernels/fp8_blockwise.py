@@ -4,8 +4,10 @@ Public functions:
 
     quantize_act(x)    x [M, K]   -> (xq [M, K] float8_e4m3fn, xs [M, ceil(K/128)] fp32)    1 x 128 tiles
     quantize_weight(w) w [N, K]   -> (wq [N, K] float8_e4m3fn, ws [ceil(N/128), ceil(K/128)] fp32) 128 x 128 blocks
+    prepare_weight(w)  w [N, K]   -> Fp8Weight(wq, ws): quantize_weight once per weight sync (K % 128 == 0)
     fp8_blockwise_matmul(xq, xs, wq, ws, out_dtype=torch.float32) -> y [M, N] ~= x @ w.T
-    fp8_linear(x, w, out_dtype=None)  quantise both, then the matmul (out_dtype defaults to x's dtype)
+    fp8_linear(x, w_or_prepared, out_dtype=None, fused=None) -> y [M, N] = x @ w.T through fp8 (out_dtype
+        defaults to x's dtype); w a bf16/fp32 weight (quantised per call) or an Fp8Weight (no weight pass)
 
 Each has an `_ref` twin in pure torch. Triton kernels run when the tensors are on CUDA (there the matmul
 feeds real fp8 operands to the tensor cores: Hopper or newer) or on CPU with TRITON_INTERPRET=1 (the tests).
@@ -17,23 +19,54 @@ Maths:
 The matmul accumulates each 128-wide K block in fp32 and applies the two scales per block, so the
 reference is exact up to fp32 summation order (products of two e4m3 numbers are exact in fp32).
 
-Interpreter trap (seen with triton 3.9): Triton's CPU interpreter rounds fp32 -> fp8 casts wrongly for a few
-percent of values, so the kernel first rounds onto the e4m3 grid in fp32 (`_round_e4m3`: exponent from the
-bits, spacing 2^(e-3), round half to even) and only then casts, which is exact everywhere. On a GPU the same
-code runs; the cast is then a no-op rounding. The scale multiplies by the fp32 reciprocal of 448 (torch on a GPU
-turns a division by a Python number into exactly that multiplication, torch on a CPU does not, so the reference
-spells it out), and x / scale uses div_rn: Triton's plain fp32 `/` is an approximate division on NVIDIA GPUs,
-torch's tensor / tensor is IEEE, and the tests demand equal bits.
+The GEMM (_fp8_linear_kernel, one launch): a program owns a [BLOCK_M, BLOCK_N] output tile and walks K in
+128-wide steps (BLOCK_K = TILE). Each step loads the e4m3 weight tile [BLOCK_N, 128] (K contiguous: the K-major
+B operand Hopper's fp8 wgmma wants, so prepare_weight keeps nn.Linear's [N, K] layout and needs no transpose) and
+  fused (fp8_linear's default for M <= FUSE_MAX_M): the bf16/fp32 activation tile [BLOCK_M, 128], its row amax,
+      the scale, x / scale and the cast to e4m3 in registers (bit-equal to quantize_act, see below);
+  two-launch (above FUSE_MAX_M, and fp8_blockwise_matmul): quantize_act's codes and scales;
+then part = tl.dot(a_e4m3, b_e4m3) (fp8 tensor cores, fp32 out) and acc += part * sa[:, None] * sb[None, :]:
+the fp32 promotion every 128 K that DeepGEMM and DeepSeek-V3 use (Hopper adds fp8 products inside one wgmma in
+a ~14-bit accumulator). Autotuned over a few Hopper configs keyed on (M's power-of-two class, N, K), with
+BLOCK_M = 64 and BLOCK_N 32..256 for decode (M = 64..256: the grid splits N only, each program streams its
+weight columns once); the interpreter launches one config.
+Why fused only up to FUSE_MAX_M: every program re-quantises its A tiles, so the fused path spends
+~6 CUDA-core ops x M x K x (N / BLOCK_N) on quantisation (at 4096^3 that is ~30% of the fp8 GEMM time),
+while a separate quantize_act pass costs one read of x (~12 us at 4096^2 bf16). For small M the extra
+launch costs more than the re-quantisation and the weight read dominates: the fused path.
+
+Exact division at multiply cost (fused path): x / scale must be the IEEE quotient (the reference divides), but
+a per-element div.rn is ~10 instructions. The kernel takes inv = RN(1 / scale) once per row, q0 = x * inv
+(within 1 ulp), r = fma(-q0, scale, x) (exact) and q = fma(r, inv, q0) = RN(x / scale) (Markstein's theorem);
+the tests check it at every e4m3 rounding midpoint +-2 ulps. On a GPU the cast to e4m3 is cvt.rn.satfinite
+(nearest even, saturating), the reference's rounding.
+
+Interpreter traps (seen with triton 3.9): Triton's CPU interpreter rounds fp32 -> fp8 casts wrongly for a few
+percent of values, so under the interpreter the kernels first round onto the e4m3 grid in fp32 (`_round_e4m3`:
+exponent from the bits, spacing 2^(e-3), round half to even) and only then cast (exact everywhere); the
+quantisation kernel keeps that rounding on a GPU too (a no-op there). Its fp32 -> bf16 cast truncates, so the
+GEMM rounds a bf16 output by the bits first (ROUND_BF16, interpreter only). fp8 arithmetic does not run there
+either: the operands are upcast to fp32 (exact). The scale multiplies by the fp32 reciprocal of 448 (torch on a
+GPU turns a division by a Python number into exactly that multiplication, torch on a CPU does not, so the
+reference spells it out), and x / scale uses div_rn in the quantisation kernel: Triton's plain fp32 `/` is an
+approximate division on NVIDIA GPUs, torch's tensor / tensor is IEEE, and the tests demand equal bits.
 
 Memory layout: row-major [M, K] and [N, K] (K contiguous, as nn.Linear's weight); scales row-major.
 Quantisation programs own [BLOCK_R, 128] tiles (activations: one scale per row; weights: BLOCK_R = 128,
-one scale per tile). Matmul programs own [BLOCK_M, BLOCK_N] outputs and walk K in 128-wide blocks.
+one scale per tile).
 
-Roofline floor: quantisation is memory-bound: reads 4 (fp32) or 2 (bf16) bytes and writes 1 byte per element
-(+ 4 bytes per 128-element scale). The matmul: 2 M N K flops at the fp8 tensor-core rate (about 2x bf16 on
-H100/H200), bytes (M K + N K) + M N * out_bytes.
+Roofline floor (fp8_linear with a prepared weight): bytes = x read once (2 M K for bf16) + wq read (N K) + the
+[M/128 or M, K/128] scales + out written (2 M N for bf16); flops = 2 M N K at the fp8 tensor-core rate
+(torch._scaled_mm measured ~1270 TFLOP/s on one H200). At 4096^3: 32 + 16 + 32 MB over ~4.8 TB/s = 17 us vs
+137 GFLOP / 1270 TFLOP/s = 108 us: compute-bound, floor 0.108 ms (the bf16 matmul: 0.192 ms). At decode
+(M = 64..256, N = K = 4096) the 16 MB fp8 weight read dominates: ~3.5 us vs ~7 us for the bf16 weight.
+Quantisation alone is memory-bound: reads 4 (fp32) or 2 (bf16) bytes and writes 1 byte per element (+ 4 bytes
+per 128-element scale).
+Measured ratio to the floor: see benchmarks/results/kernels.md.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -96,29 +129,69 @@ def _quant_kernel(X, XQ, S, R, C, n_col_blocks, stride_x, BLOCK_R: tl.constexpr,
 
 
 @triton.jit
-def _fp8_mm_kernel(A, AS, B, BS, Cout, M, N, K, KB, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   UPCAST: tl.constexpr):
+def _fp8_linear_kernel(X, XS, W, WS, Y, M, N, K, M_KEY, stride_x, stride_y,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, A_FP8: tl.constexpr,
+                       EVEN_K: tl.constexpr, INTERP: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """y[BLOCK_M, BLOCK_N] = sum over 128-wide K steps of sa * sb * (qa @ qw^T), promoted in fp32 each step.
+
+    A_FP8 = False (the fused path): X is the bf16/fp32 activation; each K step loads its [BLOCK_M, 128] tile,
+    takes the row amax, and quantises it in registers to e4m3 (the 1 x 128 recipe, bit-equal to quantize_act).
+    A_FP8 = True: X, XS are quantize_act's codes and scales. M_KEY only keys the autotuner (M's size class).
+    EVEN_K: K % 128 == 0 (no K masks; otherwise the last block is zero-padded, as the reference pads).
+    INTERP: Triton's CPU interpreter (fp32 everywhere, software e4m3 rounding, no fp8 arithmetic).
+    ROUND_BF16 (interpreter, bf16 output): its fp32 -> bf16 cast truncates; round to nearest even by the bits."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = rm < M
     nmask = rn < N
+    rk = tl.arange(0, 128)
+    KB = tl.cdiv(K, 128)
+    x_ptrs = X + rm[:, None].to(tl.int64) * stride_x + rk[None, :]
+    w_ptrs = W + rn[:, None].to(tl.int64) * K + rk[None, :]
+    ws_ptrs = WS + (rn // 128) * KB
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(0, KB):
-        rk = kb * 128 + tl.arange(0, 128)
-        kmask = rk < K
-        a = tl.load(A + rm[:, None].to(tl.int64) * K + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(B + rn[:, None].to(tl.int64) * K + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        if UPCAST:  # interpreter: no fp8 arithmetic; the fp8 -> fp32 conversion itself is exact
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        # fp8 x fp8 on the tensor cores. Hopper accumulates fp8 products in a reduced-precision adder (about
-        # 14 bits, DeepSeek-V3 section 3.3.2), so one dot covers one 128-wide K block and the block's partial
-        # sum is promoted to the fp32 accumulator below, which is DeepSeek-V3's promotion interval.
+        if EVEN_K:
+            amask = mmask[:, None]
+            bmask = nmask[:, None]
+        else:
+            kin = (kb * 128 + rk < K)[None, :]
+            amask = mmask[:, None] & kin
+            bmask = nmask[:, None] & kin
+        b = tl.load(w_ptrs, mask=bmask, other=0.0)                                # [BLOCK_N, 128] e4m3
+        sb = tl.load(ws_ptrs + kb, mask=nmask, other=0.0)
+        if A_FP8:
+            a = tl.load(x_ptrs, mask=amask, other=0.0)
+            sa = tl.load(XS + rm * KB + kb, mask=mmask, other=0.0)
+            if INTERP:
+                a = a.to(tl.float32)
+        else:
+            x = tl.load(x_ptrs, mask=amask, other=0.0).to(tl.float32)          # [BLOCK_M, 128]
+            sa = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) * 0.002232142857142857  # * fp32(1/448), as quantize_act
+            # x / sa correctly rounded (the reference's IEEE division) at the cost of a multiply and two fmas:
+            # q0 = x * RN(1/sa) is within 1 ulp, the residual x - q0 sa is exact in an fma, and one fma with
+            # RN(1/sa) then rounds to RN(x / sa) (Markstein's theorem). One division per row, not per element.
+            inv = tl.broadcast_to(tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sa)[:, None], (BLOCK_M, 128))
+            q0 = x * inv
+            r = tl.fma(-q0, tl.broadcast_to(sa[:, None], (BLOCK_M, 128)), x)
+            y = tl.fma(r, inv, q0)
+            if INTERP:
+                a = _round_e4m3(y)        # the interpreter's fp8 casts round wrongly: stay on the grid in fp32
+            else:
+                a = y.to(tl.float8e4nv)  # cvt.rn.satfinite on sm_89+: round to nearest even, saturating
+        if INTERP:
+            b = b.to(tl.float32)         # fp8 -> fp32 is exact; products of e4m3 values are exact in fp32
+        # One dot per 128-wide K block, promoted with both scales into the fp32 accumulator (DeepSeek-V3's
+        # promotion interval: Hopper adds fp8 products in a ~14-bit accumulator inside a wgmma).
         part = tl.dot(a, tl.trans(b))
-        sa = tl.load(AS + rm * KB + kb, mask=mmask, other=0.0)
-        sb = tl.load(BS + (rn // 128) * KB + kb, mask=nmask, other=0.0)
         acc += part * sa[:, None] * sb[None, :]
-    tl.store(Cout + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(Cout.dtype.element_ty),
+        x_ptrs += 128
+        w_ptrs += 128
+    if ROUND_BF16:
+        u = acc.to(tl.int32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & -65536
+        acc = u.to(tl.float32, bitcast=True)
+    tl.store(Y + rm[:, None].to(tl.int64) * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
 
 
@@ -166,22 +239,108 @@ def fp8_blockwise_matmul(xq, xs, wq, ws, out_dtype: torch.dtype = torch.float32)
                          f"{tuple(xs.shape)}, wq {tuple(wq.shape)}, ws {tuple(ws.shape)}")
     if not _use_triton(xq, xs, wq, ws):
         return fp8_blockwise_matmul_ref(xq, xs, wq, ws, out_dtype)
-    y = new_output((M, N), xq.device, out_dtype)
-    if xq.is_cuda:
-        bm, bn = 64, 128
+    return _gemm(xq.contiguous(), xs.contiguous(), wq.contiguous(), ws.contiguous(), out_dtype, a_fp8=True)
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A weight quantised once per weight sync: wq [N, K] e4m3 (K contiguous: the K-major B operand that
+    Hopper's fp8 wgmma wants, so no transpose is needed) and ws [ceil(N/128), K/128] fp32 block scales."""
+    wq: torch.Tensor
+    ws: torch.Tensor
+
+    @property
+    def shape(self):
+        return tuple(self.wq.shape)
+
+
+def prepare_weight(w: torch.Tensor) -> Fp8Weight:
+    """Quantise a [N, K] weight for fp8_linear (once per weight sync). K must be a multiple of 128."""
+    _check2d("w", w)
+    if w.shape[1] % TILE:
+        raise ValueError(f"prepare_weight: K = {w.shape[1]} must be a multiple of {TILE} (the GEMM's K step)")
+    wq, ws = quantize_weight(w)
+    return Fp8Weight(wq.contiguous(), ws.contiguous())
+
+
+def fp8_linear(x: torch.Tensor, w, out_dtype: torch.dtype | None = None, fused: bool | None = None) -> torch.Tensor:
+    """x @ w.T through blockwise fp8 (forward only: the FP8 rollout path).
+
+    w: a bf16/fp32 [N, K] weight (quantised here, per call) or prepare_weight's Fp8Weight (quantised once).
+    fused: quantise the activation inside the GEMM (one launch; the default for M <= FUSE_MAX_M) or in a
+    separate quantize_act launch first (the default above it, where the fused path's per-N-tile re-quantisation
+    costs more than the extra pass over x)."""
+    _check2d("x", x)
+    if isinstance(w, Fp8Weight):
+        wq, ws = w.wq, w.ws
+        if wq.shape[1] != x.shape[1]:
+            raise ValueError(f"fp8_linear: x has K = {x.shape[1]}, the prepared weight K = {wq.shape[1]}")
+    else:
+        _check2d("w", w)
+        if w.shape[1] != x.shape[1]:
+            raise ValueError(f"fp8_linear: x has K = {x.shape[1]}, w has K = {w.shape[1]}")
+        wq, ws = quantize_weight(w)
+    out_dtype = out_dtype or x.dtype
+    if not _use_triton(x, wq, ws):
+        xq, xs = quantize_act_ref(x)
+        return fp8_blockwise_matmul_ref(xq, xs, wq, ws, out_dtype)
+    if fused is None:
+        fused = x.shape[0] <= FUSE_MAX_M
+    if not fused:
+        xq, xs = quantize_act(x)
+        return _gemm(xq, xs, wq, ws, out_dtype, a_fp8=True)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    return _gemm(x, ws, wq, ws, out_dtype, a_fp8=False)  # XS unused on the fused path
+
+
+FUSE_MAX_M = 1024  # fp8_linear's default: fused activation quantisation up to this many rows
+
+
+def _m_key(M: int) -> int:
+    return min(triton.next_power_of_2(M), 8192)
+
+
+def _prune(configs, named_args, **kwargs):
+    """Small-M configs for decode (M_KEY <= 64: BLOCK_M = 64 only), large tiles only for big M."""
+    try:
+        m = int(named_args["M_KEY"])
+        keep = [c for c in configs if (m > 64 or c.kwargs["BLOCK_M"] == 64)
+                and (m < 1024 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] >= 8192)]
+        return keep or configs
+    except Exception:  # noqa: BLE001 - pruning is an optimisation only
+        return configs
+
+
+# Hopper configs. The fp8 dot of each K step is a fresh [BLOCK_M, BLOCK_N] fp32 tile next to the accumulator
+# (the promotion), so a thread holds two of them: 8 warps for 128 x 128, 4 warps up to 64 x 128 / 128 x 64.
+_GPU_CONFIGS = [
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 256}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=5),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=5),
+]
+# Autotuning needs a GPU; the interpreter launches the plain kernel with one config (see _gemm). The autotuner
+# wraps the compiled kernel object; the module name _fp8_linear_kernel stays free for the interpreter swap.
+_fp8_linear_tuned = triton.autotune(configs=_GPU_CONFIGS, key=["M_KEY", "N", "K", "A_FP8", "EVEN_K"],
+                                    prune_configs_by={"early_config_prune": _prune})(_fp8_linear_kernel)
+
+
+def _gemm(x, xs, wq, ws, out_dtype, a_fp8: bool):
+    M, K = x.shape
+    N = wq.shape[0]
+    y = new_output((M, N), x.device, out_dtype)
+    args = (x, xs, wq, ws, y, M, N, K, _m_key(M), x.stride(0), y.stride(0))
+    if x.is_cuda:
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
+        _fp8_linear_tuned[grid](*args, A_FP8=a_fp8, EVEN_K=K % TILE == 0, INTERP=False, ROUND_BF16=False)
     else:
         bm, bn = min(64, max(16, triton.next_power_of_2(M))), min(128, max(16, triton.next_power_of_2(N)))
-    _fp8_mm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        xq.contiguous(), xs.contiguous(), wq.contiguous(), ws.contiguous(), y, M, N, K, KB,
-        BLOCK_M=bm, BLOCK_N=bn, UPCAST=not xq.is_cuda)
+        _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+            *args, BLOCK_M=bm, BLOCK_N=bn, A_FP8=a_fp8, EVEN_K=K % TILE == 0, INTERP=True,
+            ROUND_BF16=out_dtype == torch.bfloat16)
     return y
-
-
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x @ w.T through blockwise fp8 (forward only: the FP8 rollout path)."""
-    xq, xs = quantize_act(x)
-    wq, ws = quantize_weight(w)
-    return fp8_blockwise_matmul(xq, xs, wq, ws, out_dtype or x.dtype)
 
 
 # ---- references ----

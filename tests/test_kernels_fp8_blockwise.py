@@ -1,5 +1,6 @@
 """kernels/fp8_blockwise.py: quantisation bit-exact against torch's e4m3 cast, block-scaled matmul against the
-exact K-block reference, and the end-to-end fp8 error against a full-precision matmul."""
+exact K-block reference, the fused (activation quantised inside the GEMM) and prepared-weight paths of fp8_linear
+against the same reference, and the end-to-end fp8 error against a full-precision matmul."""
 import pytest
 import torch
 
@@ -30,8 +31,9 @@ def _bits(q):
 FP8_ACC_REL = 2.0 ** -8
 
 
-def _check_blockwise_matmul(name, xq, xs, wq, ws):
-    y = K.fp8_blockwise_matmul(xq, xs, wq, ws)
+def _check_blockwise_matmul(name, xq, xs, wq, ws, y=None):
+    """y (default: fp8_blockwise_matmul's fp32 output) against the exact reference for these codes and scales."""
+    y = K.fp8_blockwise_matmul(xq, xs, wq, ws) if y is None else y
     eager = K.fp8_blockwise_matmul_ref(xq, xs, wq, ws)
     gold = K.fp8_blockwise_matmul_ref(xq, xs, wq, ws, torch.float64, acc_dtype=torch.float64)
     if not y.is_cuda:
@@ -101,6 +103,97 @@ def test_bad_shapes_raise_clear_errors():
         K.fp8_blockwise_matmul(xq, xs, wq, ws)
     with pytest.raises(ValueError, match="2-D"):
         K.quantize_act(torch.randn(2, 3, 4))
+
+
+# fused path: M not a multiple of BLOCK_M (70, 96 with BLOCK_M = 64), N not a multiple of 128 (130), K = 2-3 blocks
+FUSED_SHAPES = [(32, 128, 256), (70, 256, 384), (96, 130, 256)]
+
+
+@pytest.mark.parametrize("shape", FUSED_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_and_prepared_paths_match_the_reference(shape, dtype, interpret, monkeypatch):
+    poison(monkeypatch)
+    x, w = _inputs(*shape, dtype, DEV)
+    assert K._use_triton(x), "the kernel path must run in this test"
+    prep = K.prepare_weight(w)
+    wq_ref, ws_ref = K.quantize_weight_ref(w)
+    assert prep.wq.dtype == torch.float8_e4m3fn and prep.shape == tuple(w.shape)
+    assert torch.equal(_bits(prep.wq), _bits(wq_ref)) and torch.equal(prep.ws.cpu(), ws_ref.cpu())
+    xq, xs = K.quantize_act_ref(x)
+    fused = K.fp8_linear(x, prep, torch.float32, fused=True)      # one launch: x quantised inside the GEMM
+    two = K.fp8_linear(x, prep, torch.float32, fused=False)       # quantize_act, then the GEMM on its codes
+    per_call = K.fp8_linear(x, w, torch.float32)                  # the weight quantised in the call
+    for name, y in (("fused", fused), ("two-launch", two), ("per-call weight", per_call)):
+        _check_blockwise_matmul(f"fp8_linear {name} {shape} {dtype}", xq, xs, wq_ref, ws_ref, y)
+    if not fused.is_cuda:
+        # same tiles and summation order: any activation code that differs from quantize_act's shows up here
+        assert torch.equal(fused, two), f"fused differs from two-launch: {(fused - two).abs().max().item():.3e}"
+        assert torch.equal(per_call, fused)
+
+
+def test_fused_quantisation_equals_division_at_rounding_edges(interpret, monkeypatch):
+    """The fused path divides by a multiply and two fmas (Markstein); values at e4m3 midpoints times the scale,
+    where a quotient 1 ulp off rounds to the other code, must land exactly where quantize_act's division does."""
+    poison(monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    pos = grid[torch.isfinite(grid) & (grid >= 0)].unique()
+    mids = (pos[1:] + pos[:-1]) / 2                                   # 125 tie points in e4m3 units
+    amax = torch.rand(64, 1, generator=g) * 10 + 0.1                  # non-power-of-two scales
+    scale = amax * torch.tensor(1 / 448.0)
+    vals = mids[torch.randint(0, len(mids), (64, 255), generator=g)] * scale
+    vals = vals * (1 + (torch.randint(-2, 3, vals.shape, generator=g) * 2.0 ** -23))  # +-2 ulps around each tie
+    x = torch.cat([amax, vals, -amax, -vals], 1)[:, :384].contiguous().to(DEV)       # [64, 384]: 3 K blocks
+    w = torch.eye(128, 384).repeat(1, 1).to(DEV)                      # w[n, n] = 1: y[:, n] = dequantised x[:, n]
+    w = torch.cat([w, torch.roll(w, 128, 1), torch.roll(w, 256, 1)], 0)  # [384, 384]: every column of x
+    xq, xs = K.quantize_act_ref(x)
+    wq, ws = K.quantize_weight_ref(w)
+    y = K.fp8_linear(x, K.prepare_weight(w), torch.float32, fused=True)
+    want = K.fp8_blockwise_matmul_ref(xq, xs, wq, ws)
+    if not y.is_cuda:
+        assert torch.equal(y.cpu(), want.cpu()), f"{(y.cpu() != want.cpu()).sum().item()} outputs differ"
+    else:  # one product per output: the tensor cores' accumulator is exact here too
+        assert torch.equal(y, want), f"{(y != want).sum().item()} outputs differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_out_dtype(dtype, interpret, monkeypatch):
+    poison(monkeypatch)
+    x, w = _inputs(40, 128, 256, dtype, DEV)
+    prep = K.prepare_weight(w)
+    y32 = K.fp8_linear(x, prep, torch.float32, fused=True)
+    for fused in (True, False):
+        y = K.fp8_linear(x, prep, fused=fused)
+        assert y.dtype == dtype and y.shape == (40, 128)
+        yb = K.fp8_linear(x, prep, torch.bfloat16, fused=fused)
+        assert yb.dtype == torch.bfloat16
+        if not y.is_cuda:  # the kernel rounds its fp32 accumulator once, to nearest even
+            assert torch.equal(yb, y32.to(torch.bfloat16)) and torch.equal(y, y32.to(dtype))
+
+
+def test_prepared_weight_needs_k_multiple_of_128():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        K.prepare_weight(torch.randn(8, 200))
+    prep = K.prepare_weight(torch.randn(8, 128))
+    with pytest.raises(ValueError, match="K = 256"):
+        K.fp8_linear(torch.randn(4, 256), prep)
+    with pytest.raises(ValueError, match="2-D"):
+        K.prepare_weight(torch.randn(2, 3, 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(64, 4096, 4096), (256, 4096, 4096), (1000, 1024, 2048), (2048, 384, 512)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_and_prepared_paths_on_gpu(shape, fused, monkeypatch):
+    poison(monkeypatch)
+    x, w = _inputs(*shape, torch.bfloat16, "cuda")
+    prep = K.prepare_weight(w)
+    xq, xs = K.quantize_act_ref(x)
+    wq, ws = K.quantize_weight_ref(w)
+    y = K.fp8_linear(x, prep, torch.float32, fused=fused)
+    _check_blockwise_matmul(f"fp8_linear fused={fused} {shape}", xq, xs, wq, ws, y)
+    yb = K.fp8_linear(x, prep, fused=fused)
+    assert yb.dtype == torch.bfloat16 and torch.isfinite(yb).all()
 
 
 @pytest.mark.gpu
