@@ -71,6 +71,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 from kernels._interpret import new_output, use_triton
 
@@ -323,8 +324,13 @@ _GPU_CONFIGS = [
 ]
 # Autotuning needs a GPU; the interpreter launches the plain kernel with one config (see _gemm). The autotuner
 # wraps the compiled kernel object; the module name _fp8_linear_kernel stays free for the interpreter swap.
-_fp8_linear_tuned = triton.autotune(configs=_GPU_CONFIGS, key=["M_KEY", "N", "K", "A_FP8", "EVEN_K"],
-                                    prune_configs_by={"early_config_prune": _prune})(_fp8_linear_kernel)
+# Each candidate is timed briefly (10 ms warm-up, 40 ms of repeats: a decode GEMM is ~10 us).
+_fp8_linear_tuned = triton.autotune(
+    configs=_GPU_CONFIGS, key=["M_KEY", "N", "K", "A_FP8", "EVEN_K"], prune_configs_by={"early_config_prune": _prune},
+    do_bench=lambda kernel_call, quantiles: triton.testing.do_bench(kernel_call, warmup=10, rep=40,
+                                                                    quantiles=quantiles))(_fp8_linear_kernel)
+AUTOTUNE_MIN_MNK = 2 ** 30  # smaller GEMMs (the tiny rollout models, the tests) take one fixed config, untuned
+_SMALL_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def _gemm(x, xs, wq, ws, out_dtype, a_fp8: bool):
@@ -332,9 +338,13 @@ def _gemm(x, xs, wq, ws, out_dtype, a_fp8: bool):
     N = wq.shape[0]
     y = new_output((M, N), x.device, out_dtype)
     args = (x, xs, wq, ws, y, M, N, K, _m_key(M), x.stride(0), y.stride(0))
-    if x.is_cuda:
+    if x.is_cuda and M * N * K >= AUTOTUNE_MIN_MNK:
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
         _fp8_linear_tuned[grid](*args, A_FP8=a_fp8, EVEN_K=K % TILE == 0, INTERP=False, ROUND_BF16=False)
+    elif x.is_cuda:
+        c = _SMALL_CONFIG
+        _fp8_linear_kernel[(triton.cdiv(M, c["BLOCK_M"]), triton.cdiv(N, c["BLOCK_N"]))](
+            *args, A_FP8=a_fp8, EVEN_K=K % TILE == 0, INTERP=False, ROUND_BF16=False, **c)
     else:
         bm, bn = min(64, max(16, triton.next_power_of_2(M))), min(128, max(16, triton.next_power_of_2(N)))
         _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](

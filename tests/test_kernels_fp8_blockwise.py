@@ -31,8 +31,10 @@ def _bits(q):
 FP8_ACC_REL = 2.0 ** -8
 
 
-def _check_blockwise_matmul(name, xq, xs, wq, ws, y=None):
-    """y (default: fp8_blockwise_matmul's fp32 output) against the exact reference for these codes and scales."""
+def _check_blockwise_matmul(name, xq, xs, wq, ws, y=None, rel=FP8_ACC_REL):
+    """y (default: fp8_blockwise_matmul's fp32 output) against the exact reference for these codes and scales;
+    on a GPU within rel of the product mass (add 2^-8 for a bf16 output: its rounding is at most 2^-8 of
+    |y| <= mass)."""
     y = K.fp8_blockwise_matmul(xq, xs, wq, ws) if y is None else y
     eager = K.fp8_blockwise_matmul_ref(xq, xs, wq, ws)
     gold = K.fp8_blockwise_matmul_ref(xq, xs, wq, ws, torch.float64, acc_dtype=torch.float64)
@@ -43,9 +45,9 @@ def _check_blockwise_matmul(name, xq, xs, wq, ws, y=None):
     mass = K.fp8_blockwise_matmul_ref(*absq[:1], xs, absq[1], ws, torch.float64, acc_dtype=torch.float64)
     err = (y.double() - gold).abs()
     worst = (err / (mass + 1e-30)).max().item()
-    print(f"{name}: max error / product mass = {worst:.2e} (bound {FP8_ACC_REL:.1e})")
+    print(f"{name}: max error / product mass = {worst:.2e} (bound {rel:.1e})")
     assert torch.isfinite(y).all(), f"{name}: NaN/inf in the output"
-    assert worst <= FP8_ACC_REL, f"{name}: error {worst:.2e} of the product mass > {FP8_ACC_REL:.1e}"
+    assert worst <= rel, f"{name}: error {worst:.2e} of the product mass > {rel:.1e}"
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -182,6 +184,7 @@ def test_prepared_weight_needs_k_multiple_of_128():
 
 
 @pytest.mark.gpu
+# all but the last shape take the autotuned kernel (M N K >= AUTOTUNE_MIN_MNK)
 @pytest.mark.parametrize("shape", [(64, 4096, 4096), (256, 4096, 4096), (1000, 1024, 2048), (2048, 384, 512)])
 @pytest.mark.parametrize("fused", [True, False])
 def test_fused_and_prepared_paths_on_gpu(shape, fused, monkeypatch):
@@ -190,10 +193,9 @@ def test_fused_and_prepared_paths_on_gpu(shape, fused, monkeypatch):
     prep = K.prepare_weight(w)
     xq, xs = K.quantize_act_ref(x)
     wq, ws = K.quantize_weight_ref(w)
-    y = K.fp8_linear(x, prep, torch.float32, fused=fused)
-    _check_blockwise_matmul(f"fp8_linear fused={fused} {shape}", xq, xs, wq, ws, y)
-    yb = K.fp8_linear(x, prep, fused=fused)
-    assert yb.dtype == torch.bfloat16 and torch.isfinite(yb).all()
+    y = K.fp8_linear(x, prep, fused=fused)  # bf16 out, as in the timing runs (the same compiled kernels)
+    assert y.dtype == torch.bfloat16
+    _check_blockwise_matmul(f"fp8_linear fused={fused} {shape}", xq, xs, wq, ws, y, rel=FP8_ACC_REL + 2.0 ** -8)
 
 
 @pytest.mark.gpu
