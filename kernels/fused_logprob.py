@@ -1,16 +1,18 @@
-"""Fused linear -> selected-token log-prob and entropy, forward and backward, one chunk of logits at a time.
+"""Fused linear -> selected-token log-prob and entropy, forward and backward: cuBLAS matmuls, Triton row maths.
 
-Public function (what `algos/grpo.py --kernels` calls):
+Public function (what `algos/grpo.py --kernels` and `common.token_logprobs` call):
 
-    fused_linear_logprob(hidden, weight, targets, temperature=1.0) -> (logprob, entropy)
+    fused_linear_logprob(hidden, weight, targets, temperature=1.0, mode="auto", budget_bytes=None)
+        -> (logprob, entropy)
         hidden  [..., H]  final hidden states (fp32 / bf16 / fp16), requires_grad as you like
         weight  [V, H]    lm_head weight, same dtype
         targets [...]     int token ids in [0, V)
+        mode    "auto" | "store" | "recompute"   (see below; "auto" picks per call)
         returns logprob [...] and entropy [...], both fp32, both differentiable w.r.t. hidden and weight
 
 It runs the Triton kernels when the tensors are on CUDA, or on CPU when TRITON_INTERPRET=1 (the tests), and
-the pure-torch `fused_linear_logprob_ref` otherwise. Anchor: Liger-Kernel's fused linear cross-entropy and
-Apple's Cut Cross-Entropy (same goal: never hold all N x V logits; CCE does not even write a chunk).
+the pure-torch `fused_linear_logprob_ref` otherwise. Anchors: Liger-Kernel's fused linear cross-entropy
+(chunked rows, matmuls left to cuBLAS) and Apple's Cut Cross-Entropy (never hold all N x V logits).
 
 Maths (one row n; z = W h_n / T are the logits at temperature T; p = softmax(z)):
     lse      = log sum_v exp(z_v)                          (online: running max m, running sum s)
@@ -18,30 +20,61 @@ Maths (one row n; z = W h_n / T are the logits at temperature T; p = softmax(z))
     entropy  = lse - sum_v p_v z_v                         (running t = sum exp(z_v - m) z_v; sum p z = t / s)
     d logprob / d z_v = [v == target] - p_v
     d entropy / d z_v = -p_v (z_v - lse + entropy)         (= -p_v (log p_v + entropy))
-    dz_v = g_logprob [v == target] - g_logprob p_v - g_entropy p_v (z_v - lse + entropy)
+    dz_v = g_logprob [v == target] - g_logprob p_v - g_entropy p_v (log p_v + entropy)
     d hidden = (dz / T) W,   d weight = (dz / T)^T hidden
 
-Memory layout and schedule (Liger-Kernel's chunking): rows are processed in chunks of CHUNK_ELEMENTS / V.
-    forward : the chunk's logits z = h W^T come from the matmul library (cuBLAS on a GPU) in the input dtype,
-              exactly as eager torch computes them; a Triton program per row folds them into the online
-              (max, sum exp, sum exp * z, z_target) statistics and writes logprob, entropy and lse.
-    backward: the chunk's logits are recomputed (one extra matmul, as FlashAttention does); a Triton kernel
-              turns them into dz / T in place; d_hidden = dz W and d_weight += dz^T h are two more library
-              matmuls (d_weight summed over chunks in fp32).
-    Only one chunk of logits is ever alive: 2^27 elements (256 MB in bf16) instead of N x V (and eager's
-    several N x V fp32 copies for log-softmax and its gradient).
+Division of labour: every matmul is cuBLAS's (torch.mm in the input dtype, fp32 accumulation inside, exactly as
+eager torch computes the logits); Triton only does the row-wise work on logits already in memory, in fp32
+maths with the storage in the input dtype: `_row_stats_kernel` (one program per row: online max / sum exp /
+sum exp*z / target logit -> logprob, entropy, lse) and `_dz_kernel` (logits -> dz / T in place).
+Rows are processed in chunks: as many rows as fit `budget_bytes` of logits (LOGITS_BUDGET_BYTES, 2 GiB), at
+least MIN_CHUNK_ROWS (1024) so the GEMMs stay large, split into equal chunks (the last one ragged).
 
-Roofline floor (N rows, V vocab, H hidden, b bytes per element):
-    flops: forward 2 N V H; backward 6 N V H (recompute + two gradient matmuls): matmul-bound for any
-    realistic H, so the floor is 8 N V H / matmul_rate for forward + backward.
-    bytes: (N H + V H) b per matmul, plus each chunk's logits written and read twice.
+Two modes (flops for N rows, V vocab, H hidden; b bytes per element; the [V, H] and [N, H] gradients come on top):
+    STORE     forward: logits = h W^T (2 NVH) kept whole in the input dtype; stats kernel.
+              backward: dz kernel in place on the kept logits; d_hidden = dz W (2 NVH);
+              d_weight = dz^T h (2 NVH) as ONE matmul over all N rows (no accumulator, one rounding).
+              6 NVH flops; extra memory N V b (the logits, then dz in the same buffer).
+    RECOMPUTE forward: per chunk logits -> stats; kept: lse and entropy (8 bytes a row) and the chunk buffer.
+              backward per chunk: recompute the logits (2 NVH), dz kernel in place, d_hidden[chunk] = dz W,
+              d_weight += dz^T h[chunk].  8 NVH flops; extra memory one chunk (<= budget) + the accumulator.
+              The forward's chunk buffer is kept with the last chunk's logits, and the backward runs the chunks
+              last-first without recomputing that one: 8 NVH - 2 (rows of the last chunk) V H.
+    "auto" picks STORE when N V b fits the budget, else RECOMPUTE. A forward without autograd (no_grad, or
+    no input needs a gradient) keeps nothing and runs in budget-sized chunks.
+    d_weight accumulator (RECOMPUTE with several chunks, half-precision weights): fp32. Each chunk's product is
+    rounded once to the input dtype by cuBLAS, as eager's single product is, and then summed in fp32, so the error
+    does not grow with the number of chunks (a bf16 accumulator, Liger's default, would round once per chunk:
+    long batches run tens of chunks). Its price is 12 V H bytes of traffic per chunk (bf16 product written,
+    read with the fp32 sum, sum written), under 20% of that chunk's d_weight matmul at >= 1024-row chunks, and
+    4 V H bytes of memory. A single chunk (or fp32 weights, addmm in place) needs no separate accumulator.
+    A STORE backward consumes the kept logits (they become dz), so a second backward through the same graph
+    (retain_graph=True) raises; use mode="recompute" for that (its second backward recomputes every chunk).
+
+Why not Liger's "gradients in the forward" (6 NVH and one chunk of memory): it needs the upstream gradient
+at forward time. For a fused loss it is a known scalar factor; here each row has its own (g_logprob, g_entropy)
+from a loss (clipped ratio, advantages, entropy bonus) computed after this function, and d_weight =
+dz^T h is not separable in them without materialising both per-row terms. So the choice is 6 NVH with the
+logits kept, or 8 NVH with one chunk.
+
+Roofline floor: matmul-bound for any realistic H. The floor is the lower of the two designs, 6 N V H /
+matmul_rate (torch.compile of the reference also does 6 N V H and runs under an 8 N V H floor), plus the
+logits' bytes (STORE: written, read by the stats, read + written by dz, read by the two matmuls: ~5 N V b).
+    H200 at ~715 bf16 TFLOP/s: N=4096 H=4096 V=151936: 6NVH 21.4 ms (8NVH 28.5 ms), logits 1.24 GB -> STORE;
+    N=16384 H=896 V=151936: 6NVH 18.7 ms, 8NVH 24.9 ms, logits 5.0 GB -> RECOMPUTE (3 chunks of 5462 rows);
+    N=8192 H=576 V=49152: 6NVH 1.95 ms, logits 0.8 GB -> STORE.
+Measured: see benchmarks/results/kernels.md.
+Design that won (by the flop count; the H200 figures are in the results file): the previous version (always
+RECOMPUTE, 256 MB chunks of ~880 rows, d_weight summed through an fp32 copy of every chunk's product) measured
+48 ms / 5 GB at N=4096 H=4096 against torch.compile's 24 ms: 8 NVH, plus (estimated) ~12 GB of accumulator
+traffic per chunk, ~13 ms in all. STORE, 6 NVH in three whole-batch GEMMs, is the only design here that can meet
+compile's time (compile also does 6 NVH); it is chosen wherever the logits fit the budget, and RECOMPUTE (with
+large chunks, the last one not recomputed, a cheap fp32 accumulator) bounds the memory beyond it.
 
 Deviations / notes:
-    * The first version fused the matmuls into the Triton kernels too (no logits in memory at all, as Apple's
-      Cut Cross-Entropy); its backward added every tile's d_weight with fp32 atomics and measured 10x slower
-      than eager torch on an H200 (benchmarks/results/gpu_checks.md). Chunking keeps the memory saving and
-      leaves the matmuls to the library that is best at them.
-    * d_weight's per-chunk products are rounded to the input dtype before the fp32 sum (one rounding per chunk).
+    * The first version fused the matmuls into the Triton kernels too (as Cut Cross-Entropy); its backward added
+      every tile's d_weight with fp32 atomics and measured 10x slower than eager torch on an H200
+      (benchmarks/results/gpu_checks.md).
     * The interpreter on CPU runs the same Triton kernels; the matmuls are torch's on either device.
 """
 from __future__ import annotations
@@ -105,13 +138,26 @@ def _dz_kernel(Z, TGT, LSE, ENT, G_LP, G_ENT, V, stride_z, inv_temp, BLOCK_V: tl
     tl.store(ptr, dz.to(Z.dtype.element_ty), mask=cmask)
 
 
-# ---- the autograd function: chunks of rows, logits by the matmul library, statistics by Triton ----
-CHUNK_ELEMENTS = 2 ** 27  # logits alive at once (rows x V): 256 MB in bf16; tests lower it to force chunks
+# ---- planning: mode and chunks ----
+LOGITS_BUDGET_BYTES = 2 * 2 ** 30  # logits alive at once (STORE: all of them, RECOMPUTE: one chunk)
+MIN_CHUNK_ROWS = 1024              # chunks never smaller (when N allows), so the GEMMs stay large
+MODES = ("auto", "store", "recompute")
 
 
-def _chunks(N, V):
-    rows = max(1, min(N, CHUNK_ELEMENTS // V))
-    return [(i, min(N, i + rows)) for i in range(0, N, rows)]
+def _plan(N: int, V: int, elem_bytes: int, mode: str = "auto", budget_bytes: int | None = None,
+          keep: bool = True) -> tuple[str, list[tuple[int, int]]]:
+    """(mode, [(row_start, row_end), ...]): STORE when all N x V logits fit the budget (and are needed)."""
+    budget = LOGITS_BUDGET_BYTES if budget_bytes is None else int(budget_bytes)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not keep:
+        mode = "none"  # forward only: nothing is kept
+    elif mode == "auto":
+        mode = "store" if N * V * elem_bytes <= budget else "recompute"
+    rows_max = min(N, max(1, min(N, MIN_CHUNK_ROWS), budget // (V * elem_bytes)))
+    n_chunks = -(-N // rows_max)
+    rows = -(-N // n_chunks)  # equal chunks, the last one ragged
+    return mode, [(a, min(N, a + rows)) for a in range(0, N, rows)]
 
 
 def _block_v(V, interpreted):
@@ -120,34 +166,79 @@ def _block_v(V, interpreted):
 
 class _FusedLinearLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature):
+    def forward(ctx, hidden, weight, targets, temperature, mode, chunks):
         N, V = hidden.shape[0], weight.shape[0]
         bv, inv_t = _block_v(V, not hidden.is_cuda), 1.0 / temperature
         lp, ent, lse = (new_output((N,), hidden.device) for _ in range(3))
-        for a, b in _chunks(N, V):
-            z = hidden[a:b] @ weight.T                          # [rows, V] in the input dtype, like eager
+        rows_max = max(b - a for a, b in chunks)
+        logits = new_output((N if mode == "store" else rows_max, V), hidden.device, hidden.dtype)
+        for a, b in chunks:
+            z = logits[a:b] if mode == "store" else logits[:b - a]
+            torch.mm(hidden[a:b], weight.T, out=z)              # cuBLAS, input dtype, like eager
             _row_stats_kernel[(b - a,)](z, targets[a:b], lp[a:], ent[a:], lse[a:], V, z.stride(0), inv_t,
                                         BLOCK_V=bv, num_warps=8)
-        ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.temperature = temperature
+        ctx.mode, ctx.chunks, ctx.temperature = mode, chunks, temperature
+        if mode != "none":
+            ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        # an intermediate, not saved for backward: STORE's backward turns it into dz; RECOMPUTE's holds the last
+        # chunk's logits, which its backward uses first instead of recomputing them
+        ctx.logits = logits if mode != "none" else None
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
+        if ctx.mode == "none":
+            raise RuntimeError("fused_linear_logprob: forward ran without autograd, nothing kept for a backward")
         hidden, weight, targets, lse, ent = ctx.saved_tensors
         N, V = hidden.shape[0], weight.shape[0]
         bv, inv_t = _block_v(V, not hidden.is_cuda), 1.0 / ctx.temperature
         g_lp = torch.zeros(N, device=hidden.device) if g_lp is None else g_lp.float().contiguous()
         g_ent = torch.zeros(N, device=hidden.device) if g_ent is None else g_ent.float().contiguous()
-        dh = torch.empty_like(hidden)
-        dw = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)  # summed over chunks
-        for a, b in _chunks(N, V):
-            dz = hidden[a:b] @ weight.T                         # recompute the chunk's logits ...
-            _dz_kernel[(b - a, triton.cdiv(V, bv))](dz, targets[a:b], lse[a:], ent[a:], g_lp[a:], g_ent[a:],
-                                                    V, dz.stride(0), inv_t, BLOCK_V=bv, num_warps=8)
-            dh[a:b] = dz @ weight                               # ... turned into dz / T in place
-            dw += (dz.T @ hidden[a:b]).float()
-        return dh, dw.to(weight.dtype), None, None
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dh = new_output(hidden.shape, hidden.device, hidden.dtype) if need_dh else None
+        dw = None
+        chunks = ctx.chunks
+        if ctx.mode == "store":
+            logits = ctx.logits
+            if logits is None:
+                raise RuntimeError("fused_linear_logprob (mode='store'): the backward consumed the kept logits; "
+                                   "use mode='recompute' to backward twice through one graph")
+            ctx.logits = None
+            for a, b in chunks:
+                z = logits[a:b]
+                _dz_kernel[(b - a, triton.cdiv(V, bv))](z, targets[a:b], lse[a:], ent[a:], g_lp[a:], g_ent[a:],
+                                                        V, z.stride(0), inv_t, BLOCK_V=bv, num_warps=8)
+                if need_dh:
+                    torch.mm(z, weight, out=dh[a:b])
+            if need_dw:
+                dw = torch.mm(logits.T, hidden)                 # one matmul over all N rows
+            return dh, dw, None, None, None, None
+        buf, ctx.logits = ctx.logits, None                     # the forward's buffer: the last chunk's logits
+        have_last = buf is not None
+        if buf is None:                                         # a second backward through the same graph
+            buf = torch.empty((max(b - a for a, b in chunks), V), device=hidden.device, dtype=hidden.dtype)
+        dw32 = None
+        for i, (a, b) in enumerate(reversed(chunks)):          # last chunk first: its logits are in buf
+            z = buf[:b - a]
+            if not (i == 0 and have_last):
+                torch.mm(hidden[a:b], weight.T, out=z)          # recompute the chunk's logits ...
+            _dz_kernel[(b - a, triton.cdiv(V, bv))](z, targets[a:b], lse[a:], ent[a:], g_lp[a:], g_ent[a:],
+                                                    V, z.stride(0), inv_t, BLOCK_V=bv, num_warps=8)
+            if need_dh:                                         # ... turned into dz / T in place
+                torch.mm(z, weight, out=dh[a:b])
+            if not need_dw:
+                continue
+            if i == 0:
+                dw = torch.mm(z.T, hidden[a:b])
+            elif dw.dtype == torch.float32:
+                dw.addmm_(z.T, hidden[a:b])                     # fp32 weights: accumulate in place
+            else:
+                if dw32 is None:
+                    dw32 = dw.float()
+                dw32.add_(torch.mm(z.T, hidden[a:b]))           # half weights: fp32 accumulator
+        if dw32 is not None:
+            dw = dw32.to(weight.dtype)
+        return dh, dw, None, None, None, None
 
 
 # ---- public function and reference ----
@@ -162,15 +253,25 @@ def _check(hidden, weight, targets, temperature):
 
 
 def fused_linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of `targets` and entropy under softmax(hidden @ weight.T / temperature), both fp32 [...]."""
+                         temperature: float = 1.0, mode: str = "auto",
+                         budget_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of `targets` and entropy under softmax(hidden @ weight.T / temperature), both fp32 [...].
+
+    mode: "store" keeps the logits for the backward (6 N V H flops, N V bytes-per-element of memory),
+    "recompute" keeps two floats a row and recomputes the logits chunk by chunk (8 N V H, one chunk of memory),
+    "auto" stores when the logits fit `budget_bytes` (default LOGITS_BUDGET_BYTES)."""
     _check(hidden, weight, targets, temperature)
-    if not _use_triton(hidden, weight, targets):
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not _use_triton(hidden, weight, targets) or hidden.numel() == 0:
         return fused_linear_logprob_ref(hidden, weight, targets, temperature)
     lead = hidden.shape[:-1]
     h2 = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-    lp, ent = _FusedLinearLogprob.apply(h2, weight.contiguous(), targets.reshape(-1).contiguous(),
-                                        float(temperature))
+    w2 = weight.contiguous()
+    keep = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    run_mode, chunks = _plan(h2.shape[0], w2.shape[0], h2.element_size(), mode, budget_bytes, keep)
+    lp, ent = _FusedLinearLogprob.apply(h2, w2, targets.reshape(-1).contiguous(), float(temperature),
+                                        run_mode, chunks)
     return lp.reshape(lead), ent.reshape(lead)
 
 
