@@ -249,37 +249,57 @@ def floors(n_params: int, new_tokens: int, rates: dict) -> dict:
     return {"rollout_floor_s": decode, "update_floor_s": update}
 
 
-def write_markdown(table: list[dict], prov: dict) -> None:
+def latest_rows() -> dict:
+    """{(shape, new_tokens, side): {metric: value, "commit": ..., "hardware": ...}} from gpu_step.csv, the newest
+    run of each configuration and side."""
+    from benchmarks._results import read_rows
+
+    out = {}
+    for r in read_rows("gpu_step.csv"):
+        shape, tokens, *_, side = r["config"].split()
+        key = (shape, int(tokens.split("=")[1]), side)
+        cur = out.get(key)
+        if cur is None or r["timestamp"] > cur["timestamp"]:
+            cur = out[key] = {"timestamp": r["timestamp"], "commit": r["commit"], "hardware": r["hardware"],
+                              "versions": r["versions"]}
+        if r["timestamp"] == cur["timestamp"]:
+            cur[r["metric"]] = float(r["value"])
+    return out
+
+
+def write_markdown() -> None:
+    """benchmarks/results/gpu_step.md from the newest rows of each configuration and side in gpu_step.csv."""
     from benchmarks._results import RESULTS
 
-    lines = [f"Measured on {prov['hardware']} ({prov['versions']}; commit {prov['commit']}), `{COMMAND}`. "
-             f"{PROMPTS} prompts x {GROUP} completions, random-weight SmolLM2-shaped models, bf16 autocast, "
-             "micro-batch 64, medians over the timed steps. Floors: rollout = new tokens x bf16 weight bytes / copy "
-             "bandwidth; update = 6 x params x tokens / bf16 matmul rate. The rollout paths are common.generate on "
-             "the same prompts: previous (fp32, dynamic cache) and the default on CUDA (bf16, static cache, "
-             "compiled decode).", "",
+    rows = latest_rows()
+    runs = sorted({(v["timestamp"][:10], v["commit"], v["hardware"], v["versions"]) for v in rows.values()})
+    lines = [f"`{COMMAND}`: {PROMPTS} prompts x {GROUP} completions, random-weight SmolLM2-shaped models, bf16 "
+             "autocast, micro-batch 64, medians over the timed steps. Floors: rollout = new tokens x bf16 weight "
+             "bytes / copy bandwidth; update = 6 x params x tokens / bf16 matmul rate. Rollout paths: common.generate "
+             "on the same prompts, previous (fp32, dynamic cache) and bf16 autocast alone, against the default on "
+             "CUDA (bf16, static cache, compiled decode) timed inside the step. Runs: " +
+             "; ".join(f"{t}, commit {c}, {h} ({v})" for t, c, h, v in runs) + ".", "",
              "| shape | new tokens | side | step s | rollout s (floor) | rollout tok/s | update s (floor) | peak GB "
-             "| step / TRL best |", "|---|---|---|---|---|---|---|---|---|"]
-    for row in table:
-        for side, r in row["sides"].items():
-            if r is None:
-                lines.append(f"| {row['shape']} | {row['new_tokens']} | {side} | failed | | | | | |")
-                continue
-            ratio = f"**{row['ratio']:.2f}**" if side == "ours" and row.get("ratio") else ""
-            lines.append(f"| {row['shape']} | {row['new_tokens']} | {side} | {r['step_s']:.2f} | "
-                         f"{r['rollout_s']:.2f} ({row['floors']['rollout_floor_s']:.3f}) | "
-                         f"{r['rollout_tokens_per_s']:.0f} | {r['update_s']:.2f} ({row['floors']['update_floor_s']:.3f}) "
-                         f"| {r['peak_GB']:.1f} | {ratio} |")
-        ours = row["sides"].get("ours")
-        if ours and "rollout_fp32_dynamic_tokens_per_s" in ours:
+             "| step / TRL best | run |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for shape, tokens in sorted({(k[0], k[1]) for k in rows}, key=lambda k: (list(SHAPES).index(k[0]), k[1])):
+        sides = {k[2]: v for k, v in rows.items() if k[:2] == (shape, tokens) and k[2] != "ours_vs_trl"}
+        trl = {s: r["step_s"] for s, r in sides.items() if s != "ours" and "step_s" in r}
+        for side in sorted(sides, key=lambda s: (s != "ours", s)):
+            r = sides[side]
+            ratio = f"**{r['step_s'] / min(trl.values()):.2f}**" if side == "ours" and trl else ""
+            lines.append(f"| {shape} | {tokens} | {side} | {r['step_s']:.2f} | {r['rollout_s']:.2f} "
+                         f"({r['rollout_floor_s']:.3f}) | {r['rollout_tokens_per_s']:.0f} | {r['update_s']:.2f} "
+                         f"({r['update_floor_s']:.3f}) | {r['peak_GB']:.1f} | {ratio} | {r['timestamp'][:16]}Z |")
+        ours = sides.get("ours", {})
+        if "rollout_fp32_dynamic_tokens_per_s" in ours:
             base = ours["rollout_fp32_dynamic_tokens_per_s"]
-            lines.append(f"| {row['shape']} | {row['new_tokens']} | rollout paths (tok/s) | previous {base:.0f}; "
-                         f"bf16 {ours.get('rollout_bf16_dynamic_tokens_per_s', 0):.0f}; "
-                         f"bf16 + static + compiled {ours['rollout_bf16_static_compiled_tokens_per_s']:.0f} "
-                         f"({ours['rollout_bf16_static_compiled_tokens_per_s'] / base:.1f}x previous) | | | | | | "
-                         f"mismatch {ours['logprob_mismatch']:.1e} |")
+            lines.append(f"| {shape} | {tokens} | rollout paths, tok/s | previous {base:.0f}; bf16 "
+                         f"{ours.get('rollout_bf16_dynamic_tokens_per_s', float('nan')):.0f}; default "
+                         f"{ours['rollout_tokens_per_s']:.0f} ({ours['rollout_tokens_per_s'] / base:.1f}x previous) "
+                         f"| | | | | sampler-trainer gap {ours['logprob_mismatch']:.1e} | | |")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "gpu_step.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {RESULTS / 'gpu_step.md'}")
 
 
 def main() -> int:
@@ -294,6 +314,7 @@ def main() -> int:
     ap.add_argument("--tokenizer", default=default_tokenizer(), help="folder with the SmolLM2 tokenizer files")
     ap.add_argument("--worker-timeout", type=int, default=600, help="seconds before one side's process is stopped")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shape, 1 step, 8 new tokens, writes nothing")
+    ap.add_argument("--report-only", action="store_true", help="rebuild gpu_step.md from gpu_step.csv and exit")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -303,6 +324,9 @@ def main() -> int:
         else:
             res = worker_trl(args.folder, args.new_tokens[0], args.steps, args.warmup, args.worker, args.smoke)
         print("RESULT " + json.dumps(res), flush=True)
+        return 0
+    if args.report_only:
+        write_markdown()
         return 0
     import torch
 
@@ -315,9 +339,9 @@ def main() -> int:
                          "`python -c \"import common; common.resolve_model_path('smollm2-135m')\"`, or pass --tokenizer")
     if args.smoke:
         args.shapes, args.new_tokens, args.steps, args.warmup = ["smoke"], [8], 1, 0
-    from benchmarks._results import append_rows, provenance
+    from benchmarks._results import append_rows
 
-    prov, table = provenance(), []
+    table = []
     work = Path(tempfile.mkdtemp())
     for shape in args.shapes:
         folder = work / shape
@@ -328,7 +352,8 @@ def main() -> int:
             ours = sides.get("ours")
             rates = {k: ours[k] for k in ("copy_GBps", "bf16_TFLOPs")} if ours and "copy_GBps" in ours \
                 else {"copy_GBps": 4000.0, "bf16_TFLOPs": 700.0}
-            row = {"shape": shape, "new_tokens": new_tokens, "sides": sides, "floors": floors(n_params, new_tokens, rates)}
+            row = {"shape": shape, "new_tokens": new_tokens, "sides": sides, "floors": floors(n_params, new_tokens, rates),
+                   "ratio": None}
             trl = [r["step_s"] for s, r in sides.items() if s != "ours" and r]
             row["ratio"] = ours["step_s"] / min(trl) if ours and trl else None
             table.append(row)
@@ -339,10 +364,15 @@ def main() -> int:
                 if r:
                     append_rows("gpu_step.csv", "gpu_step", "benchmarks/bench_gpu_step.py", f"{config} {side}", 0,
                                 {**r, **row["floors"], "params": n_params}, command=COMMAND)
-            if row["ratio"] is not None:
+            # ours / the fastest TRL setting, from the newest rows of each side: this run's, or an earlier run's for
+            # a side not timed now (--sides); the table names the run of every row
+            latest = {k[2]: v for k, v in latest_rows().items() if k[:2] == (shape, new_tokens)}
+            trl = [v["step_s"] for s, v in latest.items() if s.startswith("trl") and "step_s" in v]
+            row["ratio"] = latest["ours"]["step_s"] / min(trl) if "ours" in latest and trl else None
+            if ours and row["ratio"] is not None:
                 append_rows("gpu_step.csv", "gpu_step", "benchmarks/bench_gpu_step.py", f"{config} ours_vs_trl", 0,
                             {"step_time_ratio_vs_trl": row["ratio"]}, command=COMMAND)
-            write_markdown(table, prov)  # after every configuration, so a run cut short keeps what it measured
+            write_markdown()  # after every configuration, so a run cut short keeps what it measured
         shutil.rmtree(folder, ignore_errors=True)
     for row in table:
         print(f"{row['shape']} {row['new_tokens']}: " + ", ".join(

@@ -29,16 +29,21 @@ def test_floors_by_hand():
     assert f["update_floor_s"] == pytest.approx(6 * 135e6 * 256 * 168 / 700e12)
 
 
-def test_markdown_table(tmp_path, monkeypatch):
+def test_markdown_table_from_the_csv(tmp_path, monkeypatch):
+    """The table takes the newest rows of each side, and the ratio ours / the fastest TRL setting."""
     import benchmarks._results as R
 
     monkeypatch.setattr(R, "RESULTS", tmp_path)
-    side = {"step_s": 1.0, "rollout_s": 0.6, "update_s": 0.4, "rollout_tokens_per_s": 50000.0, "peak_GB": 10.0}
-    ours = {**side, "rollout_fp32_dynamic_tokens_per_s": 10000.0, "rollout_bf16_dynamic_tokens_per_s": 12000.0,
-            "rollout_bf16_static_compiled_tokens_per_s": 50000.0, "logprob_mismatch": 0.01}
-    row = {"shape": "135m", "new_tokens": 128, "floors": {"rollout_floor_s": 0.01, "update_floor_s": 0.05},
-           "sides": {"ours": ours, "trl": {**side, "step_s": 4.0}, "trl-liger": None}, "ratio": 0.25}
-    B.write_markdown([row], {"hardware": "GPU", "versions": "v", "commit": "abc"})
+    monkeypatch.setenv("PROVENANCE_COMMIT", "abc1234")
+    floors = {"rollout_floor_s": 0.01, "update_floor_s": 0.05}
+    side = {"step_s": 1.0, "rollout_s": 0.6, "update_s": 0.4, "rollout_tokens_per_s": 50000.0, "peak_GB": 10.0, **floors}
+    cfg = "135m new_tokens=128 prompts=32 group=8 micro=64 bf16"
+    R.append_rows("gpu_step.csv", "gpu_step", "b", f"{cfg} trl", 0, {**side, "step_s": 4.0}, command="c")
+    R.append_rows("gpu_step.csv", "gpu_step", "b", f"{cfg} trl-liger", 0, {**side, "step_s": 5.0}, command="c")
+    R.append_rows("gpu_step.csv", "gpu_step", "b", f"{cfg} ours", 0,
+                  {**side, "rollout_fp32_dynamic_tokens_per_s": 10000.0, "rollout_bf16_dynamic_tokens_per_s": 12000.0,
+                   "logprob_mismatch": 0.01}, command="c")
+    B.write_markdown()
     text = (tmp_path / "gpu_step.md").read_text()
-    assert "| 135m | 128 | ours | 1.00 |" in text and "**0.25**" in text
-    assert "| trl-liger | failed |" in text and "(5.0x previous)" in text
+    assert "| 135m | 128 | ours | 1.00 |" in text and "**0.25**" in text  # 1.0 / min(4.0, 5.0)
+    assert "| 135m | 128 | trl-liger | 5.00 |" in text and "(5.0x previous)" in text and "abc1234" in text
