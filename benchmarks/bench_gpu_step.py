@@ -231,8 +231,8 @@ def run_worker(kind: str, folder: str, new_tokens: int, args) -> dict | None:
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
     for line in proc.stdout.splitlines():
-        if line.startswith("  "):
-            print(line)
+        if line.startswith("  ") or "failed" in line or "held-out greedy accuracy" in line:
+            print(line if line.startswith("  ") else f"  {kind}: {line.strip()[:300]}")
     result = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not result:
         print(f"  {kind}: failed (exit {proc.returncode}); last output:\n{(proc.stdout + proc.stderr)[-1500:]}")
