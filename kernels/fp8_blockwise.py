@@ -22,18 +22,22 @@ reference is exact up to fp32 summation order (products of two e4m3 numbers are 
 The GEMM (_fp8_linear_kernel, one launch): a program owns a [BLOCK_M, BLOCK_N] output tile and walks K in
 128-wide steps (BLOCK_K = TILE). Each step loads the e4m3 weight tile [BLOCK_N, 128] (K contiguous: the K-major
 B operand Hopper's fp8 wgmma wants, so prepare_weight keeps nn.Linear's [N, K] layout and needs no transpose) and
-  fused (fp8_linear's default for M <= FUSE_MAX_M): the bf16/fp32 activation tile [BLOCK_M, 128], its row amax,
-      the scale, x / scale and the cast to e4m3 in registers (bit-equal to quantize_act, see below);
-  two-launch (above FUSE_MAX_M, and fp8_blockwise_matmul): quantize_act's codes and scales;
+  fused (fp8_linear(..., fused=True); default only for M <= FUSE_MAX_M): the bf16/fp32 activation tile
+      [BLOCK_M, 128], its row amax, the scale, x / scale and the cast to e4m3 in registers (bit-equal to
+      quantize_act, see below);
+  two-launch (fp8_linear's default above FUSE_MAX_M, and fp8_blockwise_matmul): quantize_act's codes and scales;
 then part = tl.dot(a_e4m3, b_e4m3) (fp8 tensor cores, fp32 out) and acc += part * sa[:, None] * sb[None, :]:
 the fp32 promotion every 128 K that DeepGEMM and DeepSeek-V3 use (Hopper adds fp8 products inside one wgmma in
 a ~14-bit accumulator). Autotuned over a few Hopper configs keyed on (M's power-of-two class, N, K), with
 BLOCK_M = 64 and BLOCK_N 32..256 for decode (M = 64..256: the grid splits N only, each program streams its
 weight columns once); the interpreter launches one config.
-Why fused only up to FUSE_MAX_M: every program re-quantises its A tiles, so the fused path spends
-~6 CUDA-core ops x M x K x (N / BLOCK_N) on quantisation (at 4096^3 that is ~30% of the fp8 GEMM time),
-while a separate quantize_act pass costs one read of x (~12 us at 4096^2 bf16). For small M the extra
-launch costs more than the re-quantisation and the weight read dominates: the fused path.
+Why the fused path is not the default (FUSE_MAX_M = 0; estimates, the GPU timings decide): every program
+re-quantises its A tiles, ~6 CUDA-core instructions per element (convert, |max|, multiply, two fmas, cvt), so a
+program spends BLOCK_M x K x 6 / 128 lanes cycles on it whatever N is: ~7 us per program at BLOCK_M = 64,
+K = 4096, comparable to a whole decode GEMM (the fp8 weight read is ~3.5 us), and at 4096^3 the total,
+M K (N / BLOCK_N) x 6 instructions, is ~100 us next to the ~110 us of fp8 MMA. A separate quantize_act pass
+reads x once (~10-15 us at 4096^2 bf16, ~2 us at decode). The fused launch saves one kernel launch, which
+matters only when the CPU, not the GPU, is the bottleneck (decode without CUDA graphs).
 
 Exact division at multiply cost (fused path): x / scale must be the IEEE quotient (the reference divides), but
 a per-element div.rn is ~10 instructions. The kernel takes inv = RN(1 / scale) once per row, q0 = x * inv
@@ -269,8 +273,8 @@ def fp8_linear(x: torch.Tensor, w, out_dtype: torch.dtype | None = None, fused: 
 
     w: a bf16/fp32 [N, K] weight (quantised here, per call) or prepare_weight's Fp8Weight (quantised once).
     fused: quantise the activation inside the GEMM (one launch; the default for M <= FUSE_MAX_M) or in a
-    separate quantize_act launch first (the default above it, where the fused path's per-N-tile re-quantisation
-    costs more than the extra pass over x)."""
+    separate quantize_act launch first (the default above it: the fused path re-quantises x in every N tile,
+    see the header)."""
     _check2d("x", x)
     if isinstance(w, Fp8Weight):
         wq, ws = w.wq, w.ws
@@ -294,7 +298,7 @@ def fp8_linear(x: torch.Tensor, w, out_dtype: torch.dtype | None = None, fused: 
     return _gemm(x, ws, wq, ws, out_dtype, a_fp8=False)  # XS unused on the fused path
 
 
-FUSE_MAX_M = 1024  # fp8_linear's default: fused activation quantisation up to this many rows
+FUSE_MAX_M = 0  # fp8_linear's default: fused activation quantisation up to this many rows (none: see header)
 
 
 def _m_key(M: int) -> int:
@@ -331,6 +335,7 @@ _fp8_linear_tuned = triton.autotune(
                                                                     quantiles=quantiles))(_fp8_linear_kernel)
 AUTOTUNE_MIN_MNK = 2 ** 30  # smaller GEMMs (the tiny rollout models, the tests) take one fixed config, untuned
 _SMALL_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+_TUNED: dict = {}  # (M size class, N, K, a_fp8, dtypes) -> the autotuner's choice
 
 
 def _gemm(x, xs, wq, ws, out_dtype, a_fp8: bool):
@@ -339,8 +344,15 @@ def _gemm(x, xs, wq, ws, out_dtype, a_fp8: bool):
     y = new_output((M, N), x.device, out_dtype)
     args = (x, xs, wq, ws, y, M, N, K, _m_key(M), x.stride(0), y.stride(0))
     if x.is_cuda and M * N * K >= AUTOTUNE_MIN_MNK:
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
-        _fp8_linear_tuned[grid](*args, A_FP8=a_fp8, EVEN_K=K % TILE == 0, INTERP=False, ROUND_BF16=False)
+        key = (args[8], N, K, a_fp8, x.dtype, wq.dtype, out_dtype)
+        cfg = _TUNED.get(key)
+        if cfg is None:  # first call for this size class: the autotuner times the configs
+            grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
+            _fp8_linear_tuned[grid](*args, A_FP8=a_fp8, EVEN_K=K % TILE == 0, INTERP=False, ROUND_BF16=False)
+            _TUNED[key] = getattr(_fp8_linear_tuned, "best_config", None)
+        else:  # later calls launch the chosen config directly (less Python per call: decode is launch-bound)
+            _fp8_linear_kernel[(triton.cdiv(M, cfg.kwargs["BLOCK_M"]), triton.cdiv(N, cfg.kwargs["BLOCK_N"]))](
+                *args, A_FP8=a_fp8, EVEN_K=K % TILE == 0, INTERP=False, ROUND_BF16=False, **cfg.all_kwargs())
     elif x.is_cuda:
         c = _SMALL_CONFIG
         _fp8_linear_kernel[(triton.cdiv(M, c["BLOCK_M"]), triton.cdiv(N, c["BLOCK_N"]))](
