@@ -306,11 +306,12 @@ def _m_key(M: int) -> int:
 
 
 def _prune(configs, named_args, **kwargs):
-    """Small-M configs for decode (M_KEY <= 64: BLOCK_M = 64 only), large tiles only for big M."""
+    """Small-M configs for decode (M_KEY <= 64: BLOCK_M = 64 only), large tiles and short pipelines only for
+    big M."""
     try:
         m = int(named_args["M_KEY"])
         keep = [c for c in configs if (m > 64 or c.kwargs["BLOCK_M"] == 64)
-                and (m < 1024 or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] >= 8192)]
+                and (m < 1024 or (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] >= 8192 and c.num_stages <= 5))]
         return keep or configs
     except Exception:  # noqa: BLE001 - pruning is an optimisation only
         return configs
@@ -320,11 +321,15 @@ def _prune(configs, named_args, **kwargs):
 # (the promotion), so a thread holds two of them: 8 warps for 128 x 128, 4 warps up to 64 x 128 / 128 x 64.
 _GPU_CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=4),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=4),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 256}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=4),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=5),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=5),
+    # decode: deep pipelines keep enough weight bytes in flight per SM to stream at full bandwidth
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=8),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=8),
 ]
 # Autotuning needs a GPU; the interpreter launches the plain kernel with one config (see _gemm). The autotuner
 # wraps the compiled kernel object; the module name _fp8_linear_kernel stays free for the interpreter swap.
