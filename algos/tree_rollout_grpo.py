@@ -25,6 +25,9 @@ Equations (each implemented by the function named on the right):
                     rules: never at a segment's first token (p > start of j), never at or after the last answer
                     marker of the leaf (the final answer), never twice at one prefix; a tree with no legal point
                     left samples a fresh chain instead (rollout/fallback_frac)
+                    allocation (--allocation pq, TRACE-style): a round's M N points of a group go to its trees in
+                    proportion to p_m (1 - p_m), p_m = mean reward of tree m's leaves so far (largest remainders,
+                    capped by the legal points; all-certain trees share them evenly)          allocate_branches
                     lookahead (--lookahead R, LATR): a child whose first R tokens after the branch token match the
                     parent's at >= --prune-sim of the positions is pruned and its budget goes to the next point
   leaf advantage    --adv leaf: GRPO's A_i over the G leaves (group_advantages);  --adv loo: A_i = r_i - mean_{j!=i} r_j
@@ -60,7 +63,9 @@ Deviations from the papers:
 - LATR's similarity is an edit distance over the lookahead window; here the share of equal tokens position by
   position. Forced tokens and pruning make the leaves off-policy: rollout/forced_frac and rollout/pruned_frac say
   how much; the loss treats them as samples of pi.
-- TRACE-style allocation of branch points by p(1 - p) of a subtree's success is not implemented.
+- TRACE-style allocation splits a group's branch points over its M trees (the subtrees of the root), not over
+  every node; p is the tree's mean leaf reward so far, so in the first round (one leaf per tree, p in {0, 1}) it
+  is even: the flag acts from --rounds 2 on. Leaves are rewarded during growth for it (the same verifier).
 - --threads defaults to 1 (grpo.py: 2): on a shared 2-core machine two 2-thread jobs oversubscribe the cores and
   this script's many small generate calls slowed from about 4 s to 20-30 s per step.
 - grpo.py's other deviations hold (KL off by default, sample std, pi_old handling, accelerate all-reduce).
@@ -156,6 +161,9 @@ class Args:
     """where to branch: highest next-token entropy (EPTree), highest sampled-token NLL, or uniformly at random"""
     branch_token: Literal["resample", "force"] = "resample"
     """branch token: resampled from the policy (on-policy), or forced to an untried candidate (LATR, off-policy)"""
+    allocation: Literal["even", "pq"] = "even"
+    """branch points per tree in a round: N each (even), or the group's M N split in proportion to p(1 - p) of each
+    tree's success rate so far (TRACE-style; with --rounds >= 2, after the first round)"""
     force_abs: float = 0.05
     """LATR: a forced candidate needs probability >= this"""
     force_rel: float = 0.1
@@ -410,12 +418,41 @@ def branch_points(tree: list[dict], m: int, n: int, args: Args, rng, taken: set)
     return [(c[0], c[2], c[3], c[4]) for c in cands[:n]]
 
 
-def grow_trees(sample_fn, prompt_lens: list[int], args: Args, rng, protect_from) -> tuple[list[list[dict]], dict]:
+def allocate_branches(success: list[float], budget: int, caps: list[int]) -> list[int]:
+    """Split `budget` branch points over trees in proportion to p (1 - p) of their success rates (largest
+    remainders, ties to the lower index), each tree at most its legal points `caps`; when every p is 0 or 1,
+    evenly. What a capped tree cannot take goes to the others by the same rule."""
+    alloc, left = [0] * len(success), budget
+    while left > 0:
+        open_ = [m for m in range(len(success)) if alloc[m] < caps[m]]
+        if not open_:
+            break
+        w = {m: success[m] * (1 - success[m]) for m in open_}
+        if sum(w.values()) <= 0:
+            w = {m: 1.0 for m in open_}
+        total = sum(w.values())
+        share = {m: left * w[m] / total for m in open_}
+        give = {m: min(int(share[m]), caps[m] - alloc[m]) for m in open_}
+        rest = left - sum(give.values())
+        for m in sorted(open_, key=lambda m: -(share[m] - int(share[m]))):
+            if rest > 0 and give[m] < caps[m] - alloc[m] and w[m] > 0:
+                give[m], rest = give[m] + 1, rest - 1
+        if not any(give.values()):
+            break
+        for m in open_:
+            alloc[m] += give[m]
+        left -= sum(give.values())
+    return alloc
+
+
+def grow_trees(sample_fn, prompt_lens: list[int], args: Args, rng, protect_from,
+               reward_fn=None) -> tuple[list[list[dict]], dict]:
     """M chains per prompt, then L rounds of N branch points x T continuations per tree (one sample_fn call per
     round; --lookahead adds a window call and a replacement call). G = M (1 + L N T) leaves per prompt.
 
     sample_fn(groups, prefixes, budgets) -> segments (see sample_segments); protect_from(tokens) -> first index of
-    the final answer; prompt_lens: tokens per prompt (for the prefill count). A leaf (parents before children): tokens, logprobs, [entropy, alts], finished, parent (-1 for a
+    the final answer; prompt_lens: tokens per prompt (for the prefill count); reward_fn(group, tokens) -> reward,
+    needed by --allocation pq only. A leaf (parents before children): tokens, logprobs, [entropy, alts], finished, parent (-1 for a
     chain), pos (where its own segment starts), tree (its chain), depth, protect. Counts: sampled tokens (= sum of
     segment lengths, plus pruned windows), prefill tokens, branched / forced / fallback / pruned rows.
     """
@@ -452,12 +489,24 @@ def grow_trees(sample_fn, prompt_lens: list[int], args: Args, rng, protect_from)
     for _ in range(args.rounds):
         reqs = []
         for g, tree in enumerate(trees):
+            per_tree = [args.branches] * args.chains
+            if args.allocation == "pq":
+                for leaf in tree:
+                    if "reward" not in leaf:
+                        leaf["reward"] = reward_fn(g, leaf["tokens"])
+                success = [float(np.mean([l["reward"] for l in tree if l["tree"] == m])) for m in range(args.chains)]
+                caps = [len(branch_points(tree, m, 10**9, args, rng, set())) for m in range(args.chains)]
+                per_tree = allocate_branches(success, args.chains * args.branches, caps)
             for m in range(args.chains):
-                points = branch_points(tree, m, args.branches, args, rng, set())
+                points = branch_points(tree, m, per_tree[m], args, rng, set())
                 for _, j, p, alts in points:
                     forced = (alts or []) + [None] * args.continuations
                     reqs += [(g, j, p, forced[k], m) for k in range(args.continuations)]
                 reqs += [(g, -1, 0, None, m)] * (args.continuations * (args.branches - len(points)))
+            if args.allocation == "pq":  # the group's points sum to M N; only what no tree could take is a fresh chain
+                reqs = [r for r in reqs if not (r[0] == g and r[1] < 0)]
+                short = args.chains * args.branches - sum(min(n, c) for n, c in zip(per_tree, caps))
+                reqs += [(g, -1, 0, None, k % args.chains) for k in range(args.continuations * short)]
         counts["branched"] += sum(r[1] >= 0 for r in reqs)
         counts["forced"] += sum(r[3] is not None for r in reqs)
         counts["sampled"] += sum(r[3] is not None for r in reqs)  # a forced token is a new tree token too
@@ -718,8 +767,9 @@ def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
     sample = lambda groups, prefixes, budgets: sample_segments(  # noqa: E731
         model, tok, prompts, groups, prefixes, budgets, args, engine, stats)
     pieces = token_pieces(tok)
+    reward = lambda g, toks: task.verify(tok.decode(toks, skip_special_tokens=True), examples[g].answer)[0]  # noqa: E731
     trees, counts = grow_trees(sample, [len(p) for p in prompts], args, rng,
-                               lambda toks: answer_start(toks, pieces, args.answer_marker))
+                               lambda toks: answer_start(toks, pieces, args.answer_marker), reward)
     leaves = [leaf for tree in trees for leaf in tree]
     texts = tok.batch_decode([leaf["tokens"] for leaf in leaves], skip_special_tokens=True)
     answers = [e.answer for e in examples for _ in range(args.group_size)]

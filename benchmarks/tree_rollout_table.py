@@ -2,6 +2,7 @@
 
     python benchmarks/tree_rollout_table.py                          # 3 seeds x (grpo, tree, latr) + the table
     python benchmarks/tree_rollout_table.py --arms treerl treepo     # the advantage modes
+    python benchmarks/tree_rollout_table.py --arms even3 pq3         # TRACE-style p(1 - p) allocation
     python benchmarks/tree_rollout_table.py --report-only            # rebuilds the table from the CSV
 
 All arms run algos/tree_rollout_grpo.py (one file, so everything but the rollout and the advantage is the same code):
@@ -12,6 +13,8 @@ All arms run algos/tree_rollout_grpo.py (one file, so everything but the rollout
   latr     --branch-token force --lookahead 4            forced untried candidates + lookahead pruning (LATR)
   treerl   --adv treerl                                  TreeRL's segment advantages (global + local, / sqrt |L|)
   treepo   --adv treepo                                  TreePO's ancestor-subgroup advantages, whitened
+  even3    --rounds 3 --continuations 1                  three rounds of one point x one continuation per tree
+  pq3      the same with --allocation pq                 a round's points split by p(1 - p) of each tree's success
 Setting: tiny-sums on `sums` (5 one-digit operands with running totals, ~33-token answers), 48-token budget,
 PROMPTS prompts x 16 leaves per step for STEPS steps (fewer than the default's 50 x 16, to fit the CPU budget), lr
 1e-4, held-out greedy accuracy on EVAL_N prompts every EVAL_EVERY steps. Target: the start accuracy + TARGET
@@ -37,7 +40,8 @@ from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noq
 CSV, NAME = "tree_rollout.csv", "tree_rollout"
 PROMPTS, STEPS, EVAL_EVERY, EVAL_N, TARGET = 8, 25, 5, 200, 0.05
 ARMS = {"grpo": dict(rounds=0, chains=16), "tree": {}, "latr": dict(branch_token="force", lookahead=4),
-        "treerl": dict(adv="treerl"), "treepo": dict(adv="treepo")}
+        "treerl": dict(adv="treerl"), "treepo": dict(adv="treepo"),
+        "even3": dict(rounds=3, continuations=1), "pq3": dict(rounds=3, continuations=1, allocation="pq")}
 FLAGS = dict(prompts_per_step=PROMPTS, steps=STEPS, eval_every=EVAL_EVERY, eval_examples=EVAL_N, pass_k=0,
              eval_hard=False, threads=1)
 

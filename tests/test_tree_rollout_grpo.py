@@ -128,6 +128,37 @@ def test_lookahead_prunes_and_keeps_the_group_size():
     assert counts["sampled"] > sum(len(l["tokens"]) - l["pos"] for t in trees for l in t)
 
 
+def test_allocate_branches_by_hand():
+    """p(1 - p) weights: [0.25, 0, 0, 0.1875] -> shares 2.29, 0, 0, 1.71 -> floors 2, 0, 0, 1 and the last point to
+    the larger remainder; all-certain trees split evenly; caps move the rest to the open trees."""
+    assert tr.allocate_branches([0.5, 0.0, 1.0, 0.25], 4, [9] * 4) == [2, 0, 0, 2]
+    assert tr.allocate_branches([1.0, 0.0, 1.0, 0.0], 4, [9] * 4) == [1, 1, 1, 1]
+    assert tr.allocate_branches([0.5, 0.5], 4, [1, 10]) == [1, 3]
+    assert tr.allocate_branches([0.5, 0.5], 5, [1, 1]) == [1, 1]  # no more legal points: the rest stays unplaced
+    assert sum(tr.allocate_branches([0.3, 0.6, 0.9], 7, [9] * 3)) == 7
+
+
+def test_pq_allocation_branches_the_uncertain_tree_and_keeps_g():
+    """Two chains, two rounds, reward = last token is 0. After round one (two leaves per tree) a group whose tree 0
+    has mixed rewards and tree 1 not gives both of round two's points to tree 0; G leaves either way, and the even
+    allocation gives each tree one."""
+    args = tree_args(chains=2, rounds=2, branches=1, continuations=1, max_new_tokens=6)
+
+    def grow_with(allocation):
+        return tr.grow_trees(TablePolicy(TABLE3, 6), [3] * 300, replace(args, allocation=allocation),
+                             np.random.default_rng(0), len, lambda g, toks: float(toks[-1] == 0))
+    trees, even = grow_with("pq")[0], grow_with("even")[0]
+    assert all(len(t) == args.group_size == 6 for t in trees + even)
+    one_mixed = 0
+    for tree in trees:
+        p = [np.mean([l["reward"] for l in tree[:4] if l["tree"] == m]) for m in range(2)]  # after round one
+        if p[0] == 0.5 and p[1] in (0.0, 1.0):
+            one_mixed += 1
+            assert [l["tree"] for l in tree[4:]] == [0, 0]
+    assert one_mixed > 30
+    assert all(sorted(l["tree"] for l in t[4:]) == [0, 1] for t in even)
+
+
 def test_answer_start():
     pieces = list("0123456789+=;") + [""]
     enc = lambda s: [pieces.index(ch) for ch in s]  # noqa: E731
