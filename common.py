@@ -483,8 +483,8 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
                 logits = head(h[s:s + chunk_tokens]).float() / temperature
                 logp = torch.log_softmax(logits, -1)
                 lps.append(logp.gather(-1, targets[s:s + chunk_tokens, None]).squeeze(-1))
-                if with_entropy:
-                    ents.append(-(logp.exp() * logp).sum(-1))
+                if with_entropy:  # a statistic: no graph kept through the [chunk x vocab] probabilities
+                    ents.append(-(logp.exp() * logp).sum(-1).detach())
             lp, ent = torch.cat(lps), (torch.cat(ents) if with_entropy else None)
     lp = lp.view(B, C) * completion_mask
     return (lp, ent.view(B, C) * completion_mask) if with_entropy else lp
