@@ -45,7 +45,9 @@ The [B, T] inputs are read through their strides (no copies; a [B] advantage is 
 Roofline floor: purely memory-bound. The forward reads 4-5 values per token (logp, old, adv, mask, ref) and
 writes the gradient; the backward reads and writes it once more: 25-36 B/token in fp32 (the benchmark counts 36),
 so at B=64 T=4096 (9.4 MB) the floor is about 0.002 ms on an H200 (4.8 TB/s); the measured time is set by the
-launches and Python, not by memory. Measured ratio to the floor: see benchmarks/results/kernels.md.
+launches and Python, not by memory. Measured (one H200, commit 95b1adc, benchmarks/results/kernels.md): 0.384
+ms forward + backward at B=64 T=4096 vs torch.compile of the reference 0.598 ms and eager 1.279 ms, 172x its
+0.002 ms floor.
 """
 from __future__ import annotations
 
