@@ -19,33 +19,52 @@ def _inputs(B, Kd, V, dtype, device, seed=0):
     return [t.to(device) for t in (drafts, q.to(dtype), p.to(dtype), u)]
 
 
+def _exact_draw(tok, n, q, p, u, Kd):
+    """The final draws recomputed in float64 from the kernel's own accepted counts: (y_exact, cdf, thr)."""
+    ar = torch.arange(len(n), device=n.device)
+    p64, q64 = p.double()[ar, n], q.double()[ar, n.clamp(max=Kd - 1)]
+    resid = torch.where((n < Kd)[:, None], (p64 - q64).clamp(min=0), p64)
+    w = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p64)
+    cdf = torch.cumsum(w, -1)
+    thr = u.double()[:, Kd] * cdf[:, -1]
+    vocab = torch.arange(w.shape[1], device=w.device)
+    first = torch.where((cdf > thr[:, None]) & (w > 0), vocab, w.shape[1]).amin(-1)
+    last = torch.where(w > 0, vocab, -1).amax(-1)
+    return torch.where(first < w.shape[1], first, last), w, cdf, thr
+
+
 def _check(shape, dtype, device, exact=True):
     d, q, p, u = _inputs(*shape, dtype, device)
     assert K._use_triton(d), "the kernel path must run in this test"
     tok, n = K.spec_rejection_sample(d, q, p, u)
     tok_ref, n_ref = K.spec_rejection_sample_ref(d, q, p, u)
-    assert torch.equal(n.cpu(), n_ref.cpu()), "accepted counts differ"
+    bad = (n != n_ref).nonzero().flatten().tolist()
+    assert not bad, f"accepted counts differ in {len(bad)} rows, first {bad[:5]}"
     assert (n == shape[1]).any() and (n < shape[1]).any(), "test should cover both bonus and resample rows"
     if exact:
         assert torch.equal(tok.cpu(), tok_ref.cpu()), "emitted tokens differ"
         return
-    # Large vocabularies: the kernel's tiled running sum and torch's cumsum add in different orders, so a
-    # uniform that lands within rounding of a CDF boundary may pick the neighbouring token. Every draw must
-    # still be the right inverse-CDF draw up to that rounding (checked in float64), and such rows must be rare.
+    # Large vocabularies: the kernel's chunked sums and torch's cumsum add in different orders (on CUDA torch
+    # carries an fp32 running sum across 32-wide blocks), so a uniform that lands within rounding of a CDF
+    # boundary may pick the neighbouring token. So every draw must be the float64 inverse-CDF draw up to that
+    # rounding, must have positive weight, and draws that differ from the exact float64 draw must be rare.
     ar = torch.arange(len(n), device=n.device)
     not_final = torch.arange(shape[1] + 1, device=n.device)[None, :] != n[:, None]
-    assert torch.equal(tok[not_final], tok_ref[not_final]), "accepted drafts or -1 padding differ"
-    p64, q64 = p.double()[ar, n], q.double()[ar, n.clamp(max=shape[1] - 1)]
-    resid = torch.where((n < shape[1])[:, None], (p64 - q64).clamp(min=0), p64)
-    w = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p64)
-    cdf = torch.cumsum(w, -1)
-    thr = u.double()[:, shape[1]] * cdf[:, -1]
+    bad = (tok != tok_ref)[not_final].nonzero().flatten().tolist()
+    assert not bad, f"accepted drafts or -1 padding differ at {len(bad)} places"
+    y_exact, w, cdf, thr = _exact_draw(tok, n, q, p, u, shape[1])
     y = tok[ar, n]
+    assert ((y >= 0) & (y < shape[2])).all(), f"final draw out of range: {y[(y < 0) | (y >= shape[2])][:5].tolist()}"
     lo = torch.where(y > 0, cdf[ar, (y - 1).clamp(min=0)], torch.zeros_like(thr))
     tol = 1e-4 * cdf[:, -1]
-    assert ((lo <= thr + tol) & (thr <= cdf[ar, y] + tol)).all(), "a final draw is not the inverse-CDF draw"
-    differ = (tok != tok_ref).any(-1).float().mean().item()
-    assert differ <= 0.02, f"{differ:.1%} of rows differ from the reference"
+    bad = (~((lo <= thr + tol) & (thr <= cdf[ar, y] + tol))).nonzero().flatten().tolist()
+    assert not bad, (f"{len(bad)} final draws are not the inverse-CDF draw; row {bad[0]}: n={n[bad[0]].item()} "
+                     f"y={y[bad[0]].item()} exact={y_exact[bad[0]].item()}")
+    zero = (w[ar, y] <= 0).nonzero().flatten().tolist()
+    assert not zero, f"{len(zero)} final draws have zero weight, first row {zero[0]}: y={y[zero[0]].item()}"
+    off = (y != y_exact).float().mean().item()
+    off_ref = (tok_ref[ar, n] != y_exact).float().mean().item()
+    assert off <= 0.02, f"{off:.1%} of final draws differ from the exact float64 draw (reference: {off_ref:.1%})"
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -88,6 +107,33 @@ def test_cuda_tiling_through_the_interpreter(interpret, monkeypatch):
     assert K._launch_config(6, 20000, False) == (1, 4096, 2, 8)
     _check((6, 2, 20000), torch.float32, DEV, exact=False)
     _check((9, 2, 300), torch.float32, DEV)
+
+
+def test_cuda_tiling_bf16_through_the_interpreter(interpret, monkeypatch):
+    """bf16 probabilities (loaded, then upcast to fp32 in the kernel) under the GPU's tiling, three chunks."""
+    poison(monkeypatch)
+    cuda_config = K._launch_config
+    monkeypatch.setattr(K, "_launch_config", lambda B, V, on_cuda: cuda_config(B, V, True))
+    _check((24, 3, 20000), torch.bfloat16, DEV, exact=False)
+    _check((9, 2, 300), torch.bfloat16, DEV)
+
+
+def test_draw_at_the_top_of_the_cdf_has_positive_weight(interpret, monkeypatch):
+    """u_K * total reaching the last C_v (u_K = 1 here; rounding does it too) with zero weight after the last
+    positive token, in a later chunk and at V - 1: the draw is the last positive token, not V - 1."""
+    poison(monkeypatch)
+    B, Kd, V = 4, 1, 300
+    q = torch.zeros(B, Kd, V)
+    p = torch.zeros(B, Kd + 1, V)
+    q[:, 0, 5] = 0.5                                       # p(5) = 0: the draft 5 is always rejected
+    p[:, 0, :4] = 0.25                                     # residual = p: 1/4 on tokens 0-3, 1 on token 200
+    p[:, 0, 200] = 1.0                                     # (chunk 2, tokens 256-299, has no weight at all)
+    d = torch.full((B, Kd), 5, dtype=torch.int64)
+    u = torch.tensor([[0.3, 1.0], [0.3, 0.5], [0.3, 0.0], [0.3, 0.49]])
+    tok, n = K.spec_rejection_sample(d.to(DEV), q.to(DEV), p.to(DEV), u.to(DEV))
+    tok_ref, n_ref = K.spec_rejection_sample_ref(d, q, p, u)
+    assert n_ref.tolist() == [0] * B and tok_ref[:, 0].tolist() == [200, 200, 0, 3]
+    assert torch.equal(n.cpu(), n_ref) and torch.equal(tok.cpu(), tok_ref)
 
 
 # ---- distribution test ----
