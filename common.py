@@ -332,8 +332,8 @@ def load_model(name: str, device="cpu", dtype: str = "auto"):
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = model.to(device)
-    model.amp_dtype = torch.bfloat16 if dtype == "bf16" or dtype == "auto" and torch.device(device).type == "cuda" else None
+    model, on_cuda = model.to(device), torch.device(device).type == "cuda"
+    model.amp_dtype = torch.bfloat16 if dtype == "bf16" or dtype == "auto" and on_cuda else None
     return model, tok
 
 

@@ -452,7 +452,8 @@ def grow_trees(sample_fn, prompt_lens: list[int], args: Args, rng, protect_from,
 
     sample_fn(groups, prefixes, budgets) -> segments (see sample_segments); protect_from(tokens) -> first index of
     the final answer; prompt_lens: tokens per prompt (for the prefill count); reward_fn(group, tokens) -> reward,
-    needed by --allocation pq only. A leaf (parents before children): tokens, logprobs, [entropy, alts], finished, parent (-1 for a
+    needed by --allocation pq only.
+    A leaf (parents before children): tokens, logprobs, [entropy, alts], finished, parent (-1 for a
     chain), pos (where its own segment starts), tree (its chain), depth, protect. Counts: sampled tokens (= sum of
     segment lengths, plus pruned windows), prefill tokens, branched / forced / fallback / pruned rows.
     """

