@@ -39,12 +39,13 @@ Deviations:
 - Options, off by default: `--action-gate` (the frame times each action's indicator as extra input,
   `gated_planes` in _envs.py), `--feedback snap` (imagined frames snapped to {0, 0.5, 1} before being fed
   back) and `--change-weight`. Imagined success and the accuracy checks count an agent only where exactly
-  one is drawn. Measured, seed 0, default budget (1 run each, not yet the 3-seed table):
-  `--action-gate --consistency 0` moves the agent: one-step agent-cell accuracy 0.974, open-loop agent
-  error after 12 steps 0.33, imagined success 0.75 ... 0.03 against real 0.98 ... 0.09, Pearson 0.981,
-  MMRV 0.000 (with termination: 0.978 / 0.000, half of the episodes terminated). `--action-gate` with the
-  default consistency term 0.5 does not: accuracy 0.00, no imagined success. The consistency term, not
-  the ranking logic, is what breaks the gated model; the default is left as it was until that is resolved.
+  one is drawn. Measured, default budget, 3 seeds (benchmarks/results/world_models.md, `policy-eval-gated*`):
+  `--action-gate --consistency 0` moves the agent: one-step agent-cell accuracy 0.97, open-loop agent error
+  after 12 steps 0.36, imagined success 0.80 ... 0.03 against real 0.99 ... 0.08, Pearson 0.97 ± 0.01, MMRV
+  0.00 (with termination: 0.99 / 0.00, half of the episodes terminated). `--action-gate` with the default
+  consistency term 0.5 does not: one-step accuracy 0.11, MMRV 0.36, Pearson undefined in one seed (every
+  imagined rate equal). The consistency term, not the ranking logic, is what breaks the gated model; the
+  default is left as it was until that is resolved.
 
 Commands:
   python worldmodels/policy_eval.py                    # ~1-2 min on 1 CPU thread
