@@ -490,16 +490,17 @@ def grow_trees(sample_fn, prompt_lens: list[int], args: Args, rng, protect_from,
     for _ in range(args.rounds):
         reqs = []
         for g, tree in enumerate(trees):
-            per_tree = [args.branches] * args.chains
-            if args.allocation == "pq":
+            if args.allocation == "pq":  # rank every legal point once; each tree takes its allocated prefix
                 for leaf in tree:
                     if "reward" not in leaf:
                         leaf["reward"] = reward_fn(g, leaf["tokens"])
                 success = [float(np.mean([l["reward"] for l in tree if l["tree"] == m])) for m in range(args.chains)]
-                caps = [len(branch_points(tree, m, 10**9, args, rng, set())) for m in range(args.chains)]
+                ranked = [branch_points(tree, m, 10**9, args, rng, set()) for m in range(args.chains)]
+                caps = [len(r) for r in ranked]
                 per_tree = allocate_branches(success, args.chains * args.branches, caps)
             for m in range(args.chains):
-                points = branch_points(tree, m, per_tree[m], args, rng, set())
+                points = ranked[m][:per_tree[m]] if args.allocation == "pq" else \
+                    branch_points(tree, m, args.branches, args, rng, set())
                 for _, j, p, alts in points:
                     forced = (alts or []) + [None] * args.continuations
                     reqs += [(g, j, p, forced[k], m) for k in range(args.continuations)]
