@@ -1,6 +1,6 @@
 """Each script's default command, once: does it learn within its time budget on this machine?
 
-    python benchmarks/run_defaults.py                    # runs the scripts below with no flags (about 30 min)
+    python benchmarks/run_defaults.py                    # runs the LLM scripts below with no flags (about 60 min)
     python benchmarks/run_defaults.py --record-only      # only (re)record runs/defaults/*/summary.json
     python benchmarks/run_defaults.py --report-only      # only rebuild benchmarks/results/defaults.md
 
@@ -21,7 +21,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
 
 SCRIPTS = ["grpo", "ppo", "rloo", "dapo", "gspo", "opd", "async_opd", "self_opd", "spec_rl", "mc_grpo", "nat",
-           "grpo_sums"]
+           "grpo_sums", "unique_grpo", "poise", "fp8_rollout", "async_offpolicy_grpo", "espo", "tree_rollout_grpo",
+           "partial_rollout", "grpo_prompt_selection", "grpo_replay"]
 # runs that are not a script's bare default: name -> (script, its flags); the long-response task with its model
 VARIANTS = {"grpo_sums": ("grpo", ["--model", "tiny-sums", "--task", "sums", "--digits", "1", "--max-new-tokens", "48",
                                    "--steps", "100"])}
@@ -35,11 +36,13 @@ def command(name: str) -> list[str]:
     return [f"algos/{script}.py", *flags]
 
 
-def run(names) -> None:
+def run(names, record_each: bool = True) -> None:
     for name in names:
         out = OUT / name if name in OFFLINE else OUT
         name_flag = ["--exp-name", name] if name in VARIANTS else []  # the run folder, not part of the command
         subprocess.run([sys.executable, *command(name), *name_flag, "--out-dir", str(out)], cwd=ROOT, check=True)
+        if record_each:  # a later failure keeps the rows already measured
+            record([name])
 
 
 def record(names) -> None:
@@ -51,26 +54,32 @@ def record(names) -> None:
 
 
 def report() -> None:
-    latest, offline = {}, {}
-    for r in read_rows(CSV):  # keyed by command; a later row (a re-run) replaces an earlier one
+    runs, offline = {}, {}
+    for r in read_rows(CSV):  # keyed by command, then by run (a later run of the same command comes later)
         name = Path(r["script"]).stem
         if name in OFFLINE:
             offline.setdefault(r["script"], {})[r["metric"]] = r
         else:
-            latest.setdefault(r["command"], {})[r["metric"]] = r
+            runs.setdefault(r["command"], {}).setdefault((r["commit"], r["timestamp"]), {})[r["metric"]] = r
     report_offline(offline)
-    lines = ["| command | held-out acc start | end | gain (points) | wall s | generated tokens/s | commit |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| command | held-out acc start | end | gain (points) | previous gain | wall s | generated tokens/s | "
+             "commit |", "|---|---|---|---|---|---|---|---|"]
     meta = None
-    for cmd, m in latest.items():
-        v = {k: float(r["value"]) for k, r in m.items()}
-        meta = m["eval_acc_end"]
+    gain = lambda v: 100 * (v["eval_acc_end"] - v["eval_acc_start"])  # noqa: E731
+    for cmd, by_run in runs.items():
+        done = list(by_run.values())
+        last, before = done[-1], (done[-2] if len(done) > 1 else None)
+        v = {k: float(r["value"]) for k, r in last.items()}
+        meta = last["eval_acc_end"]
+        prev = "" if before is None else \
+            f"{gain({k: float(r['value']) for k, r in before.items()}):+.1f} ({before['eval_acc_end']['commit']})"
         lines.append(f"| `{cmd}` | {100 * v['eval_acc_start']:.1f} | {100 * v['eval_acc_end']:.1f} | "
-                     f"{100 * (v['eval_acc_end'] - v['eval_acc_start']):+.1f} | {v['wall_s']:.0f} | "
-                     f"{v.get('tokens_per_s', float('nan')):.0f} | {meta['commit']} |")
+                     f"{gain(v):+.1f} | {prev} | {v['wall_s']:.0f} | {v.get('tokens_per_s', float('nan')):.0f} | "
+                     f"{meta['commit']} |")
     if meta:
         lines += ["", f"Seed 0, each script's defaults (tiny-0.6m on 2-digit `add` unless the command says otherwise; "
-                      f"500 held-out prompts, greedy). Hardware: {meta['hardware']} (shared with other jobs, so wall "
+                      f"500 held-out prompts, greedy); previous gain: the run before the latest, at its commit. "
+                      f"Hardware: {meta['hardware']} (shared with other jobs, so wall "
                       f"times are upper bounds); {meta['versions']}. Rows: `benchmarks/results/{CSV}`; command: "
                       f"`python benchmarks/run_defaults.py`."]
     (RESULTS / "defaults.md").write_text("\n".join(lines) + "\n")
@@ -102,6 +111,6 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if not (a.record_only or a.report_only):
         run(a.scripts)
-    if not a.report_only:
+    elif a.record_only:
         record(a.scripts)
     report()
