@@ -72,6 +72,19 @@ def read_rows(csv_name: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def by_config_seed(csv_name: str, bench: str | None = None) -> tuple[dict, dict]:
+    """The rows of a results CSV (of one bench, if given) as config -> seed -> metric -> value (a later row wins),
+    and config -> its latest row (for provenance)."""
+    from collections import defaultdict
+
+    by, meta = defaultdict(lambda: defaultdict(dict)), {}
+    for r in read_rows(csv_name):
+        if bench is None or r["bench"] == bench:
+            by[r["config"]][r["seed"]][r["metric"]] = float(r["value"])
+            meta[r["config"]] = r
+    return by, meta
+
+
 def mean_std(vals, scale: float = 1.0, digits: int = 1, bare_single: bool = True) -> str:
     """'mean ± std' of vals times scale (sample std, n - 1); '-' for none; one value alone as 'x' (or 'x ± 0.0'
     when bare_single is False)."""

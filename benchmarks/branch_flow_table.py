@@ -27,13 +27,12 @@ import argparse
 import json
 import shutil
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, mean_std, read_rows  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  # noqa: E402
 
 CSV, NAME = "branch_flow.csv", "branch_flow"
 RUNS = ROOT / "runs" / "bench_branch_flow"
@@ -80,11 +79,7 @@ def run(seeds, timing_only: bool) -> None:
 
 
 def collect():
-    by, meta = defaultdict(dict), {}  # config -> seed -> metrics (a later row wins)
-    for r in read_rows(CSV):
-        by[r["config"]].setdefault(r["seed"], {})[r["metric"]] = float(r["value"])
-        meta[r["config"]] = r
-    return by, meta
+    return by_config_seed(CSV)
 
 
 def report() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  # noqa: E402
 
 CSV = "grpo_family.csv"
 SEEDS = (0, 1, 2)
@@ -96,13 +96,7 @@ def fmt(vals, pct=True, digits=1):
 
 
 def collect():
-    rows = read_rows(CSV)
-    by = defaultdict(lambda: defaultdict(dict))  # label -> seed -> metric -> value (the latest row wins)
-    meta = {}
-    for r in rows:
-        by[r["config"]][r["seed"]][r["metric"]] = float(r["value"])
-        meta[r["config"]] = r
-    return by, meta
+    return by_config_seed(CSV)
 
 
 def report() -> None:

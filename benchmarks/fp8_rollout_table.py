@@ -28,14 +28,13 @@ import argparse
 import math
 import statistics
 import sys
-from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, mean_std, read_rows  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std, read_rows  # noqa: E402
 
 CSV, NAME = "fp8_rollout.csv", "fp8_rollout"
 SEEDS = (0, 1, 2)
@@ -129,13 +128,7 @@ def run_train(seeds) -> None:
 
 
 def collect(bench: str):
-    by = defaultdict(lambda: defaultdict(dict))  # config -> seed -> metric -> value (a later row wins)
-    meta = {}
-    for r in read_rows(CSV):
-        if r["bench"] == bench:
-            by[r["config"]][r["seed"]][r["metric"]] = float(r["value"])
-            meta[r["config"]] = r
-    return by, meta
+    return by_config_seed(CSV, bench)
 
 
 def vals(by, config: str, metric: str) -> list[float]:

@@ -33,13 +33,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  # noqa: E402
 
 FLIP_CSV, TRAIN_CSV, NAME = "mc_grpo_signflip.csv", "mc_grpo.csv", "mc_grpo"
 GROUPS = (2, 4, 8)
@@ -101,12 +100,7 @@ def run_train(seeds) -> None:
 
 
 def collect(csv_name: str):
-    by = defaultdict(lambda: defaultdict(dict))  # config -> seed -> metric -> value (a later row wins)
-    meta = {}
-    for r in read_rows(csv_name):
-        by[r["config"]][r["seed"]][r["metric"]] = float(r["value"])
-        meta[r["config"]] = r
-    return by, meta
+    return by_config_seed(csv_name)
 
 
 def fmt(vals, scale=100.0, digits=1):

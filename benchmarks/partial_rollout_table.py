@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, mean_std, read_rows  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  # noqa: E402
 
 CSV, NAME, SCRIPT = "partial_rollout.csv", "partial_rollout", "algos/partial_rollout.py"
 SEEDS = (0, 1, 2)
@@ -81,11 +80,7 @@ def run_train(seeds) -> None:
 
 
 def collect():
-    by, meta = defaultdict(lambda: defaultdict(dict)), {}  # config -> seed -> metric -> value (a later row wins)
-    for r in read_rows(CSV):
-        by[r["config"]][r["seed"]][r["metric"]] = float(r["value"])
-        meta[r["config"]] = r
-    return by, meta
+    return by_config_seed(CSV)
 
 
 def cell(by, config, metric, scale=1.0, digits=2):

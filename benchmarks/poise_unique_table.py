@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, mean_std, read_rows  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  # noqa: E402
 
 CSV, NAME = "poise_unique.csv", "poise_unique"
 SEEDS = (0, 1, 2)
@@ -75,13 +74,7 @@ def run_unique(seeds) -> None:
 
 
 def collect(bench: str):
-    by = defaultdict(lambda: defaultdict(dict))  # config -> seed -> metric -> value (a later row wins)
-    meta = {}
-    for r in read_rows(CSV):
-        if r["bench"] == bench:
-            by[r["config"]][r["seed"]][r["metric"]] = float(r["value"])
-            meta[r["config"]] = r
-    return by, meta
+    return by_config_seed(CSV, bench)
 
 
 def col(runs, key, scale=100.0, digits=1):
