@@ -26,7 +26,13 @@ Deviations:
   3-step samples kept speckle noise (measured: agent cell wrong at h=1 in 75% of test rollouts); predicting
   the clean frame directly removes it.
 - DIAMOND's U-Net with adaptive group norm is replaced by a 4-layer conv net; the noise level and the action
-  enter as constant input planes. Frames are 10 x 10 x 3 gridworld images, not Atari.
+  enter as constant input planes, and (by default, `--action-gate`) the action also enters multiplicatively:
+  the last context frame times each action's indicator (`gated_planes` in _envs.py), 15 more input planes in
+  which one 3x3 convolution can shift the agent in the action's direction. Without them (`--no-action-gate`,
+  the earlier default) the net has to learn the product of the action planes and the agent channel from one
+  pixel in 300 per frame; at the default budget it did not: it redrew the background and lost the agent (agent
+  cell wrong at h=1 in 74 ± 2% of test rollouts, 3 seeds; seed 0 with the gate: 0%, the only change).
+  Frames are 10 x 10 x 3 gridworld images, not Atari.
 - 3 Euler steps, as in DIAMOND, without its stochastic churn. Sampled frames are clamped to [-1, 1] and
   fed back as they are (no rounding: rounding would hide the drift we measure).
 - Diffusion forcing here is per-frame noise on the context of a one-frame denoiser, not the full
@@ -59,7 +65,7 @@ import tyro
 from tqdm import tqdm
 
 from worldmodels._envs import (N_ACTIONS, N_CHANNELS, EnvConfig, RolloutArgs, check_rollout_args, conv_stack,
-                               load_data, optimiser, random_windows, report_rollouts, start_run)
+                               gated_planes, load_data, optimiser, random_windows, report_rollouts, start_run)
 
 SIGMA_DATA, P_MEAN, P_STD = 0.5, -0.4, 1.2  # EDM / DIAMOND defaults
 SIGMA_MIN, SIGMA_MAX, RHO = 2e-3, 5.0, 7.0
@@ -78,6 +84,8 @@ class Args(RolloutArgs):  # the fields all world-model scripts share: RolloutArg
     """noise level put on context frames at sampling time (needs --diffusion-forcing to mean anything)"""
     denoise_steps: int = 3
     """Euler steps per sampled frame"""
+    action_gate: bool = True
+    """also feed the last context frame times each action's indicator (`gated_planes` in _envs.py)"""
 
 
 def check_args(args: Args) -> EnvConfig:
@@ -99,16 +107,18 @@ def c_noise(sigma: torch.Tensor) -> torch.Tensor:
 class Denoiser(nn.Module):
     """Eq. (1). x_noisy (B, C, F, F), sigma (B,), ctx (B, K, C, F, F) in [-1, 1], ctx_sigma (B, K), action (B,)."""
 
-    def __init__(self, context: int, channels: int):
+    def __init__(self, context: int, channels: int, action_gate: bool = False):
         super().__init__()
-        cin = N_CHANNELS + context * N_CHANNELS + N_ACTIONS + 1 + context
+        self.action_gate = action_gate
+        cin = N_CHANNELS + context * N_CHANNELS + N_ACTIONS + 1 + context + (N_ACTIONS * N_CHANNELS if action_gate else 0)
         self.net = conv_stack(cin, channels, N_CHANNELS)
 
     def raw(self, x_in, sigma, ctx, ctx_sigma, action):
         b, k, c, h, w = ctx.shape
         planes = torch.cat([F.one_hot(action, N_ACTIONS).float(), c_noise(sigma)[:, None],
                             c_noise(ctx_sigma)], 1)[:, :, None, None].expand(b, -1, h, w)
-        return self.net(torch.cat([x_in, ctx.reshape(b, k * c, h, w), planes], 1))
+        gate = [gated_planes((ctx[:, -1] + 1) / 2, action)] if self.action_gate else []
+        return self.net(torch.cat([x_in, ctx.reshape(b, k * c, h, w), planes, *gate], 1))
 
     def forward(self, x_noisy, sigma, ctx, ctx_sigma, action):
         c_in = 1 / (sigma[:, None, None, None] ** 2 + SIGMA_DATA ** 2).sqrt()
@@ -172,7 +182,7 @@ def main(args: Args) -> dict:
     frames = frames * 2 - 1  # the denoiser works in [-1, 1]
 
     k = args.context
-    model = Denoiser(k, args.channels).to(device)
+    model = Denoiser(k, args.channels, args.action_gate).to(device)
     opt, sched = optimiser(model, args.lr, args.steps)
     gen = torch.Generator().manual_seed(args.seed)
     bar = tqdm(range(args.steps), desc=args.exp_name, disable=None)

@@ -38,8 +38,11 @@ Deviations:
 - No gradient through the generated frames (they are sampled under no_grad); the loss trains the last
   reverse step to recover x_0 from drifted context. Training rollouts use `rollout_denoise_steps` Euler
   steps (2) to save time; evaluation uses `denoise_steps` (3).
-- x0-prediction instead of EDM's preconditioning, a 4-layer conv net, 10 x 10 x 3 frames (see the
-  parent's Deviations).
+- x0-prediction instead of EDM's preconditioning, a 4-layer conv net, 10 x 10 x 3 frames, and the action also
+  entering multiplicatively by default (`--action-gate`, the last context frame times each action's indicator;
+  see the parent's Deviations). Without the gate (`--no-action-gate`, the earlier default) the denoiser
+  redrew the background but lost the agent: agent cell wrong at h=1 in 74 ± 2% of test rollouts (3 seeds),
+  and the cycle loss cannot then say anything about the dynamics; with it, 0% (seed 0).
 
 Commands:
   python worldmodels/live.py                    # LIVE, ~3 min on 1 CPU thread
@@ -73,7 +76,7 @@ import tyro
 from tqdm import tqdm
 
 from worldmodels._envs import (INVERSE, N_ACTIONS, N_CHANNELS, EnvConfig, RolloutArgs, check_rollout_args, conv_stack,
-                               load_data, optimiser, random_windows, report_rollouts, start_run)
+                               gated_planes, load_data, optimiser, random_windows, report_rollouts, start_run)
 
 SIGMA_DATA, P_MEAN, P_STD = 0.5, -0.4, 1.2  # EDM / DIAMOND defaults
 SIGMA_MIN, SIGMA_MAX, RHO = 2e-3, 5.0, 7.0
@@ -103,6 +106,8 @@ class Args(RolloutArgs):  # the fields all world-model scripts share: RolloutArg
     """noise level put on context frames at sampling time (needs --mode df to mean anything)"""
     denoise_steps: int = 3
     """Euler steps per sampled frame"""
+    action_gate: bool = True
+    """also feed the last context frame times each action's indicator (`gated_planes` in _envs.py)"""
 
 
 def check_args(args: Args) -> EnvConfig:
@@ -131,16 +136,18 @@ def c_noise(sigma: torch.Tensor) -> torch.Tensor:
 class Denoiser(nn.Module):
     """Eq. (1). x_noisy (B, C, F, F), sigma (B,), ctx (B, K, C, F, F) in [-1, 1], ctx_sigma (B, K), action (B,)."""
 
-    def __init__(self, context: int, channels: int):
+    def __init__(self, context: int, channels: int, action_gate: bool = False):
         super().__init__()
-        cin = N_CHANNELS + context * N_CHANNELS + N_ACTIONS + 1 + context
+        self.action_gate = action_gate
+        cin = N_CHANNELS + context * N_CHANNELS + N_ACTIONS + 1 + context + (N_ACTIONS * N_CHANNELS if action_gate else 0)
         self.net = conv_stack(cin, channels, N_CHANNELS)
 
     def raw(self, x_in, sigma, ctx, ctx_sigma, action):
         b, k, c, h, w = ctx.shape
         planes = torch.cat([F.one_hot(action, N_ACTIONS).float(), c_noise(sigma)[:, None],
                             c_noise(ctx_sigma)], 1)[:, :, None, None].expand(b, -1, h, w)
-        return self.net(torch.cat([x_in, ctx.reshape(b, k * c, h, w), planes], 1))
+        gate = [gated_planes((ctx[:, -1] + 1) / 2, action)] if self.action_gate else []
+        return self.net(torch.cat([x_in, ctx.reshape(b, k * c, h, w), planes, *gate], 1))
 
     def forward(self, x_noisy, sigma, ctx, ctx_sigma, action):
         c_in = 1 / (sigma[:, None, None, None] ** 2 + SIGMA_DATA ** 2).sqrt()
@@ -247,7 +254,7 @@ def main(args: Args) -> dict:
     frames = frames * 2 - 1  # the denoiser works in [-1, 1]
 
     k = args.context
-    model = Denoiser(k, args.channels).to(device)
+    model = Denoiser(k, args.channels, args.action_gate).to(device)
     opt, sched = optimiser(model, args.lr, args.steps)
     gen = torch.Generator().manual_seed(args.seed)
     bar = tqdm(range(args.steps), desc=args.exp_name, disable=None)
