@@ -1,13 +1,14 @@
-"""algos/spec_decode.py: losslessness on a tiny vocabulary (one and two tokens; whole 5-token sequences with
-gamma >= 3 drafts, accepted chains, a context-dependent target, ragged draft lengths and EOS), the wrong accept
-rule fails the same test, exact greedy with the real tiny models, tokens per call against the formula, the
-kernel's reference, bad input."""
+"""algos/spec_decode.py and the sampler it runs (algos/_speculative.py): losslessness on a tiny vocabulary (one
+and two tokens; whole 5-token sequences with gamma >= 3 drafts, accepted chains, a context-dependent target,
+ragged draft lengths and EOS), the wrong accept rule fails the same test, exact greedy with the real tiny models,
+tokens per call against the formula, the kernel's reference, bad input."""
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from algos import _speculative as sampler
 from algos import spec_decode as sd
 
 V = 5  # toy vocabulary; token 4 plays EOS only where a test says so
@@ -35,8 +36,8 @@ def toy_pair(seed=0):
 
 
 def exact_two_token(target, prompt_tok, temperature, top_p):
-    p1 = sd.process_logits(target.table[prompt_tok], temperature, top_p)
-    p2 = sd.process_logits(target.table, temperature, top_p)  # [V, V]: row y1 = p(. | y1)
+    p1 = sampler.process_logits(target.table[prompt_tok], temperature, top_p)
+    p2 = sampler.process_logits(target.table, temperature, top_p)  # [V, V]: row y1 = p(. | y1)
     return p1, p1[:, None] * p2
 
 
@@ -57,13 +58,13 @@ def test_lossless_one_and_two_token_distribution(drafter_kind, temperature, top_
     target, draft = toy_pair()
     prompt = [2]
     if drafter_kind == "model":
-        drafter = sd.ModelDrafter(draft, 0, temperature, top_p, False)
+        drafter = sampler.ModelDrafter(draft, 0, temperature, top_p, False)
     elif drafter_kind == "ngram":  # deterministic drafts (one-hot q) from the siblings
-        drafter = sd.NgramDrafter(group_size=8, vocab=V, n_max=2)
+        drafter = sampler.NgramDrafter(group_size=8, vocab=V, n_max=2)
     else:
         drafter = None
-    comp, lps, st, _ = sd.spec_generate(target, [prompt] * (N // 8), 8, 2, pad_id=0, eos_id=-1, drafter=drafter,
-                                        gamma=gamma, temperature=temperature, top_p=top_p, waves=2)
+    comp, lps, st, _ = sampler.spec_generate(target, [prompt] * (N // 8), 8, 2, pad_id=0, eos_id=-1, drafter=drafter,
+                                             gamma=gamma, temperature=temperature, top_p=top_p, waves=2)
     p1, joint = exact_two_token(target, prompt[0], temperature, top_p)
     emp = empirical(comp, N)
     tv1 = 0.5 * (emp.sum(1) - p1).abs().sum().item()
@@ -100,7 +101,7 @@ class ToyContextLM(torch.nn.Module):
 
     def next_probs(self, context, temperature=1.0, top_p=1.0):
         t = torch.tensor([context])
-        return sd.process_logits(self.logits_of(t, torch.ones_like(t))[0, -1], temperature, top_p)
+        return sampler.process_logits(self.logits_of(t, torch.ones_like(t))[0, -1], temperature, top_p)
 
 
 def context_pair(seed=0, noise=0.6):
@@ -188,20 +189,20 @@ def run_multi(case, monkeypatch):
     torch.manual_seed(0)
     target, draft = context_pair()
     if kind == "ngram":
-        drafter = sd.NgramDrafter(group_size=8, vocab=VC, n_max=2)
+        drafter = sampler.NgramDrafter(group_size=8, vocab=VC, n_max=2)
     else:
-        drafter = sd.ModelDrafter(draft, 0, temperature, top_p, False)
+        drafter = sampler.ModelDrafter(draft, 0, temperature, top_p, False)
         drafter = RaggedDrafter(drafter) if kind == "ragged" else drafter
-    seen, verify = [], sd.verify
+    seen, verify = [], sampler.verify
 
     def spy(drafts, q, p, n_draft, u):
         tokens, n_acc = verify(drafts, q, p, n_draft, u)
         seen.append((n_draft.clone(), n_acc.clone()))
         return tokens, n_acc
 
-    monkeypatch.setattr(sd, "verify", spy)
-    comp, lps, st, _ = sd.spec_generate(target, [[1]] * (NS // 8), 8, LS, pad_id=0, eos_id=eos, drafter=drafter,
-                                        gamma=gamma, temperature=temperature, top_p=top_p, waves=waves)
+    monkeypatch.setattr(sampler, "verify", spy)
+    comp, lps, st, _ = sampler.spec_generate(target, [[1]] * (NS // 8), 8, LS, pad_id=0, eos_id=eos, drafter=drafter,
+                                             gamma=gamma, temperature=temperature, top_p=top_p, waves=waves)
     return target, comp, lps, seen
 
 
@@ -232,7 +233,7 @@ def test_lossless_whole_sequences_with_long_drafts(case, monkeypatch):
 
 def test_wrong_accept_rule_fails_the_same_test(monkeypatch):
     """min(1, q/p) instead of min(1, p/q): the whole-sequence test above rejects it outright."""
-    monkeypatch.setattr(sd, "accept_prob", lambda p_x, q_x: torch.clamp(q_x / p_x.clamp(min=1e-30), max=1.0))
+    monkeypatch.setattr(sampler, "accept_prob", lambda p_x, q_x: torch.clamp(q_x / p_x.clamp(min=1e-30), max=1.0))
     target, comp, _, _ = run_multi("chain", monkeypatch)
     assert chi2_pvalue(comp, exact_sequences(target, [1], LS)) < 1e-6
 
@@ -246,22 +247,22 @@ def test_tokens_per_call_matches_formula():
     draft = ToyBigram(qv.log().expand(V, V).clone())
     alpha = torch.minimum(pv, qv).sum().item()  # 0.80
     for gamma in (1, 3, 5):
-        comp, _, st, _ = sd.spec_generate(target, [[1]] * 300, 1, 120, 0, -1, sd.ModelDrafter(draft, 0, 1.0, 1.0, False),
-                                          gamma=gamma)
+        comp, _, st, _ = sampler.spec_generate(target, [[1]] * 300, 1, 120, 0, -1,
+                                               sampler.ModelDrafter(draft, 0, 1.0, 1.0, False), gamma=gamma)
         s = st.summary()
         # the last round of each row is cut by the budget; count only full rounds via the tested positions
-        want = sd.tokens_per_call_theory(alpha, gamma)
+        want = sampler.tokens_per_call_theory(alpha, gamma)
         assert abs(s["alpha"] - alpha) < 0.02
         assert abs(s["tokens_per_row_call"] - want) / want < 0.08, (gamma, s["tokens_per_row_call"], want)
 
 
 def test_theory_helpers():
-    assert sd.tokens_per_call_theory(1.0, 4) == 5
-    assert abs(sd.tokens_per_call_theory(0.5, 2) - 1.75) < 1e-12
-    assert sd.best_gamma(0.0, 0.1, 8) == 0  # a drafter that is never right is never used
-    assert sd.best_gamma(0.95, 0.0, 8) == 8  # free drafts: draft as much as allowed
-    g = sd.best_gamma(0.8, 0.2, 10)
-    assert all(sd.speedup_theory(0.8, g, 0.2) >= sd.speedup_theory(0.8, h, 0.2) for h in range(11))
+    assert sampler.tokens_per_call_theory(1.0, 4) == 5
+    assert abs(sampler.tokens_per_call_theory(0.5, 2) - 1.75) < 1e-12
+    assert sampler.best_gamma(0.0, 0.1, 8) == 0  # a drafter that is never right is never used
+    assert sampler.best_gamma(0.95, 0.0, 8) == 8  # free drafts: draft as much as allowed
+    g = sampler.best_gamma(0.8, 0.2, 10)
+    assert all(sampler.speedup_theory(0.8, g, 0.2) >= sampler.speedup_theory(0.8, h, 0.2) for h in range(11))
 
 
 def test_verify_matches_kernel_reference_draw_for_draw():
@@ -273,7 +274,7 @@ def test_verify_matches_kernel_reference_draw_for_draw():
     q = torch.softmax(torch.randn(B, K, V) * 2, -1)
     d = torch.multinomial(q.view(-1, V), 1).view(B, K)
     u = torch.rand(B, K + 1)
-    a, na = sd.verify(d, q, p, torch.full((B,), K), u)
+    a, na = sampler.verify(d, q, p, torch.full((B,), K), u)
     b, nb = spec_rejection_sample_ref(d, q, p, u)
     assert torch.equal(a, b) and torch.equal(na, nb)
 
@@ -284,8 +285,8 @@ def test_process_logits_matches_hf_top_p():
     torch.manual_seed(3)
     z = torch.randn(6, 40) * 3
     want = TopPLogitsWarper(0.85)(None, TemperatureLogitsWarper(0.7)(None, z.clone())).softmax(-1)
-    assert torch.allclose(sd.process_logits(z, 0.7, 0.85), want, atol=1e-6)
-    assert torch.equal(sd.process_logits(z, greedy=True).argmax(-1), z.argmax(-1))
+    assert torch.allclose(sampler.process_logits(z, 0.7, 0.85), want, atol=1e-6)
+    assert torch.equal(sampler.process_logits(z, greedy=True).argmax(-1), z.argmax(-1))
 
 
 # ---- real tiny models ----
@@ -300,7 +301,7 @@ def test_cached_lm_feeds_only_new_tokens_and_masks_rejected_drafts():
     model.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
     enc = lambda t: tok(t)["input_ids"]
     seqs = [enc("12+34="), enc("5+6="), enc("99+1=")]
-    lm = sd.CachedLM(model, 3, tok.pad_token_id)
+    lm = sampler.CachedLM(model, 3, tok.pad_token_id)
     lm.step(seqs, 1)
     d = enc("7")[-1], enc("8")[-1], enc("9")[-1]
     lm.step([seqs[0] + list(d), seqs[1] + [d[0]], seqs[2]], 4)  # drafts of lengths 3, 1, 0

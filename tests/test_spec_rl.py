@@ -3,14 +3,16 @@ tokens, a context-dependent policy, old completions of different lengths, with a
 the first rejection), the reuse rate, the int8 copy, GRPO with speculative rollouts learns like plain GRPO
 through the same sampler with fewer target forwards, bad input.
 
-The distribution tests use only the module's public names (spec_generate, PrevDrafter, NgramDrafter, accept_prob)
-and the drafter attributes the training loop sets (prior, plen)."""
+The distribution tests use only public names (PrevDrafter of algos/spec_rl.py; spec_generate, NgramDrafter,
+accept_prob of the shared sampler algos/_speculative.py) and the drafter attributes the training loop sets
+(prior, plen)."""
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from algos import _speculative as sampler
 from algos import spec_rl
 
 V = 5
@@ -124,15 +126,15 @@ def test_prev_drafter_is_lossless_past_position_0(then):
     torch.manual_seed(0)
     old, new = old_and_new_policy()
     prompts = [[1]] * GROUPS
-    comp_old, _, _, probs_old = spec_rl.spec_generate(old, prompts, G, L, 0, EOS, None, 0, keep_probs=True)
+    comp_old, _, _, probs_old = sampler.spec_generate(old, prompts, G, L, 0, EOS, None, 0, keep_probs=True)
     assert len({len(c) for c in comp_old}) >= 3  # old drafts of different lengths
-    ng = spec_rl.NgramDrafter(G, VC, 2) if then else None
+    ng = sampler.NgramDrafter(G, VC, 2) if then else None
     drafter = spec_rl.PrevDrafter(G, ng, 4) if then else spec_rl.PrevDrafter(G)
     drafter.prior = {g: [(comp_old[r], probs_old[r]) for r in range(g * G, (g + 1) * G)] for g in range(GROUPS)}
     drafter.plen = [1] * (G * GROUPS)
     if then:
         ng.extra = {g: [[1] + comp_old[r] for r in range(g * G, (g + 1) * G)] for g in range(GROUPS)}
-    comp, _, st, _ = spec_rl.spec_generate(new, prompts, G, L, 0, EOS, drafter, gamma=4)
+    comp, _, st, _ = sampler.spec_generate(new, prompts, G, L, 0, EOS, drafter, gamma=4)
     pval = chi2_pvalue(comp, exact_sequences(new, [1], L, EOS))
     assert pval > 1e-3, pval
     rows = G * GROUPS
@@ -147,15 +149,15 @@ def test_prev_drafter_is_lossless_past_position_0(then):
 
 def test_prev_drafter_wrong_accept_rule_fails_the_same_test(monkeypatch):
     """min(1, q/p) in place of min(1, p/q): the same whole-sequence test rejects it."""
-    monkeypatch.setattr(spec_rl, "accept_prob", lambda p_x, q_x: torch.clamp(q_x / p_x.clamp(min=1e-30), max=1.0))
+    monkeypatch.setattr(sampler, "accept_prob", lambda p_x, q_x: torch.clamp(q_x / p_x.clamp(min=1e-30), max=1.0))
     torch.manual_seed(0)
     old, new = old_and_new_policy()
     prompts = [[1]] * GROUPS
-    comp_old, _, _, probs_old = spec_rl.spec_generate(old, prompts, G, L, 0, EOS, None, 0, keep_probs=True)
+    comp_old, _, _, probs_old = sampler.spec_generate(old, prompts, G, L, 0, EOS, None, 0, keep_probs=True)
     drafter = spec_rl.PrevDrafter(G)
     drafter.prior = {g: [(comp_old[r], probs_old[r]) for r in range(g * G, (g + 1) * G)] for g in range(GROUPS)}
     drafter.plen = [1] * (G * GROUPS)
-    comp, _, _, _ = spec_rl.spec_generate(new, prompts, G, L, 0, EOS, drafter, gamma=4)
+    comp, _, _, _ = sampler.spec_generate(new, prompts, G, L, 0, EOS, drafter, gamma=4)
     assert chi2_pvalue(comp, exact_sequences(new, [1], L, EOS)) < 1e-6
 
 
