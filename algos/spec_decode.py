@@ -74,9 +74,7 @@ import torch
 import tyro
 
 import common
-# the sampler (and speedup_theory, which benchmarks/bench_spec_rollout.py reads from here)
-from algos._speculative import (ModelDrafter, NgramDrafter, spec_generate, speedup_theory,  # noqa: F401
-                                to_rollout, tokens_per_call_theory)
+from algos._speculative import ModelDrafter, NgramDrafter, spec_generate, to_rollout, tokens_per_call_theory
 
 
 @dataclass

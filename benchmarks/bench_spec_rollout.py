@@ -55,7 +55,7 @@ def latest(rows):
 
 
 def report() -> None:
-    from algos.spec_decode import speedup_theory, tokens_per_call_theory
+    from algos._speculative import speedup_theory, tokens_per_call_theory
 
     by = latest(read_rows(CSV))
     lines = ["**Speculative sampling** (`algos/spec_decode.py`, target `tiny-5m`, `addsteps`, 16 prompts x 8, "
