@@ -75,27 +75,36 @@ def run(names: list[str], seeds: list[int], out_root: Path) -> None:
 
 
 MODEL_CHANGE = "c3b6284"  # the commit where the agent-cell error became strict (exactly one agent drawn)
+GATE_CHANGE = "f62910b"  # the commit where the action began to enter multiplicatively (--action-gate by default)
+MODELS = ("ar", "ar-chained", "diffusion", "live")
 
 
-def _after_model_change(commit: str) -> bool:
-    """Whether a row's commit contains MODEL_CHANGE (False when git cannot tell)."""
+def _contains(commit: str, change: str) -> bool:
+    """Whether `commit` contains the commit `change` (False when git cannot tell)."""
     import subprocess
 
-    r = subprocess.run(["git", "merge-base", "--is-ancestor", MODEL_CHANGE, commit], cwd=ROOT, capture_output=True)
+    r = subprocess.run(["git", "merge-base", "--is-ancestor", change, commit], cwd=ROOT, capture_output=True)
     return r.returncode == 0
 
 
-def collect_rows() -> dict:
-    """{script: {metric: [values over seeds]}} from the CSV (the latest row per script/seed/metric)."""
+def _after_model_change(commit: str) -> bool:
+    return _contains(commit, MODEL_CHANGE)
+
+
+def collect_rows(keep=lambda row: True) -> dict:
+    """{script: {metric: [values over seeds]}} from the CSV (the latest kept row per script/seed/metric),
+    {script: the last of those rows} and the list of those rows; `keep(row)` filters the rows first."""
     latest = {}
     for r in read_rows(CSV):
-        latest[(r["script"], r["seed"], r["metric"])] = (float(r["value"]), r)
+        if keep(r):
+            latest[(r["script"], r["seed"], r["metric"])] = (float(r["value"]), r)
     out = defaultdict(lambda: defaultdict(list))
-    meta = {}
+    meta, used = {}, []
     for (script, seed, metric), (v, r) in sorted(latest.items()):
         out[script][metric].append(v)
         meta[script] = r
-    return out, meta
+        used.append(r)
+    return out, meta, used
 
 
 def fmt(vals: list[float], digits: int = 4) -> str:
@@ -110,7 +119,7 @@ def fmt(vals: list[float], digits: int = 4) -> str:
 
 
 def report() -> None:
-    data, meta = collect_rows()
+    data, meta, used = collect_rows()
     if not data:
         raise SystemExit(f"no rows in {RESULTS / CSV}: run the benchmark first")
     order = [n for n in ("ar", "ar-chained", "diffusion", "live") if n in data]
@@ -151,13 +160,25 @@ def report() -> None:
             lines.append(f"| {label} | " + " | ".join(", ".join(
                 f"{np.mean(data[n][f'{key}_{i}']):.2f}" for i in range(n_pol)) for n in pe_names) + " |")
     any_row = next(iter(meta.values()))
-    commits = ", ".join(f"`{c}`" for c in sorted({r["commit"] for r in read_rows(CSV)}))
-    stale = sorted({r["commit"] for r in read_rows(CSV) if not _after_model_change(r["commit"])})
+    commits = ", ".join(f"`{c}`" for c in sorted({r["commit"] for r in used}))
+    gated = {c: _contains(c, GATE_CHANGE) for c in {r["commit"] for r in read_rows(CSV)}}
+    before, _, _ = collect_rows(lambda r: r["script"] in MODELS and not gated[r["commit"]])
+    ungated_now = sorted({r["script"] for r in used if r["script"] in MODELS and not gated[r["commit"]]})
+    if before and not ungated_now:
+        lines += ["", f"Before `{GATE_CHANGE}` the action entered these models as one-hot input planes only; since "
+                  "then it also enters multiplicatively by default (`--action-gate`: the last frame times each "
+                  "action's indicator), the only change to the models. Agent err h=1 of the last ungated rows "
+                  "(counting the brightest cell of the agent channel, as those rows did): " + ", ".join(
+                      f"`{n}` {fmt(before[n].get('agent_err_h1', []), 2)} ({len(before[n].get('agent_err_h1', []))} "
+                      "seeds)" for n in MODELS if n in before) + "."]
+    stale = sorted({r["commit"] for r in used if not _after_model_change(r["commit"])})
     if stale:
-        lines += ["", f"Rows from commits {', '.join(f'`{c}`' for c in stale)} predate `{MODEL_CHANGE}`: in them the "
+        scripts = sorted({r["script"] for r in used if not _after_model_change(r["commit"])})
+        lines += ["", f"Rows of {', '.join(f'`{n}`' for n in scripts)} from commits {', '.join(f'`{c}`' for c in stale)} "
+                  f"predate `{MODEL_CHANGE}`: in them the "
                   "agent-cell error took the brightest cell of the agent channel; it now counts a prediction right "
                   "only when exactly one agent is drawn, in the true cell (500 training steps on 500 trajectories gave 1.00 "
-                  "for `diffusion` and 0.93 for `ar-chained` at h=1, seed 0)."]
+                  "for `diffusion` and 0.93 for `ar-chained` at h=1, seed 0, without the action gate)."]
     lines += ["", f"Commits {commits}; {any_row['hardware']}, {any_row['versions']}; "
               "rows in `benchmarks/results/world_models.csv`; curves in `benchmarks/results/world_models.png`."]
     MD.write_text("\n".join(lines) + "\n")

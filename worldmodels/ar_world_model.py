@@ -33,20 +33,21 @@ Deviations:
   agent in the action's direction. Why: with the one-hot planes only (`--no-action-gate`, the earlier
   default) the net must learn the product of the action and the agent channel. Teacher forcing learned it
   (agent cell right at h=1 in every test rollout), chained training did not: it copied the frame instead of
-  moving the agent, agent cell wrong at h=1 in 73 ± 2% of test rollouts (3 seeds), 80% with `--feedback snap`
-  (seed 0, 500 steps on 500 trajectories). With the gate and nothing else changed: 0% at h=1 (seed 0).
+  moving the agent, agent cell wrong at h=1 in 73 ± 2% of test rollouts (3 seeds, brightest-cell count), 80%
+  with `--feedback snap` (seed 0, 500 steps on 500 trajectories). With the gate and nothing else changed: 0% at h=1 (seed 0).
   Still available, off by default: `--feedback snap` (predictions snapped to {0, 0.5, 1} before being fed
   back), `--change-weight` (extra BCE weight on the pixels the step changed).
 
 Commands:
-  python worldmodels/ar_world_model.py                       # teacher forcing, ~1 min on 1 CPU thread
-  python worldmodels/ar_world_model.py --chained             # chained forward training
+  python worldmodels/ar_world_model.py                       # teacher forcing, ~2 min on 1 CPU thread
+  python worldmodels/ar_world_model.py --chained             # chained forward training, ~4-5 min
+  python worldmodels/ar_world_model.py --no-action-gate      # the action as one-hot planes only (earlier default)
   python worldmodels/ar_world_model.py --device cuda --steps 20000 --channels 128   # one GPU, larger
-Expected result (benchmarks/results/world_models.md, rows `ar` and `ar-chained`, seed 0): teacher forcing
-gets one step almost exactly (pixel MSE 1e-4 vs 4.8e-3 for copying the last frame, agent cell always right)
-and then compounds: MSE 0.12 at h=8, 0.30 at h=32, the agent fades and the objects brighten.
---chained keeps the pixel MSE small at every horizon (0.0066 at h=32, about the copy baseline) but does so
-by blurring the agent away: its agent cell is wrong in 72% of rollouts already at h=1.
+Expected result (benchmarks/results/world_models.md, rows `ar` and `ar-chained`, 3 seeds there; seed 0 here):
+both get one step right (pixel MSE 1e-4 vs 4.8e-3 for copying the last frame; agent cell wrong at h=1 in 0.8%
+and 0% of test rollouts). Teacher forcing then compounds: agent cell wrong in 13% / 21% / 32% of rollouts at
+h = 8 / 16 / 32 (ungated: 88% / 99% / 100%, 3 seeds, brightest-cell count), pixel MSE 0.0022 / 0.0026 /
+0.0031. Chained training: 9% / 17% / 26%, MSE 0.0017 / 0.0022 / 0.0026 (copying x_0: 0.0065 at h=32).
 """
 from __future__ import annotations
 
