@@ -139,6 +139,16 @@ def report() -> None:
         d = data[order[0]]
         lines.append("| copy x_0 | " + fmt(d.get("copy_err_h1", [])) + " | | | " + fmt(d.get("copy_err_h32", []))
                      + " |" + " |" * (len(HORIZONS) + 2))
+    pairs = [("teacher forcing", "ar", "chained training (Memory Forcing)", "ar-chained"),
+             ("the denoiser without the cycle loss", "diffusion", "with it (LIVE)", "live")]
+    for a_name, a, b_name, b in pairs:
+        if a in data and b in data:
+            da, db = data[a], data[b]
+            lines += ["", f"Compounding error, {a_name} (`{a}`) vs {b_name} (`{b}`), agent err at h = 8 / 16 / 32: "
+                      + " / ".join(f"{fmt(da.get(f'agent_err_h{h}', []), 2)} vs {fmt(db.get(f'agent_err_h{h}', []), 2)}"
+                                   for h in HORIZONS[1:])
+                      + "; pixel MSE at h = 32: " + f"{fmt(da.get('err_h32', []))} vs {fmt(db.get('err_h32', []))}"
+                      + f" (copy x_0 {fmt(da.get('copy_err_h32', []))})."]
     pe_names = [n for n in ("policy-eval", "policy-eval-no-consistency", "policy-eval-gated",
                             "policy-eval-gated-consistency") if n in data]
     if pe_names:
