@@ -10,6 +10,23 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _share_cores_among_workers() -> None:
+    """Under pytest-xdist every worker is one process: give each cores // workers torch threads, and cap what a
+    script's `torch.set_num_threads(args.threads)` asks for at that share, so the workers do not oversubscribe."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return
+    import torch
+
+    share = max(1, (os.cpu_count() or 1) // workers)
+    set_threads = torch.set_num_threads
+    set_threads(share)
+    torch.set_num_threads = lambda n: set_threads(max(1, min(int(n), share)))
+
+
+_share_cores_among_workers()
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
