@@ -15,6 +15,7 @@ trajectories rolled out 32 steps (4x) from ground-truth frames with the true act
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
@@ -79,6 +80,7 @@ GATE_CHANGE = "f62910b"  # the commit where the action began to enter multiplica
 MODELS = ("ar", "ar-chained", "diffusion", "live")
 
 
+@functools.cache
 def _contains(commit: str, change: str) -> bool:
     """Whether `commit` contains the commit `change` (False when git cannot tell)."""
     import subprocess
