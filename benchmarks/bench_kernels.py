@@ -210,6 +210,8 @@ def _fused_logprob_case(device, g, smoke, N, H, V, label=""):
 
     impls = {"ours": FL.fused_linear_logprob, "eager": FL.fused_linear_logprob_ref,
              "compile": compiled(FL.fused_linear_logprob_ref)}
+    if hasattr(FL, "fused_linear_logprob_loss"):  # gradients in the forward: the loss Liger's FLCE computes
+        impls["ours_loss"] = lambda h, w, t: FL.fused_linear_logprob_loss(h, w, t, _nll_sum)[0]
     run = {k: fwd_bwd(f, inputs) for k, f in impls.items() if f is not None}
     lg = liger()
     if lg is not None:  # a loss (sum of -log p(target)), not per-token log-probs: same matmuls, fwd + bwd
@@ -218,6 +220,10 @@ def _fused_logprob_case(device, g, smoke, N, H, V, label=""):
     # floor: 6 N V H flops (logits, d hidden, d weight; a design that recomputes the logits needs 8 N V H)
     return Case("fused_logprob", f"N={N} H={H} V={V}{label}", "fwd+bwd", run, 6 * N * V * H,
                 3 * (N * H + V * H) * b + 8 * N, "mm_bf16")
+
+
+def _nll_sum(lp, ent, rows):
+    return -lp.sum()  # Liger's fused linear cross-entropy with reduction="sum"
 
 
 def fused_logprob_cases(device, g, smoke):
@@ -239,6 +245,20 @@ def _grpo_ref(h, w, tgt, old, adv, mask, ref):
     return PG.clipped_pg_loss_ref(lp, old, adv, mask, EPS_LOW, EPS_HIGH, ref, BETA, "token_mean")[0]
 
 
+def _grpo_ours_loss(h, w, tgt, old, adv, mask, ref):
+    """The same loss written per token, its gradients computed in the forward (fused_linear_logprob_loss)."""
+    weights = (mask.float() / mask.float().sum().clamp(min=1.0)).reshape(-1)   # token_mean
+    old, ref = old.reshape(-1), ref.reshape(-1)
+    adv = adv[:, None].expand(mask.shape).reshape(-1)
+
+    def token_loss(lp, ent, rows):
+        ratio, a = torch.exp(lp - old[rows]), adv[rows]
+        pg = -torch.minimum(ratio * a, ratio.clamp(1 - EPS_LOW, 1 + EPS_HIGH) * a)
+        d = ref[rows] - lp
+        return (weights[rows] * (pg + BETA * (torch.exp(d) - d - 1))).sum()
+    return FL.fused_linear_logprob_loss(h, w, tgt, token_loss)[0]
+
+
 def grpo_loss_cases(device, g, smoke):
     """Qwen2.5-0.5B GRPO micro-batch: lm-head + GRPO loss, forward + backward (d hidden and d weight)."""
     B, T, H, V = (8, 1024, 896, 151936) if not smoke else (2, 24, 16, 300)
@@ -258,6 +278,8 @@ def grpo_loss_cases(device, g, smoke):
         return hidden.detach().requires_grad_(), weight.detach().requires_grad_(), targets, old, adv, mask, ref
 
     impls = {"ours": _grpo_ours, "eager": _grpo_ref, "compile": compiled(_grpo_ref)}
+    if hasattr(FL, "fused_linear_logprob_loss"):
+        impls["ours_loss"] = _grpo_ours_loss
     run = {k: fwd_bwd(f, inputs) for k, f in impls.items() if f is not None}
     lg = liger()
     if lg is not None:
@@ -653,7 +675,8 @@ def _table_row(kernel, shape, kind, floor_ms, res, measured) -> str:
     best, best_res = best_baseline(res)
     liger_ms = next((v[0] for k, v in res.items() if k.startswith("liger")), None)
     eager, comp = res.get("eager"), res.get("compile")
-    extra = [f"{k} {v[0]:.3f} ms" for k, v in res.items() if k.startswith("ours_")]
+    extra = [f"{k} {v[0]:.3f} ms" + (f", {v[1]:.0f} MB" if not math.isnan(v[1]) else "")
+             for k, v in res.items() if k.startswith("ours_")]
     shape_txt = shape + (f" ({'; '.join(extra)})" if extra else "")
     x_floor = ours[0] / floor_ms if ours and floor_ms else None
     return (f"| {kernel} | {shape_txt} | {kind} | {_f(ours and ours[0], 3)} | {best or '-'} | "
@@ -679,8 +702,9 @@ def _legend() -> str:
             "floor = ours over the roofline floor of the shape (max of bytes / copy bandwidth and flops / matmul "
             "rate, both measured on the GPU of the run). Liger's fused linear cross-entropy returns a loss "
             "(reduction sum), not per-token log-probs and entropies: it is compared at equal matmul work (logits, "
-            "d hidden, d weight), forward + backward. grpo_loss: ours = fused_linear_logprob then clipped_pg_loss "
-            "vs Liger's LigerFusedLinearGRPOLoss (token-level clip, DAPO token mean, k3 KL with beta "
+            "d hidden, d weight), forward + backward; ours_loss (fused_logprob, grpo_loss) = fused_linear_logprob_loss, "
+            "the gradients computed in the forward as Liger does, on the same loss. grpo_loss: ours = "
+            "fused_linear_logprob then clipped_pg_loss vs Liger's LigerFusedLinearGRPOLoss (token-level clip, DAPO token mean, k3 KL with beta "
             f"{BETA}, eps {EPS_LOW}/{EPS_HIGH}). fp8_blockwise: ours has the weight quantised once outside the timed "
             "region; ours_per_call quantises it every call. torch.compile is left out where it cannot win (fp8: "
             "4.8 ms vs the bf16 matmul's 0.19 ms; attention: 44.6 ms vs SDPA's 8.7 ms at 4096^3 / N=16 P=2048 on "

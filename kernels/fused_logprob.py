@@ -1,6 +1,7 @@
 """Fused linear -> selected-token log-prob and entropy, forward and backward: cuBLAS matmuls, Triton row maths.
 
-Public function (what `algos/grpo.py --kernels` and `common.token_logprobs` call):
+Public functions: `fused_linear_logprob` (what `algos/grpo.py --kernels` and `common.token_logprobs` call) and
+`fused_linear_logprob_loss` (gradients in the forward for a loss written per row; below the two modes):
 
     fused_linear_logprob(hidden, weight, targets, temperature=1.0, mode="auto", budget_bytes=None)
         -> (logprob, entropy)
@@ -51,11 +52,26 @@ Two modes (flops for N rows, V vocab, H hidden; b bytes per element; the [V, H] 
     A STORE backward consumes the kept logits (they become dz), so a second backward through the same graph
     (retain_graph=True) raises; use mode="recompute" for that (its second backward recomputes every chunk).
 
-Why not Liger's "gradients in the forward" (6 NVH and one chunk of memory): it needs the upstream gradient
-at forward time. For a fused loss it is a known scalar factor; here each row has its own (g_logprob, g_entropy)
-from a loss (clipped ratio, advantages, entropy bonus) computed after this function, and d_weight =
-dz^T h is not separable in them without materialising both per-row terms. So the choice is 6 NVH with the
-logits kept, or 8 NVH with one chunk.
+Gradients in the forward (Liger-Kernel's design), when the loss is known at forward time:
+
+    fused_linear_logprob_loss(hidden, weight, targets, token_loss, temperature=1.0, budget_bytes=None,
+                              dw_accum="fp32") -> (loss, logprob, entropy)
+        token_loss(logprob_rows, entropy_rows, rows) -> scalar: the loss of the rows `rows` (a slice of the
+            flattened rows) given their fp32 log-probs and entropies. It must be a sum of per-row terms, each
+            depending on its own row only (token-mean and sequence-mean GRPO losses are: their normalisers
+            come from the mask, not from the log-probs), so that the loss and its gradient add up over chunks.
+        loss is differentiable w.r.t. hidden and weight; logprob and entropy [...] come back detached.
+    Per chunk: logits (2 NVH), stats kernel, the chunk's (g_logprob, g_entropy) by autograd on token_loss (a few
+    elementwise ops on the chunk's rows), dz kernel in place, d_hidden[chunk] = dz W (2 NVH), d_weight += dz^T h
+    (2 NVH). 6 NVH flops, and nothing of the logits outlives its chunk: extra memory one chunk of logits
+    (LOSS_BUDGET_BYTES, 256 MiB, at least MIN_CHUNK_ROWS rows) plus d_hidden, d_weight and, for half-precision
+    weights over several chunks, the fp32 d_weight accumulator (4 V H bytes; dw_accum="input" accumulates in the
+    weight's dtype instead, as Liger does: 2 V H bytes less, one rounding per chunk). The backward only scales
+    the saved gradients by the incoming one, in place (no new [V, H] buffer); a second backward raises.
+    Why fused_linear_logprob itself cannot do this: its per-row upstream gradients (g_logprob, g_entropy) come
+    from a loss computed after it, and d_weight = dz^T h is not separable in them without materialising both
+    per-row terms. So that function chooses between 6 NVH with the logits kept and 8 NVH with one chunk; a
+    caller that can write its loss per row (grpo_loss, cross-entropy) gets 6 NVH with one chunk here.
 
 Roofline floor: matmul-bound for any realistic H. The floor is the lower of the two designs, 6 N V H /
 matmul_rate (torch.compile of the reference also does 6 N V H and runs under an 8 N V H floor), plus the
@@ -69,7 +85,10 @@ RECOMPUTE, 256 MB chunks of ~880 rows, d_weight summed through an fp32 copy of e
 48 ms / 5 GB at N=4096 H=4096 against torch.compile's 24 ms: 8 NVH, plus (estimated) ~12 GB of accumulator
 traffic per chunk, ~13 ms in all. STORE, 6 NVH in three whole-batch GEMMs, is the only design here that can meet
 compile's time (compile also does 6 NVH); it is chosen wherever the logits fit the budget, and RECOMPUTE (with
-large chunks, the last one not recomputed, a cheap fp32 accumulator) bounds the memory beyond it.
+large chunks, the last one not recomputed, a cheap fp32 accumulator) bounds the memory beyond it. Where the
+caller can write its loss per row, fused_linear_logprob_loss gets both: 6 NVH and one chunk of logits (the
+benchmark's ours_loss rows, against Liger's fused linear cross-entropy and GRPO loss). Neither of the two new
+designs has been timed on a GPU yet (the results file names the commit of each row).
 
 Deviations / notes:
     * The first version fused the matmuls into the Triton kernels too (as Cut Cross-Entropy); its backward added
@@ -239,6 +258,105 @@ class _FusedLinearLogprob(torch.autograd.Function):
         if dw32 is not None:
             dw = dw32.to(weight.dtype)
         return dh, dw, None, None, None, None
+
+
+# ---- gradients in the forward: the loss is known per row at forward time ----
+LOSS_BUDGET_BYTES = 256 * 2 ** 20  # fused_linear_logprob_loss: logits alive at once (one chunk)
+DW_ACCUM = ("fp32", "input")
+
+
+class _FusedLinearLogprobLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, token_loss, chunks, need_dh, need_dw, dw_accum):
+        N, V = hidden.shape[0], weight.shape[0]
+        bv, inv_t = _block_v(V, not hidden.is_cuda), 1.0 / temperature
+        lp, ent, lse = (new_output((N,), hidden.device) for _ in range(3))
+        buf = torch.empty((max(b - a for a, b in chunks), V), device=hidden.device, dtype=hidden.dtype)
+        dh = new_output(hidden.shape, hidden.device, hidden.dtype) if need_dh else None
+        dw = dw32 = None
+        loss = torch.zeros((), device=hidden.device)
+        for i, (a, b) in enumerate(chunks):
+            z = buf[:b - a]
+            torch.mm(hidden[a:b], weight.T, out=z)
+            _row_stats_kernel[(b - a,)](z, targets[a:b], lp[a:], ent[a:], lse[a:], V, z.stride(0), inv_t,
+                                        BLOCK_V=bv, num_warps=8)
+            lp_c, ent_c = lp[a:b].detach().requires_grad_(), ent[a:b].detach().requires_grad_()
+            with torch.enable_grad():  # the chunk's upstream gradients, by autograd on a few elementwise ops
+                chunk_loss = token_loss(lp_c, ent_c, slice(a, b))
+                if not (need_dh or need_dw):
+                    loss += chunk_loss.detach().float()
+                    continue
+                g_lp, g_ent = torch.autograd.grad(chunk_loss, (lp_c, ent_c), allow_unused=True)
+            loss += chunk_loss.detach().float()
+            g_lp = torch.zeros_like(lp_c) if g_lp is None else g_lp.float().contiguous()
+            g_ent = torch.zeros_like(ent_c) if g_ent is None else g_ent.float().contiguous()
+            _dz_kernel[(b - a, triton.cdiv(V, bv))](z, targets[a:b], lse[a:], ent[a:], g_lp, g_ent,
+                                                    V, z.stride(0), inv_t, BLOCK_V=bv, num_warps=8)
+            if need_dh:                                         # the logits are now dz / T
+                torch.mm(z, weight, out=dh[a:b])
+            if not need_dw:
+                continue
+            if i == 0:
+                dw = torch.mm(z.T, hidden[a:b])
+            elif dw.dtype == torch.float32 or dw_accum == "input":
+                dw.addmm_(z.T, hidden[a:b])                     # fp32, or Liger's accumulation in the weight dtype
+            else:
+                if dw32 is None:
+                    dw32 = dw.float()
+                dw32.add_(torch.mm(z.T, hidden[a:b]))           # half weights: fp32 accumulator (see header)
+        if dw32 is not None:
+            dw = dw32.to(weight.dtype)
+        ctx.grads = (dh, dw)                                    # scaled in place by the backward
+        ctx.mark_non_differentiable(lp, ent)
+        return loss, lp, ent
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_lp, _g_ent):
+        if ctx.grads is None:
+            raise RuntimeError("fused_linear_logprob_loss: the gradients were computed in the forward and handed "
+                               "to the first backward; a second backward needs a second forward")
+        dh, dw = ctx.grads
+        ctx.grads = None
+        g = g_loss.float()
+        for t in (dh, dw):
+            if t is not None:
+                t.mul_(g)                                       # in place: no second [V, H] buffer
+        return dh, dw, None, None, None, None, None, None, None
+
+
+def fused_linear_logprob_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_loss,
+                              temperature: float = 1.0, budget_bytes: int | None = None,
+                              dw_accum: str = "fp32") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, logprob, entropy): loss = token_loss(logprob, entropy, all rows), its gradients w.r.t. hidden and
+    weight computed chunk by chunk in the forward (6 N V H flops, one chunk of logits; see the header).
+
+    token_loss(logprob_rows, entropy_rows, rows) -> scalar, rows a slice of the flattened [...] rows; it must be a
+    sum of per-row terms. logprob and entropy [...] are returned detached (fp32). dw_accum: "fp32" (default) or
+    "input" (the weight's dtype, Liger's choice: less memory, one rounding per chunk)."""
+    _check(hidden, weight, targets, temperature)
+    if dw_accum not in DW_ACCUM:
+        raise ValueError(f"dw_accum must be one of {DW_ACCUM}, got {dw_accum!r}")
+    if not callable(token_loss):
+        raise TypeError("token_loss must be a callable (logprob_rows, entropy_rows, rows) -> scalar loss")
+    if not _use_triton(hidden, weight, targets) or hidden.numel() == 0:
+        return fused_linear_logprob_loss_ref(hidden, weight, targets, token_loss, temperature)
+    lead = hidden.shape[:-1]
+    h2 = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    w2 = weight.contiguous()
+    grad = torch.is_grad_enabled()
+    budget = LOSS_BUDGET_BYTES if budget_bytes is None else budget_bytes
+    _, chunks = _plan(h2.shape[0], w2.shape[0], h2.element_size(), "recompute", budget)
+    loss, lp, ent = _FusedLinearLogprobLoss.apply(h2, w2, targets.reshape(-1).contiguous(), float(temperature),
+                                                  token_loss, chunks, grad and hidden.requires_grad,
+                                                  grad and weight.requires_grad, dw_accum)
+    return loss, lp.reshape(lead), ent.reshape(lead)
+
+
+def fused_linear_logprob_loss_ref(hidden, weight, targets, token_loss, temperature: float = 1.0):
+    """Eager torch: logits materialised, token_loss called once on all (flattened) rows."""
+    lp, ent = fused_linear_logprob_ref(hidden, weight, targets, temperature)
+    loss = token_loss(lp.reshape(-1), ent.reshape(-1), slice(0, lp.numel()))
+    return loss, lp.detach(), ent.detach()
 
 
 # ---- public function and reference ----

@@ -31,7 +31,7 @@ def test_smoke_runs_every_path_and_writes_nothing():
                    "spec_rejection", "dualkv_sweep"):
         assert f"{kernel} " in out, f"{kernel} missing from the smoke run:\n{out}"
     assert "Liger-Kernel: skipped on CPU" in out
-    assert "ours_per_call" in out and "sdpa_replicated" in out
+    assert "ours_per_call" in out and "ours_loss" in out and "sdpa_replicated" in out
     assert "| kernel | shape | pass | ours ms | best baseline |" in out
     assert _snapshot() == before, "--smoke wrote into benchmarks/results"
 
@@ -52,9 +52,36 @@ def test_best_baseline_and_live_table():
     lines = BK.kernels_markdown(full, prov, rates).splitlines()
     assert lines[2] == BK.HEADER and all(ln.count("|") - 1 == BK.N_COLS for ln in lines[2:])
     fl = next(ln for ln in lines if ln.startswith("| fused_logprob"))
-    assert "| liger_flce | 2.500 | 0.80 |" in fl and "ours_per_call 1.000 ms" in fl
+    assert "| liger_flce | 2.500 | 0.80 |" in fl and "ours_per_call 1.000 ms, 5 MB" in fl
     assert fl.endswith("| abc 2026-01-02 03:04 |")
     assert "compile (spec_rejection)" in lines[0] and "commit abc" in lines[0]
+
+
+def test_grpo_loss_written_per_token_equals_the_composed_loss(monkeypatch):
+    """The bench's ours_loss (fused_linear_logprob_loss with the GRPO loss written per token) computes the same
+    loss and gradients as fused_linear_logprob then clipped_pg_loss (token mean, clip, k3 KL), so the two rows
+    time the same work."""
+    import torch
+
+    import benchmarks.bench_kernels as BK
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(0)
+    B, T, H, V = 3, 7, 16, 40
+    hidden, weight = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g) / 4
+    tgt = torch.randint(0, V, (B, T), generator=g)
+    with torch.no_grad():
+        lp0 = BK.FL.fused_linear_logprob_ref(hidden, weight, tgt)[0]
+    old, ref = lp0 + 0.3 * torch.randn(B, T, generator=g), lp0 + 0.3 * torch.randn(B, T, generator=g)
+    adv, mask = torch.randn(B, generator=g), torch.arange(T)[None, :] < torch.tensor([[7], [3], [5]])
+    outs = []
+    for fn in (BK._grpo_ours_loss, BK._grpo_ref):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = fn(h, w, tgt, old, adv, mask, ref)
+        loss.backward()
+        outs.append((loss.detach(), h.grad, w.grad))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def _csv_rows(config, run, **metrics):
