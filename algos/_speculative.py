@@ -45,9 +45,9 @@ reference of kernels/spec_rejection.py draw for draw and adds per-row draft leng
 """
 from __future__ import annotations
 
+import inspect
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +56,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common  # noqa: E402
-
-warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
 
 
 # ---- processed distributions ----
@@ -157,6 +155,9 @@ class CachedLM:
         self.model, self.pad_id = model, pad_id
         self.device = next(model.parameters()).device
         self.cache, self.width = None, 0
+        # the KV cache's keyword: `cache` in recent transformers (`past_key_values` warns there, and goes in 5.40),
+        # `past_key_values` before; the output field has the same name
+        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.mask = torch.zeros(n_rows, 0, dtype=torch.long)
         self.cols: list[list[tuple[int, int]]] = [[] for _ in range(n_rows)]  # (column, token) of valid entries
         self.calls = 0
@@ -190,9 +191,9 @@ class CachedLM:
         self.mask = torch.cat([self.mask, chunk_mask], 1)
         self.width += m
         out = self.model(input_ids=ids.to(self.device), attention_mask=self.mask.to(self.device),
-                         position_ids=pos.to(self.device), past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=keep)
-        self.cache = out.past_key_values
+                         position_ids=pos.to(self.device), use_cache=True, logits_to_keep=keep,
+                         **{self.cache_kw: self.cache})
+        self.cache = getattr(out, self.cache_kw)
         self.calls += 1
         return out.logits.float().cpu()
 
