@@ -5,9 +5,12 @@ Public functions:
     quantize_act(x)    x [M, K]   -> (xq [M, K] float8_e4m3fn, xs [M, ceil(K/128)] fp32)    1 x 128 tiles
     quantize_weight(w) w [N, K]   -> (wq [N, K] float8_e4m3fn, ws [ceil(N/128), ceil(K/128)] fp32) 128 x 128 blocks
     prepare_weight(w)  w [N, K]   -> Fp8Weight(wq, ws): quantize_weight once per weight sync (K % 128 == 0)
-    fp8_blockwise_matmul(xq, xs, wq, ws, out_dtype=torch.float32) -> y [M, N] ~= x @ w.T
-    fp8_linear(x, w_or_prepared, out_dtype=None, fused=None) -> y [M, N] = x @ w.T through fp8 (out_dtype
-        defaults to x's dtype); w a bf16/fp32 weight (quantised per call) or an Fp8Weight (no weight pass)
+    fp8_blockwise_matmul(xq, xs, wq, ws, out_dtype=torch.float32, split_k=None) -> y [M, N] ~= x @ w.T
+    fp8_linear(x, w_or_prepared, out_dtype=None, fused=None, split_k=None) -> y [M, N] = x @ w.T through fp8
+        (out_dtype defaults to x's dtype); w a bf16/fp32 weight (quantised per call) or an Fp8Weight (no weight
+        pass)
+    split_k (both GEMM entry points): None = automatic (timed once per autotuned shape on a GPU, else 1), or a
+        positive int forced on every device (1 = no split); see "Split-K" below
 
 Each has an `_ref` twin in pure torch. Triton kernels run when the tensors are on CUDA (there the matmul
 feeds real fp8 operands to the tensor cores: Hopper or newer) or on CPU with TRITON_INTERPRET=1 (the tests).
@@ -19,18 +22,44 @@ Maths:
 The matmul accumulates each 128-wide K block in fp32 and applies the two scales per block, so the
 reference is exact up to fp32 summation order (products of two e4m3 numbers are exact in fp32).
 
-The GEMM (_fp8_linear_kernel, one launch): a program owns a [BLOCK_M, BLOCK_N] output tile and walks K in
-128-wide steps (BLOCK_K = TILE). Each step loads the e4m3 weight tile [BLOCK_N, 128] (K contiguous: the K-major
-B operand Hopper's fp8 wgmma wants, so prepare_weight keeps nn.Linear's [N, K] layout and needs no transpose) and
+The GEMM (_fp8_linear_kernel, one launch; split-K adds a reduce launch, below): a program owns a [BLOCK_M,
+BLOCK_N] output tile and walks K in 128-wide steps (BLOCK_K = TILE). Each step loads the e4m3 weight tile
+[BLOCK_N, 128] (K contiguous: the K-major B operand Hopper's fp8 wgmma wants, so prepare_weight keeps
+nn.Linear's [N, K] layout and needs no transpose) and
   fused (fp8_linear(..., fused=True); default only for M <= FUSE_MAX_M): the bf16/fp32 activation tile
       [BLOCK_M, 128], its row amax, the scale, x / scale and the cast to e4m3 in registers (bit-equal to
       quantize_act, see below);
   two-launch (fp8_linear's default above FUSE_MAX_M, and fp8_blockwise_matmul): quantize_act's codes and scales;
 then part = tl.dot(a_e4m3, b_e4m3) (fp8 tensor cores, fp32 out) and acc += part * sa[:, None] * sb[None, :]:
 the fp32 promotion every 128 K that DeepGEMM and DeepSeek-V3 use (Hopper adds fp8 products inside one wgmma in
-a ~14-bit accumulator). Autotuned over a few Hopper configs keyed on (M's power-of-two class, N, K), with
-BLOCK_M = 64 and BLOCK_N 32..256 for decode (M = 64..256: the grid splits N only, each program streams its
-weight columns once); the interpreter launches one config.
+a ~14-bit accumulator). Autotuned over a few Hopper configs keyed on (M's power-of-two class, N, K, SPLIT_K),
+with BLOCK_M = 64 and BLOCK_N 32..256 for decode (M = 64..256: 1-4 M tiles, each program streams its weight
+columns once); the interpreter launches one config.
+
+Split-K (SPLIT_K > 1, a third grid axis): at decode the [M, N] grid alone is too small and too serial. At M = 64,
+N = K = 4096 it has N / BLOCK_N programs (128 at BLOCK_N = 32, for 132 SMs: one wave, no SM with a second program to
+hide latency) and each walks KB = 32 dependent 128-wide K steps, so the 16 MB weight is not streamed at full
+bandwidth. With SPLIT_K, program k of a tile walks the contiguous K blocks [k KB // SPLIT_K, (k+1) KB // SPLIT_K)
+(shares differ by at most one block; a program whose share is empty stores zeros), keeps the per-128-K promotion
+with both scales exactly as above, and stores its fp32 partial tile into a workspace [SPLIT_K, M, N].
+_splitk_reduce_kernel then adds the partials in the fixed order 0, 1, ..., SPLIT_K - 1 and casts to the output
+dtype in one launch (deterministic: no atomics). It is a small Triton kernel rather than torch's sum + cast because
+that is two launches plus an fp32 [M, N] temporary (decode is launch-bound), the order of torch's reduction is not
+spelled out, and the interpreter's bf16 rounding is fixed the same way as the GEMM's. Split-K changes only the fp32
+summation order of the per-block terms (the tests bound the difference at that level). SPLIT_K = 1 is the plain
+launch above (2-D grid, no workspace, no reduce).
+Workspace traffic: SPLIT_K x M x N x 4 bytes written and read back, i.e. 4 SPLIT_K M / K of the fp8 weight's N K
+bytes each way: at N = K = 4096, 2 MB (1/8 of the weight) for M = 64, SPLIT_K = 2, 4 MB for SPLIT_K = 4; small
+enough to be expected to stay in the H200's 50 MB L2 between the two launches (not measured), and it grows with M:
+the reason splits are not tried at large M.
+Choosing SPLIT_K (split_k=None): 1 on CPU / the interpreter and for the small untuned GEMMs; for the autotuned
+shapes on a GPU, _split_candidates keeps the values of (1, 2, 4, 8) that leave each program >= 4 K blocks and a
+workspace no larger than the weight (4 SPLIT_K M <= K: at N = K = 4096, M = 64 tries 1/2/4/8, M = 256 1/2/4,
+M >= 1024 only 1); the autotuner picks the tile config per candidate (kernel time), then the whole call (workspace,
+GEMM, reduce) is timed once per candidate and the fastest is cached in _TUNED with its config (a larger split must
+win by 2%). The extra config BLOCK_N = 128 / 6 stages is for split decode (the split supplies the programs, so
+wider N tiles); pruning drops pipelines deeper than a program's K steps + 1.
+
 Why the fused path is not the default (FUSE_MAX_M = 0; estimates, the GPU timings decide): every program
 re-quantises its A tiles, ~6 CUDA-core instructions per element (convert, |max|, multiply, two fmas, cvt), so a
 program spends BLOCK_M x K x 6 / 128 lanes cycles on it whatever N is: ~7 us per program at BLOCK_M = 64,
@@ -62,16 +91,23 @@ one scale per tile).
 Roofline floor (fp8_linear with a prepared weight): bytes = x read once (2 M K for bf16) + wq read (N K) + the
 [M/128 or M, K/128] scales + out written (2 M N for bf16); flops = 2 M N K at the fp8 tensor-core rate
 (torch._scaled_mm measured ~1270 TFLOP/s on one H200). At 4096^3: 32 + 16 + 32 MB over ~4.8 TB/s = 17 us vs
-137 GFLOP / 1270 TFLOP/s = 108 us: compute-bound, floor 0.108 ms (the bf16 matmul: 0.192 ms). At decode
-(M = 64..256, N = K = 4096) the 16 MB fp8 weight read dominates: ~3.5 us vs ~7 us for the bf16 weight.
+137 GFLOP / 1270 TFLOP/s = 108 us: compute-bound, floor 0.108 ms (the bf16 matmul: 0.192 ms). At decode (M = 64..256,
+N = K = 4096) the 16 MB fp8 weight read dominates: ~3.5 us vs ~7 us for the bf16 weight; the split-K workspace adds
+2 x 4 SPLIT_K M N bytes (4 MB at M = 64, SPLIT_K = 2; 32 MB at M = 256, SPLIT_K = 4), expected to be mostly L2
+traffic, so the decode floor stays ~3.5 us plus a second, tiny launch (its CPU launch cost matters when decode is
+launch-bound; a CUDA graph hides it). Reaching it needs >= 1 program per SM with several K steps in flight: the
+point of split-K.
 Quantisation alone is memory-bound: reads 4 (fp32) or 2 (bf16) bytes and writes 1 byte per element (+ 4 bytes
 per 128-element scale).
 Measured (one H200, commit 95b1adc, benchmarks/results/kernels.md): with a prepared weight 0.241 ms at 4096^3,
 2.20x its 0.109 ms floor, and slower than the bf16 matmul's 0.190 ms. At decode shapes (N = K = 4096) it is
-slower too: 0.032 / 0.031 / 0.037 ms at M = 64 / 128 / 256 vs bf16's 0.018 / 0.019 / 0.025 ms.
+slower too: 0.032 / 0.031 / 0.037 ms at M = 64 / 128 / 256 vs bf16's 0.018 / 0.019 / 0.025 ms. Those figures
+predate split-K: the split-K path has not been timed on a GPU yet (its correctness is tested in the
+interpreter; tests/test_kernels_fp8_blockwise.py::test_split_k_on_gpu checks it on a GPU).
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +151,14 @@ def _round_e4m3(y):
 
 
 @triton.jit
+def _round_bf16(acc):
+    """fp32 -> the nearest-even bf16 value, still in fp32 (the interpreter's own cast truncates)."""
+    u = acc.to(tl.int32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & -65536
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _quant_kernel(X, XQ, S, R, C, n_col_blocks, stride_x, BLOCK_R: tl.constexpr, PER_ROW: tl.constexpr):
     """One [BLOCK_R, 128] tile: per-row scales (activations) or one scale for the tile (weights)."""
     pid_r = tl.program_id(0)
@@ -138,8 +182,14 @@ def _quant_kernel(X, XQ, S, R, C, n_col_blocks, stride_x, BLOCK_R: tl.constexpr,
 @triton.jit
 def _fp8_linear_kernel(X, XS, W, WS, Y, M, N, K, M_KEY, stride_x, stride_y,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, A_FP8: tl.constexpr,
-                       EVEN_K: tl.constexpr, INTERP: tl.constexpr, ROUND_BF16: tl.constexpr):
+                       EVEN_K: tl.constexpr, INTERP: tl.constexpr, ROUND_BF16: tl.constexpr,
+                       SPLIT_K: tl.constexpr = 1):
     """y[BLOCK_M, BLOCK_N] = sum over 128-wide K steps of sa * sb * (qa @ qw^T), promoted in fp32 each step.
+
+    SPLIT_K = 1: Y is the output and the program walks all KB = cdiv(K, 128) K blocks (grid (M tiles, N tiles)).
+    SPLIT_K > 1: grid (M tiles, N tiles, SPLIT_K); program k walks K blocks [k KB // SPLIT_K, (k+1) KB // SPLIT_K)
+    (shares differ by at most one block; an empty share stores zeros) and stores its fp32 partial tile into
+    Y = the fp32 workspace [SPLIT_K, M, N] (stride_y = N, ROUND_BF16 unused); _splitk_reduce_kernel sums them.
 
     A_FP8 = False (the fused path): X is the bf16/fp32 activation; each K step loads its [BLOCK_M, 128] tile,
     takes the row amax, and quantises it in registers to e4m3 (the 1 x 128 recipe, bit-equal to quantize_act).
@@ -157,7 +207,16 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, M, N, K, M_KEY, stride_x, stride_y,
     w_ptrs = W + rn[:, None].to(tl.int64) * K + rk[None, :]
     ws_ptrs = WS + (rn // 128) * KB
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for kb in range(0, KB):
+    kb_lo = 0
+    kb_hi = KB
+    if SPLIT_K > 1:  # this program's contiguous share of the K blocks
+        pid_k = tl.program_id(2)
+        kb_lo = pid_k * KB // SPLIT_K
+        kb_hi = (pid_k + 1) * KB // SPLIT_K
+        x_ptrs += kb_lo * 128
+        w_ptrs += kb_lo * 128
+        Y += pid_k.to(tl.int64) * M * N  # this split's [M, N] slice of the workspace
+    for kb in range(kb_lo, kb_hi):
         if EVEN_K:
             amask = mmask[:, None]
             bmask = nmask[:, None]
@@ -194,12 +253,26 @@ def _fp8_linear_kernel(X, XS, W, WS, Y, M, N, K, M_KEY, stride_x, stride_y,
         acc += part * sa[:, None] * sb[None, :]
         x_ptrs += 128
         w_ptrs += 128
-    if ROUND_BF16:
-        u = acc.to(tl.int32, bitcast=True)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) & -65536
-        acc = u.to(tl.float32, bitcast=True)
+    if ROUND_BF16 and SPLIT_K == 1:
+        acc = _round_bf16(acc)
     tl.store(Y + rm[:, None].to(tl.int64) * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _splitk_reduce_kernel(P, Y, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """y.flat[i] = ((P[0, i] + P[1, i]) + P[2, i]) + ... in this fixed order (deterministic), cast to y's dtype.
+    P: the fp32 workspace [SPLIT_K, M, N], contiguous; Y: the contiguous [M, N] output; MN = M * N."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    p = P + offs
+    acc = tl.load(p, mask=mask, other=0.0)
+    for _ in tl.static_range(1, SPLIT_K):
+        p += MN
+        acc += tl.load(p, mask=mask, other=0.0)
+    if ROUND_BF16:
+        acc = _round_bf16(acc)
+    tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
 
 
 # ---- public functions ----
@@ -236,8 +309,16 @@ def quantize_weight(w: torch.Tensor):
     return _quantize(w, per_row=False)
 
 
-def fp8_blockwise_matmul(xq, xs, wq, ws, out_dtype: torch.dtype = torch.float32):
-    """y [M, N] = block-scaled xq @ wq.T (see the header)."""
+def _check_split_k(split_k):
+    if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, numbers.Integral) or split_k < 1):
+        raise ValueError(f"split_k must be None (automatic) or a positive int, got {split_k!r}")
+    return None if split_k is None else int(split_k)
+
+
+def fp8_blockwise_matmul(xq, xs, wq, ws, out_dtype: torch.dtype = torch.float32, split_k: int | None = None):
+    """y [M, N] = block-scaled xq @ wq.T (see the header). split_k: None (automatic) or the number of K splits
+    to force (1 = no split; see the header's split-K paragraph)."""
+    split_k = _check_split_k(split_k)
     M, K = xq.shape
     N = wq.shape[0]
     KB = triton.cdiv(K, TILE)
@@ -246,7 +327,8 @@ def fp8_blockwise_matmul(xq, xs, wq, ws, out_dtype: torch.dtype = torch.float32)
                          f"{tuple(xs.shape)}, wq {tuple(wq.shape)}, ws {tuple(ws.shape)}")
     if not _use_triton(xq, xs, wq, ws):
         return fp8_blockwise_matmul_ref(xq, xs, wq, ws, out_dtype)
-    return _gemm(xq.contiguous(), xs.contiguous(), wq.contiguous(), ws.contiguous(), out_dtype, a_fp8=True)
+    return _gemm(xq.contiguous(), xs.contiguous(), wq.contiguous(), ws.contiguous(), out_dtype, a_fp8=True,
+                 split_k=split_k)
 
 
 @dataclass(frozen=True)
@@ -270,14 +352,18 @@ def prepare_weight(w: torch.Tensor) -> Fp8Weight:
     return Fp8Weight(wq.contiguous(), ws.contiguous())
 
 
-def fp8_linear(x: torch.Tensor, w, out_dtype: torch.dtype | None = None, fused: bool | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w, out_dtype: torch.dtype | None = None, fused: bool | None = None,
+               split_k: int | None = None) -> torch.Tensor:
     """x @ w.T through blockwise fp8 (forward only: the FP8 rollout path).
 
     w: a bf16/fp32 [N, K] weight (quantised here, per call) or prepare_weight's Fp8Weight (quantised once).
     fused: quantise the activation inside the GEMM (one launch; the default for M <= FUSE_MAX_M) or in a
     separate quantize_act launch first (the default above it: the fused path re-quantises x in every N tile,
-    see the header)."""
+    see the header).
+    split_k: None (automatic: timed once per autotuned shape on a GPU, else 1) or the number of K splits to
+    force (1 = no split)."""
     _check2d("x", x)
+    split_k = _check_split_k(split_k)
     if isinstance(w, Fp8Weight):
         wq, ws = w.wq, w.ws
         if wq.shape[1] != x.shape[1]:
@@ -295,9 +381,9 @@ def fp8_linear(x: torch.Tensor, w, out_dtype: torch.dtype | None = None, fused: 
         fused = x.shape[0] <= FUSE_MAX_M
     if not fused:
         xq, xs = quantize_act(x)
-        return _gemm(xq, xs, wq, ws, out_dtype, a_fp8=True)
+        return _gemm(xq, xs, wq, ws, out_dtype, a_fp8=True, split_k=split_k)
     x = x if x.stride(1) == 1 else x.contiguous()
-    return _gemm(x, ws, wq, ws, out_dtype, a_fp8=False)  # XS unused on the fused path
+    return _gemm(x, ws, wq, ws, out_dtype, a_fp8=False, split_k=split_k)  # XS unused on the fused path
 
 
 FUSE_MAX_M = 0  # fp8_linear's default: fused activation quantisation up to this many rows (none: see header)
@@ -309,11 +395,13 @@ def _m_key(M: int) -> int:
 
 def _prune(configs, named_args, **kwargs):
     """Small-M configs for decode (M_KEY <= 64: BLOCK_M = 64 only), large tiles and short pipelines only for
-    big M."""
+    big M; no pipeline deeper than a program's K steps + 1 (KB / SPLIT_K with split-K: extra stages only fill)."""
     try:
         m = int(named_args["M_KEY"])
+        steps = triton.cdiv(triton.cdiv(int(named_args["K"]), TILE), int(kwargs.get("SPLIT_K", 1)))
         keep = [c for c in configs if (m > 64 or c.kwargs["BLOCK_M"] == 64)
-                and (m < 1024 or (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] >= 8192 and c.num_stages <= 5))]
+                and (m < 1024 or (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] >= 8192 and c.num_stages <= 5))
+                and c.num_stages <= max(steps + 1, 3)]
         return keep or configs
     except Exception:  # noqa: BLE001 - pruning is an optimisation only
         return configs
@@ -332,44 +420,89 @@ _GPU_CONFIGS = [
     # decode: deep pipelines keep enough weight bytes in flight per SM to stream at full bandwidth
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=8),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=8),
+    # decode with split-K: the K split supplies the programs, so wider N tiles (x re-read by fewer programs) with
+    # a pipeline as deep as the shared memory allows (6 stages x 32 KB on the fused path, bf16 A + fp8 B tiles)
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=6),
 ]
 # Autotuning needs a GPU; the interpreter launches the plain kernel with one config (see _gemm). The autotuner
 # wraps the compiled kernel object; the module name _fp8_linear_kernel stays free for the interpreter swap.
 # Each candidate is timed briefly (10 ms warm-up, 40 ms of repeats: a decode GEMM is ~10 us).
 _fp8_linear_tuned = triton.autotune(
-    configs=_GPU_CONFIGS, key=["M_KEY", "N", "K", "A_FP8", "EVEN_K"], prune_configs_by={"early_config_prune": _prune},
+    configs=_GPU_CONFIGS, key=["M_KEY", "N", "K", "A_FP8", "EVEN_K", "SPLIT_K"],
+    prune_configs_by={"early_config_prune": _prune},
     do_bench=lambda kernel_call, quantiles: triton.testing.do_bench(kernel_call, warmup=10, rep=40,
                                                                     quantiles=quantiles))(_fp8_linear_kernel)
 AUTOTUNE_MIN_MNK = 2 ** 30  # smaller GEMMs (the tiny rollout models, the tests) take one fixed config, untuned
 _SMALL_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
-_TUNED: dict = {}  # (M size class, N, K, a_fp8, dtypes) -> the autotuner's choice
+_TUNED: dict = {}  # (M size class, N, K, a_fp8, dtypes, split_k asked) -> (the autotuner's config, SPLIT_K)
+SPLIT_K_CANDIDATES = (1, 2, 4, 8)  # what the automatic choice times on a GPU (see _split_candidates)
+MIN_K_BLOCKS_PER_SPLIT = 4         # each split program still walks >= 4 K blocks (something to pipeline)
+_REDUCE_BLOCK = 1024               # elements per program of _splitk_reduce_kernel on a GPU
 
 
-def _gemm(x, xs, wq, ws, out_dtype, a_fp8: bool):
+def _split_candidates(M: int, N: int, K: int) -> list[int]:
+    """The SPLIT_K values worth timing: each program keeps >= MIN_K_BLOCKS_PER_SPLIT K blocks, and the fp32
+    workspace (SPLIT_K M N 4 bytes, written then read) stays no larger than the fp8 weight (N K bytes), i.e.
+    4 SPLIT_K M <= K. At N = K = 4096: M = 64 times 1, 2, 4, 8; M = 256 times 1, 2, 4; M >= 1024 only 1."""
+    kb = triton.cdiv(K, TILE)
+    return [s for s in SPLIT_K_CANDIDATES if s == 1 or (kb >= MIN_K_BLOCKS_PER_SPLIT * s and 4 * s * M <= K)]
+
+
+def _launch(kernel, x, xs, wq, ws, y, a_fp8: bool, split: int, interp: bool, meta: dict | None):
+    """One fp8 GEMM call: the kernel (meta = its config; None when `kernel` is the autotuner) and, for
+    split > 1, the fp32 workspace and the reduce. Returns y."""
+    M, K = x.shape
+    N = wq.shape[0]
+    flags = dict(A_FP8=a_fp8, EVEN_K=K % TILE == 0, INTERP=interp, ROUND_BF16=interp and y.dtype == torch.bfloat16)
+    meta = meta or {}
+    out, stride = (y, y.stride(0)) if split == 1 else (new_output((split, M, N), x.device), N)
+    if split == 1:  # today's launch: a 2-D grid, the kernel writes y
+        grid = lambda m: (triton.cdiv(M, m["BLOCK_M"]), triton.cdiv(N, m["BLOCK_N"]))  # noqa: E731
+    else:
+        grid = lambda m: (triton.cdiv(M, m["BLOCK_M"]), triton.cdiv(N, m["BLOCK_N"]), split)  # noqa: E731
+    kernel[grid if not meta else grid(meta)](x, xs, wq, ws, out, M, N, K, _m_key(M), x.stride(0), stride,
+                                             SPLIT_K=split, **flags, **meta)
+    if split > 1:
+        block = _REDUCE_BLOCK if not interp else min(16384, triton.next_power_of_2(M * N))
+        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](out, y, M * N, SPLIT_K=split, BLOCK=block,
+                                                            ROUND_BF16=flags["ROUND_BF16"])
+    return y
+
+
+def _tune(x, xs, wq, ws, y, a_fp8: bool, splits: list[int]):
+    """For each candidate SPLIT_K the autotuner picks the tile config (by kernel time: the reduce does not
+    depend on it); then, with several candidates, the whole call (workspace, kernel, reduce) is timed once per
+    candidate and the fastest kept (ties within 2% go to the smaller split: less workspace traffic)."""
+    best = None
+    for s in splits:
+        _launch(_fp8_linear_tuned, x, xs, wq, ws, y, a_fp8, s, False, None)
+        cfg = getattr(_fp8_linear_tuned, "best_config", None)
+        meta = cfg.all_kwargs() if cfg is not None else dict(_SMALL_CONFIG)
+        if len(splits) == 1:
+            return meta, s
+        t = triton.testing.do_bench(lambda: _launch(_fp8_linear_kernel, x, xs, wq, ws, y, a_fp8, s, False, meta),
+                                    warmup=10, rep=40)
+        if best is None or t < 0.98 * best[0]:
+            best = (t, meta, s)
+    return best[1], best[2]
+
+
+def _gemm(x, xs, wq, ws, out_dtype, a_fp8: bool, split_k: int | None = None):
     M, K = x.shape
     N = wq.shape[0]
     y = new_output((M, N), x.device, out_dtype)
-    args = (x, xs, wq, ws, y, M, N, K, _m_key(M), x.stride(0), y.stride(0))
     if x.is_cuda and M * N * K >= AUTOTUNE_MIN_MNK:
-        key = (args[8], N, K, a_fp8, x.dtype, wq.dtype, out_dtype)
-        cfg = _TUNED.get(key)
-        if cfg is None:  # first call for this size class: the autotuner times the configs
-            grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
-            _fp8_linear_tuned[grid](*args, A_FP8=a_fp8, EVEN_K=K % TILE == 0, INTERP=False, ROUND_BF16=False)
-            _TUNED[key] = getattr(_fp8_linear_tuned, "best_config", None)
-        else:  # later calls launch the chosen config directly (less Python per call: decode is launch-bound)
-            _fp8_linear_kernel[(triton.cdiv(M, cfg.kwargs["BLOCK_M"]), triton.cdiv(N, cfg.kwargs["BLOCK_N"]))](
-                *args, A_FP8=a_fp8, EVEN_K=K % TILE == 0, INTERP=False, ROUND_BF16=False, **cfg.all_kwargs())
-    elif x.is_cuda:
-        c = _SMALL_CONFIG
-        _fp8_linear_kernel[(triton.cdiv(M, c["BLOCK_M"]), triton.cdiv(N, c["BLOCK_N"]))](
-            *args, A_FP8=a_fp8, EVEN_K=K % TILE == 0, INTERP=False, ROUND_BF16=False, **c)
-    else:
-        bm, bn = min(64, max(16, triton.next_power_of_2(M))), min(128, max(16, triton.next_power_of_2(N)))
-        _fp8_linear_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-            *args, BLOCK_M=bm, BLOCK_N=bn, A_FP8=a_fp8, EVEN_K=K % TILE == 0, INTERP=True,
-            ROUND_BF16=out_dtype == torch.bfloat16)
-    return y
+        key = (_m_key(M), N, K, a_fp8, x.dtype, wq.dtype, out_dtype, split_k)
+        choice = _TUNED.get(key)
+        if choice is None:  # first call for this size class: time the configs (and the splits, when automatic)
+            choice = _TUNED[key] = _tune(x, xs, wq, ws, y, a_fp8, [split_k] if split_k else
+                                         _split_candidates(M, N, K))
+        meta, split = choice  # later calls launch the choice directly (less Python per call: decode is launch-bound)
+        return _launch(_fp8_linear_kernel, x, xs, wq, ws, y, a_fp8, split, False, meta)
+    if x.is_cuda:
+        return _launch(_fp8_linear_kernel, x, xs, wq, ws, y, a_fp8, split_k or 1, False, dict(_SMALL_CONFIG))
+    bm, bn = min(64, max(16, triton.next_power_of_2(M))), min(128, max(16, triton.next_power_of_2(N)))
+    return _launch(_fp8_linear_kernel, x, xs, wq, ws, y, a_fp8, split_k or 1, True, dict(BLOCK_M=bm, BLOCK_N=bn))
 
 
 # ---- references ----

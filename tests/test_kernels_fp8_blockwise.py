@@ -1,6 +1,7 @@
 """kernels/fp8_blockwise.py: quantisation bit-exact against torch's e4m3 cast, block-scaled matmul against the
 exact K-block reference, the fused (activation quantised inside the GEMM) and prepared-weight paths of fp8_linear
-against the same reference, and the end-to-end fp8 error against a full-precision matmul."""
+against the same reference, split-K against the reference and the unsplit kernel, and the end-to-end fp8 error
+against a full-precision matmul."""
 import pytest
 import torch
 
@@ -31,6 +32,12 @@ def _bits(q):
 FP8_ACC_REL = 2.0 ** -8
 
 
+def _product_mass(xq, xs, wq, ws):
+    """[M, N] fp64: sum over k of |scaled product| sa sb |qx qw| (what each output's rounding errors scale with)."""
+    absq = (xq.float().abs().to(torch.float8_e4m3fn), wq.float().abs().to(torch.float8_e4m3fn))
+    return K.fp8_blockwise_matmul_ref(absq[0], xs, absq[1], ws, torch.float64, acc_dtype=torch.float64)
+
+
 def _check_blockwise_matmul(name, xq, xs, wq, ws, y=None, rel=FP8_ACC_REL):
     """y (default: fp8_blockwise_matmul's fp32 output) against the exact reference for these codes and scales;
     on a GPU within rel of the product mass (add 2^-8 for a bf16 output: its rounding is at most 2^-8 of
@@ -41,8 +48,7 @@ def _check_blockwise_matmul(name, xq, xs, wq, ws, y=None, rel=FP8_ACC_REL):
     if not y.is_cuda:
         assert_close_to_gold(name, y, eager, gold)
         return
-    absq = (xq.float().abs().to(torch.float8_e4m3fn), wq.float().abs().to(torch.float8_e4m3fn))
-    mass = K.fp8_blockwise_matmul_ref(*absq[:1], xs, absq[1], ws, torch.float64, acc_dtype=torch.float64)
+    mass = _product_mass(xq, xs, wq, ws)
     err = (y.double() - gold).abs()
     worst = (err / (mass + 1e-30)).max().item()
     print(f"{name}: max error / product mass = {worst:.2e} (bound {rel:.1e})")
@@ -181,6 +187,110 @@ def test_prepared_weight_needs_k_multiple_of_128():
         K.fp8_linear(torch.randn(4, 256), prep)
     with pytest.raises(ValueError, match="2-D"):
         K.prepare_weight(torch.randn(2, 3, 128))
+
+
+# ---- split-K ----
+# Interpreted, every 128-wide K block's term t_kb = dot_kb * sa * sb comes out bit-identical with or without a
+# split (same tiles, same dot); split-K changes only the order in which the KB terms are added (within each
+# program's share, then the SPLIT_K partials in the reduce). Any order of adding n terms in fp32 is within
+# (n - 1) u sum|t| of their exact sum (u = 2^-24; each term passes through at most KB - 1 + SPLIT_K - 1 adds),
+# so a split and an unsplit output differ by at most 2 (KB + SPLIT_K) u sum|t_kb| <= 2 (KB + SPLIT_K) u mass
+# (1 + a few u), with mass = sum_k sa sb |qx qw| (_product_mass). A dropped, doubled or misplaced K block is off by
+# about mass / KB: 10^5 times more at these sizes.
+def _split_bound(Kd, split, mass):
+    return 2.0 * (-(-Kd // 128) + split) * 2.0 ** -24 * 1.001 * mass
+
+
+def _check_split(name, y, y1, Kd, split, mass):
+    assert torch.isfinite(y).all(), f"{name}: NaN/inf in the output (an unwritten element or workspace slice?)"
+    err = (y.double() - y1.double()).abs().cpu()
+    bound = _split_bound(Kd, split, mass.cpu())
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"{name}: split-K differs from split_k=1 by {err.max().item():.3e}, beyond the fp32 " \
+                       f"summation-order bound ({(err / (bound + 1e-30)).max().item():.2f}x)"
+
+
+# (M, N, K): K = 600 is 5 K blocks, the last one partial (K % 128 != 0); split 2 gives shares of 2/3 blocks,
+# 3 gives 1/2/2, 4 gives 1/1/1/2, 8 leaves three programs with no block (they must store zeros). K = 200 is 2
+# blocks, so splits 3 and 4 exceed it too.
+@pytest.mark.parametrize("shape", [(33, 130, 600), (5, 16, 200)])
+@pytest.mark.parametrize("split", [2, 3, 4, 8])
+def test_split_k_matmul_matches_reference_and_unsplit(shape, split, interpret, monkeypatch):
+    poison(monkeypatch)   # the workspace too: a program that skips its store leaves NaN in the sum
+    x, w = _inputs(*shape, torch.float32, DEV)
+    assert K._use_triton(x), "the kernel path must run in this test"
+    xq, xs = K.quantize_act_ref(x)
+    wq, ws = K.quantize_weight_ref(w)
+    y = K.fp8_blockwise_matmul(xq, xs, wq, ws, split_k=split)
+    _check_blockwise_matmul(f"fp8 matmul split_k={split} {shape}", xq, xs, wq, ws, y)
+    yb = K.fp8_blockwise_matmul(xq, xs, wq, ws, torch.bfloat16, split_k=split)
+    assert yb.dtype == torch.bfloat16
+    # the reduce sums the same partials in the same order whatever the output dtype, then rounds once (RN even)
+    assert torch.equal(yb, y.to(torch.bfloat16)), f"bf16 output differs from the fp32 one rounded: {shape} {split}"
+    if not y.is_cuda:
+        y1 = K.fp8_blockwise_matmul(xq, xs, wq, ws, split_k=1)
+        _check_split(f"fp8 matmul {shape} split_k={split}", y, y1, shape[2], split, _product_mass(xq, xs, wq, ws))
+
+
+# through fp8_linear with a prepared weight: K = 512 is 4 blocks (split 3: 1/1/2; split 8: four empty programs)
+@pytest.mark.parametrize("split", [3, 8])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_through_fp8_linear(split, fused, dtype, interpret, monkeypatch):
+    poison(monkeypatch)
+    shape = (40, 130, 512)
+    x, w = _inputs(*shape, dtype, DEV)
+    prep = K.prepare_weight(w)
+    xq, xs = K.quantize_act_ref(x)
+    y = K.fp8_linear(x, prep, torch.float32, fused=fused, split_k=split)
+    _check_blockwise_matmul(f"fp8_linear fused={fused} split_k={split} {dtype}", xq, xs, prep.wq, prep.ws, y)
+    yd = K.fp8_linear(x, prep, fused=fused, split_k=split)                 # out_dtype defaults to x's
+    assert yd.dtype == dtype and torch.equal(yd, y.to(dtype))
+    if not y.is_cuda:
+        y1 = K.fp8_linear(x, prep, torch.float32, fused=fused, split_k=1)
+        _check_split(f"fp8_linear fused={fused} split_k={split}", y, y1, shape[2], split,
+                     _product_mass(xq, xs, prep.wq, prep.ws))
+        other = K.fp8_linear(x, prep, torch.float32, fused=not fused, split_k=split)
+        assert torch.equal(y, other), "fused and two-launch differ under the same split (same tiles and order)"
+
+
+def test_bad_split_k_raises():
+    x, w = torch.randn(4, 128), torch.randn(8, 128)
+    xq, xs = K.quantize_act_ref(x)
+    wq, ws = K.quantize_weight_ref(w)
+    for bad in (0, -2, 2.5, True, "2"):
+        with pytest.raises(ValueError, match="split_k must be None .* or a positive int"):
+            K.fp8_linear(x, w, split_k=bad)
+        with pytest.raises(ValueError, match="split_k must be None .* or a positive int"):
+            K.fp8_blockwise_matmul(xq, xs, wq, ws, split_k=bad)
+
+
+def test_split_candidates_keep_work_per_program_and_workspace_bounded():
+    """The automatic choice times only splits with >= 4 K blocks per program and a workspace (4 SPLIT_K M N
+    bytes) no larger than the fp8 weight (N K bytes)."""
+    assert K._split_candidates(64, 4096, 4096) == [1, 2, 4, 8]
+    assert K._split_candidates(256, 4096, 4096) == [1, 2, 4]
+    assert K._split_candidates(1024, 4096, 4096) == [1]
+    assert K._split_candidates(64, 4096, 1024) == [1, 2]   # 8 K blocks: at most 2 programs of 4
+    for M, N, Kd in ((64, 4096, 4096), (256, 11008, 4096), (16, 4096, 14336), (3000, 512, 8192)):
+        for s in K._split_candidates(M, N, Kd):
+            assert s == 1 or (-(-Kd // 128) >= 4 * s and 4 * s * M * N <= N * Kd)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(64, 4096, 4096), (256, 4096, 4096)])
+@pytest.mark.parametrize("split", [None, 1, 2, 4, 8])
+def test_split_k_on_gpu(shape, split, monkeypatch):
+    poison(monkeypatch)
+    x, w = _inputs(*shape, torch.bfloat16, "cuda")
+    prep = K.prepare_weight(w)
+    xq, xs = K.quantize_act_ref(x)
+    y = K.fp8_linear(x, prep, split_k=split)
+    assert torch.equal(y, K.fp8_linear(x, prep, split_k=split)), "split-K must be deterministic"
+    chosen = [v[1] for k, v in K._TUNED.items() if k[:3] == (K._m_key(shape[0]),) + shape[1:] and k[-1] == split]
+    print(f"{shape} split_k={split}: launched SPLIT_K {chosen}")
+    _check_blockwise_matmul(f"fp8_linear split_k={split} {shape}", xq, xs, prep.wq, prep.ws, y,
+                            rel=FP8_ACC_REL + 2.0 ** -8)
 
 
 @pytest.mark.gpu
