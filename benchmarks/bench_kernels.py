@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import inspect
 import math
 import re
 import statistics
@@ -390,13 +391,17 @@ def _fp8_case(device, g, smoke, M, N, K):
 
     impls = {"ours": ours, "ours_per_call": lambda: F8.fp8_linear(x, w), "eager": fp8_eager,
              "bf16_matmul": lambda: x @ w.T}
+    if prepared is not None and "split_k" in inspect.signature(F8.fp8_linear).parameters:
+        impls["ours_fused"] = lambda: F8.fp8_linear(x, prepared, fused=True)   # quantisation inside the GEMM
+        impls["ours_nosplit"] = lambda: F8.fp8_linear(x, prepared, split_k=1)  # what split-K gains
     if ALL_BASELINES or smoke:  # compile of the eager reference: 4.8 ms vs the bf16 matmul's 0.19 ms, never best
         impls["compile"] = compiled(fp8_eager)
     impls = {k: f for k, f in impls.items() if f is not None}
     # floor of the prepared path: read x (bf16) and w (fp8) once, write y (bf16)
     return Case("fp8_blockwise", f"M={M} N={N} K={K}", "fwd", impls, 2 * M * N * K, 2 * M * K + N * K + 2 * M * N,
-                "mm_fp8", note=f"ours: {how}; ours_per_call: fp8_linear(x, w) quantises the weight every call",
-                cpu_optional=("ours", "ours_per_call"))
+                "mm_fp8", note=f"ours: {how}, split_k chosen by timing on the first call; ours_per_call: "
+                "fp8_linear(x, w) quantises the weight every call; ours_fused: fused=True; ours_nosplit: split_k=1",
+                cpu_optional=("ours", "ours_per_call", "ours_fused", "ours_nosplit"))
 
 
 def fp8_cases(device, g, smoke):
@@ -702,13 +707,15 @@ def _legend() -> str:
             "floor = ours over the roofline floor of the shape (max of bytes / copy bandwidth and flops / matmul "
             "rate, both measured on the GPU of the run). Liger's fused linear cross-entropy returns a loss "
             "(reduction sum), not per-token log-probs and entropies: it is compared at equal matmul work (logits, "
-            "d hidden, d weight), forward + backward; ours_loss (fused_logprob, grpo_loss) = fused_linear_logprob_loss, "
-            "the gradients computed in the forward as Liger does, on the same loss. grpo_loss: ours = "
-            "fused_linear_logprob then clipped_pg_loss vs Liger's LigerFusedLinearGRPOLoss (token-level clip, DAPO token mean, k3 KL with beta "
-            f"{BETA}, eps {EPS_LOW}/{EPS_HIGH}). fp8_blockwise: ours has the weight quantised once outside the timed "
-            "region; ours_per_call quantises it every call. torch.compile is left out where it cannot win (fp8: "
-            "4.8 ms vs the bf16 matmul's 0.19 ms; attention: 44.6 ms vs SDPA's 8.7 ms at 4096^3 / N=16 P=2048 on "
-            "the H200; `--all-baselines` adds it). fused_logprob's floor counts 6 N V H flops.")
+            "d hidden, d weight), forward + backward; ours_loss (fused_logprob, grpo_loss) = "
+            "fused_linear_logprob_loss, the gradients computed in the forward as Liger does, on the same loss. "
+            "grpo_loss: ours = fused_linear_logprob then clipped_pg_loss vs Liger's LigerFusedLinearGRPOLoss "
+            f"(token-level clip, DAPO token mean, k3 KL with beta {BETA}, eps {EPS_LOW}/{EPS_HIGH}). fp8_blockwise: "
+            "ours has the weight quantised once outside the timed region and split-K chosen by timing on the first "
+            "call; ours_per_call quantises the weight every call, ours_fused quantises the activation inside the "
+            "GEMM, ours_nosplit forces split_k=1. torch.compile is left out where it cannot win (fp8: 4.8 ms vs the "
+            "bf16 matmul's 0.19 ms; attention: 44.6 ms vs SDPA's 8.7 ms at 4096^3 / N=16 P=2048 on the H200; "
+            "`--all-baselines` adds it). fused_logprob's floor counts 6 N V H flops.")
 
 
 def kernels_markdown(table, prov, rates) -> str:
