@@ -44,10 +44,10 @@ def configs() -> dict:
         "policy-eval": (policy_eval, dict(), "python worldmodels/policy_eval.py"),
         "policy-eval-no-consistency": (policy_eval, dict(consistency=0.0),
                                        "python worldmodels/policy_eval.py --consistency 0"),
-        "policy-eval-gated": (policy_eval, dict(action_gate=True, consistency=0.0),
-                              "python worldmodels/policy_eval.py --action-gate --consistency 0"),
-        "policy-eval-gated-consistency": (policy_eval, dict(action_gate=True),
-                                          "python worldmodels/policy_eval.py --action-gate"),
+        "policy-eval-g-trained": (policy_eval, dict(frozen_g=False),
+                                  "python worldmodels/policy_eval.py --no-frozen-g"),
+        "policy-eval-ungated": (policy_eval, dict(action_gate=False),
+                                "python worldmodels/policy_eval.py --no-action-gate"),
     }
 
 
@@ -78,6 +78,7 @@ def run(names: list[str], seeds: list[int], out_root: Path) -> None:
 MODEL_CHANGE = "c3b6284"  # the commit where the agent-cell error became strict (exactly one agent drawn)
 GATE_CHANGE = "f62910b"  # the commit where the action began to enter multiplicatively (--action-gate by default)
 MODELS = ("ar", "ar-chained", "diffusion", "live")
+PE_NAMES = ("policy-eval", "policy-eval-no-consistency", "policy-eval-g-trained", "policy-eval-ungated")
 
 
 @functools.cache
@@ -151,14 +152,15 @@ def report() -> None:
                                    for h in HORIZONS[1:])
                       + "; pixel MSE at h = 32: " + f"{fmt(da.get('err_h32', []))} vs {fmt(db.get('err_h32', []))}"
                       + f" (copy x_0 {fmt(da.get('copy_err_h32', []))})."]
-    pe_names = [n for n in ("policy-eval", "policy-eval-no-consistency", "policy-eval-gated",
-                            "policy-eval-gated-consistency") if n in data]
+    pe_names = [n for n in PE_NAMES if n in data]
     if pe_names:
         n_pol = len([k for k in data[pe_names[0]] if k.startswith("real_success_")])
         lines += ["", f"Policy evaluation in a learned world model ({n_pol} scripted policies, eps-greedy shortest "
                   "path with eps = 0, .1, .2, .35, .5, .7, 1; 200 episodes of 12 steps each; "
-                  "`worldmodels/policy_eval.py`, `--consistency 0` drops the forward-inverse consistency term, `gated`: "
-                  "`--action-gate`, the frame times each action's indicator as extra input):", "",
+                  "`worldmodels/policy_eval.py`; its default feeds the frame times each action's indicator to the "
+                  "forward model (`--action-gate`) and trains it with the forward-inverse consistency term, g held "
+                  "fixed in it; `--consistency 0` drops the term, `--no-frozen-g` lets the term train g too, "
+                  "`--no-action-gate` gives the model the one-hot action planes only):", "",
                   "| figure | " + " | ".join(f"`{n}`" for n in pe_names) + " |", "|---" * (len(pe_names) + 1) + "|"]
         for key, label in (("pearson", "Pearson r, imagined vs real success"), ("mmrv", "MMRV"),
                            ("pearson_term", "Pearson r with inverse-dynamics termination"),

@@ -94,6 +94,8 @@ class Args(RunArgs):  # the fields all world-model scripts share: RunArgs in wor
     """None: sticky random training data; a number: half the data from the greedy policy with this eps"""
     consistency: float = 0.5
     """lambda_c in eq. (3); 0 turns forward-inverse consistency off"""
+    frozen_g: bool = True
+    """eq. (3) updates f only (g held fixed in it); --no-frozen-g lets it train g too"""
     policies: tuple[float, ...] = (0.0, 0.1, 0.2, 0.35, 0.5, 0.7, 1.0)
     """epsilon of each scripted policy (0 = shortest path, 1 = random)"""
     episodes: int = 200
@@ -106,7 +108,7 @@ class Args(RunArgs):  # the fields all world-model scripts share: RunArgs in wor
     """what an imagined step feeds back: probabilities, or the frame snapped to the pixel values {0, .5, 1}"""
     change_weight: float = 0.0
     """extra BCE weight on the pixels a step changed (the agent's old and new cells); 0: unweighted"""
-    action_gate: bool = False
+    action_gate: bool = True
     """also feed the frame times each action's indicator (`gated_planes` in _envs.py) to the forward model"""
 
 
@@ -131,7 +133,8 @@ class WorldModel(nn.Module):
     def __init__(self, channels: int, action_gate: bool = False):
         super().__init__()
         self.action_gate = action_gate
-        self.f = conv_stack(N_CHANNELS + N_ACTIONS + (N_ACTIONS * N_CHANNELS if action_gate else 0), channels, N_CHANNELS)
+        n_in = N_CHANNELS + N_ACTIONS + (N_ACTIONS * N_CHANNELS if action_gate else 0)
+        self.f = conv_stack(n_in, channels, N_CHANNELS)
         self.g = conv_stack(2 * N_CHANNELS, channels, N_ACTIONS)
 
     def forward(self, x, a):
@@ -159,8 +162,16 @@ def feed(logits: torch.Tensor, feedback: str) -> torch.Tensor:
 
 
 def inverse_loss(model: WorldModel, x, a, x_next_or_pred):
-    """Eq. (2) on a true next frame, eq. (3) on a predicted one."""
+    """Eq. (2) on a true next frame (and eq. (3) on a predicted one when g may learn from it too)."""
     return F.cross_entropy(model.inverse(x, x_next_or_pred), a)
+
+
+def consistency_loss(model: WorldModel, x, a, pred):
+    """Eq. (3) with g held fixed: its gradient goes into f only. A g also trained on predicted frames learns to
+    read the action from whatever f draws, and f then need not move the agent."""
+    params = {k: v.detach() for k, v in model.g.named_parameters()}
+    logits = torch.func.functional_call(model.g, params, (torch.cat([x, pred], 1),)).amax(dim=(2, 3))
+    return F.cross_entropy(logits, a)
 
 
 # ---- evaluation metrics ----
@@ -291,7 +302,8 @@ def main(args: Args) -> dict:
             x, a, y = x_all[idx], a_all[idx], y_all[idx]
             lf, logits = forward_loss(model, x, a, y, args.change_weight)
             lg = inverse_loss(model, x, a, y)
-            lc = inverse_loss(model, x, a, torch.sigmoid(logits)) if args.consistency > 0 else torch.zeros(())
+            lc = ((consistency_loss if args.frozen_g else inverse_loss)(model, x, a, torch.sigmoid(logits))
+                  if args.consistency > 0 else torch.zeros(()))
             loss = lf + lg + args.consistency * lc
             opt.zero_grad()
             loss.backward()
