@@ -159,10 +159,10 @@ HEADLINE = [
       "offline_rl.csv#ravl#learned/ravl#score_last#1@1", "offline_rl.csv#ravl#learned/none#score_last#1@1"]),
     ("World models", "world-models",
      "pixel MSE at 4x the training horizon: LIVE {0}, same denoiser without the cycle loss {1}, teacher-forced "
-     "predictor {2}; policy ranking in the action-gated learned model: Pearson {3}",
+     "predictor {2}; policy ranking in the learned model: Pearson {3}",
      ["world_models.csv#live#{\"mode\": \"live\"}#err_h32#1@4", "world_models.csv#diffusion#{}#err_h32#1@4",
       "world_models.csv#ar#{}#err_h32#1@4",
-      "world_models.csv#policy-eval-gated#{\"action_gate\": true, \"consistency\": 0.0}#pearson#1@2"]),
+      "world_models.csv#policy-eval#{}#pearson#1@2"]),
 ]
 
 

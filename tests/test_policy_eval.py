@@ -49,6 +49,23 @@ def test_shapes_and_losses():
     assert m.f[0].weight.grad is not None  # the consistency term reaches the forward model
 
 
+def test_consistency_term_holds_g_fixed():
+    """Eq. (3) as the default trains it: the gradient reaches f only, with the value inverse_loss gives; the
+    --no-frozen-g form (inverse_loss on the predicted frame) trains g too."""
+    torch.manual_seed(0)
+    m = pe.WorldModel(channels=8, action_gate=True)
+    x, y, a = torch.rand(4, 3, 10, 10), torch.rand(4, 3, 10, 10), torch.randint(0, 5, (4,))
+    _, logits = pe.forward_loss(m, x, a, y)
+    lc = pe.consistency_loss(m, x, a, torch.sigmoid(logits))
+    torch.testing.assert_close(lc, pe.inverse_loss(m, x, a, torch.sigmoid(logits)))
+    lc.backward()
+    assert all(p.grad is None for p in m.g.parameters()), "g must get no gradient from eq. (3)"
+    assert m.f[0].weight.grad is not None and m.f[0].weight.grad.abs().sum() > 0
+    m.zero_grad(set_to_none=True)
+    pe.inverse_loss(m, x, a, torch.sigmoid(pe.forward_loss(m, x, a, y)[1])).backward()
+    assert all(p.grad is not None for p in m.g.parameters())
+
+
 class TrueModel(pe.WorldModel):
     """The true dynamics as a 'world model': next-frame logits +-20 and the inverse from the agent's move."""
 
