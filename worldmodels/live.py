@@ -54,9 +54,11 @@ to 32). Measured (benchmarks/results/world_models.md, row `live` against `diffus
 budget without the cycle loss; 3 seeds there, seed 0 here, ~3 min on 1 CPU thread): one step right (agent
 cell wrong at h=1 in 0% of rollouts, as without the cycle loss), and the pixel MSE stays lower far out
 (0.0046 at h=32 vs 0.0091 without the cycle loss, 0.0065 for copying x_0), but the agent is lost more often:
-wrong in 1% / 13% / 36% of rollouts at h = 8 / 16 / 32 against 0% / 0% / 17% without the cycle loss. Over 3
-seeds: agent cell wrong at h=32 in 74 ± 27% vs 32 ± 13% of rollouts, pixel MSE 0.0059 vs 0.0101. The cycle
-loss keeps the scene; at this scale it does not keep the dynamics better. Before the action gate both
+wrong in 1% / 13% / 36% of rollouts at h = 8 / 16 / 32 against 0% / 0% / 17% without the cycle loss. Over 6
+seeds: agent cell wrong at h=32 in 56 ± 40% vs 36 ± 13% of rollouts, pixel MSE 0.0052 vs 0.0104. Per seed the
+cycle loss either keeps the agent far better (5%, 11%, 36% wrong at h=32) or loses it (87%, 98%, 100%; one seed
+already at h=1), where the denoiser without it lands at 17-52% every seed: it keeps the scene, and the dynamics
+only in some runs. Before the action gate both
 lost the agent at h=1 (73-74% of rollouts) and the claim could only be read on the layout.
 """
 from __future__ import annotations
