@@ -183,6 +183,21 @@ def _block_v(V, interpreted):
     return min(1024 if interpreted else 4096, triton.next_power_of_2(V))
 
 
+def _add_dw(dw, dw32, dz, h, fp32_accumulator: bool = True):
+    """d_weight += dz^T h for one chunk -> (dw, dw32). The first chunk's product is dw; later ones add in place
+    (fp32 weights, or half weights without the fp32 accumulator: one rounding per chunk, Liger's choice) or into
+    dw32, an fp32 copy made at the second chunk (the caller casts it back at the end; see the header)."""
+    if dw is None:
+        return torch.mm(dz.T, h), None
+    if dw.dtype == torch.float32 or not fp32_accumulator:
+        dw.addmm_(dz.T, h)
+        return dw, None
+    if dw32 is None:
+        dw32 = dw.float()
+    dw32.add_(torch.mm(dz.T, h))
+    return dw, dw32
+
+
 class _FusedLinearLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, mode, chunks):
@@ -245,16 +260,8 @@ class _FusedLinearLogprob(torch.autograd.Function):
                                                     V, z.stride(0), inv_t, BLOCK_V=bv, num_warps=8)
             if need_dh:                                         # ... turned into dz / T in place
                 torch.mm(z, weight, out=dh[a:b])
-            if not need_dw:
-                continue
-            if i == 0:
-                dw = torch.mm(z.T, hidden[a:b])
-            elif dw.dtype == torch.float32:
-                dw.addmm_(z.T, hidden[a:b])                     # fp32 weights: accumulate in place
-            else:
-                if dw32 is None:
-                    dw32 = dw.float()
-                dw32.add_(torch.mm(z.T, hidden[a:b]))           # half weights: fp32 accumulator
+            if need_dw:
+                dw, dw32 = _add_dw(dw, dw32, z, hidden[a:b])
         if dw32 is not None:
             dw = dw32.to(weight.dtype)
         return dh, dw, None, None, None, None
@@ -275,7 +282,7 @@ class _FusedLinearLogprobLoss(torch.autograd.Function):
         dh = new_output(hidden.shape, hidden.device, hidden.dtype) if need_dh else None
         dw = dw32 = None
         loss = torch.zeros((), device=hidden.device)
-        for i, (a, b) in enumerate(chunks):
+        for a, b in chunks:
             z = buf[:b - a]
             torch.mm(hidden[a:b], weight.T, out=z)
             _row_stats_kernel[(b - a,)](z, targets[a:b], lp[a:], ent[a:], lse[a:], V, z.stride(0), inv_t,
@@ -283,27 +290,18 @@ class _FusedLinearLogprobLoss(torch.autograd.Function):
             lp_c, ent_c = lp[a:b].detach().requires_grad_(), ent[a:b].detach().requires_grad_()
             with torch.enable_grad():  # the chunk's upstream gradients, by autograd on a few elementwise ops
                 chunk_loss = token_loss(lp_c, ent_c, slice(a, b))
-                if not (need_dh or need_dw):
-                    loss += chunk_loss.detach().float()
-                    continue
-                g_lp, g_ent = torch.autograd.grad(chunk_loss, (lp_c, ent_c), allow_unused=True)
             loss += chunk_loss.detach().float()
+            if not (need_dh or need_dw):
+                continue
+            g_lp, g_ent = torch.autograd.grad(chunk_loss, (lp_c, ent_c), allow_unused=True)
             g_lp = torch.zeros_like(lp_c) if g_lp is None else g_lp.float().contiguous()
             g_ent = torch.zeros_like(ent_c) if g_ent is None else g_ent.float().contiguous()
             _dz_kernel[(b - a, triton.cdiv(V, bv))](z, targets[a:b], lse[a:], ent[a:], g_lp, g_ent,
                                                     V, z.stride(0), inv_t, BLOCK_V=bv, num_warps=8)
             if need_dh:                                         # the logits are now dz / T
                 torch.mm(z, weight, out=dh[a:b])
-            if not need_dw:
-                continue
-            if i == 0:
-                dw = torch.mm(z.T, hidden[a:b])
-            elif dw.dtype == torch.float32 or dw_accum == "input":
-                dw.addmm_(z.T, hidden[a:b])                     # fp32, or Liger's accumulation in the weight dtype
-            else:
-                if dw32 is None:
-                    dw32 = dw.float()
-                dw32.add_(torch.mm(z.T, hidden[a:b]))           # half weights: fp32 accumulator (see header)
+            if need_dw:
+                dw, dw32 = _add_dw(dw, dw32, z, hidden[a:b], fp32_accumulator=dw_accum == "fp32")
         if dw32 is not None:
             dw = dw32.to(weight.dtype)
         ctx.grads = (dh, dw)                                    # scaled in place by the backward

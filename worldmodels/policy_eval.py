@@ -140,8 +140,9 @@ class WorldModel(nn.Module):
         gate = [gated_planes(x, a)] if self.action_gate else []
         return self.f(torch.cat([x, planes, *gate], 1))
 
-    def inverse(self, x, x_next):
-        return self.g(torch.cat([x, x_next], 1)).amax(dim=(2, 3))  # max-pool: the move happens in one place
+    def inverse(self, x, x_next, g=None):
+        """Action logits; g: the network to apply in place of self.g (consistency_loss passes g held fixed)."""
+        return (g or self.g)(torch.cat([x, x_next], 1)).amax(dim=(2, 3))  # max-pool: the move happens in one place
 
 
 # ---- losses ----
@@ -167,8 +168,8 @@ def consistency_loss(model: WorldModel, x, a, pred):
     """Eq. (3) with g held fixed: its gradient goes into f only. A g also trained on predicted frames learns to
     read the action from whatever f draws, and f then need not move the agent."""
     params = {k: v.detach() for k, v in model.g.named_parameters()}
-    logits = torch.func.functional_call(model.g, params, (torch.cat([x, pred], 1),)).amax(dim=(2, 3))
-    return F.cross_entropy(logits, a)
+    fixed_g = lambda inp: torch.func.functional_call(model.g, params, (inp,))  # noqa: E731
+    return F.cross_entropy(model.inverse(x, pred, g=fixed_g), a)
 
 
 # ---- evaluation metrics ----
