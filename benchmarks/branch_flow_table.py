@@ -122,7 +122,7 @@ def report() -> None:
               f"other jobs; one thread per run); {row['versions']}; commit {row['commit']}. Rows: "
               f"`benchmarks/results/{CSV}`; command: `python benchmarks/branch_flow_table.py`."]
     lines += verdicts(by)
-    if plot():
+    if plot() or (RESULTS / f"{NAME}.png").exists():  # without runs/ the committed plot stays
         lines += ["", "![reward against iterations and rollout model calls](results/branch_flow.png)"]
     samples = RUNS / "s0" / "BranchGRPO" / "branch_grpo_flow.png"
     if samples.exists():

@@ -25,22 +25,25 @@ from __future__ import annotations
 import argparse
 import csv
 import re
+import math
 import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BLOCK = re.compile(r"(<!-- results:([\w\-]+) -->\n)(.*?)(<!-- /results:\2 -->)", re.S)
 FILES = (ROOT / "benchmarks" / "README.md", ROOT / "README.md")
 POPULATION_STD = {"offline_rl.csv", "world_models.csv"}
-CLAIM_FIELDS = ["group", "paper", "claim", "paper_figure", "ours", "direction", "command", "figures", "compare"]
+CLAIM_FIELDS = ["group", "paper", "claim", "paper_figure", "ours", "direction", "command", "figures", "compare", "kind",
+                "margin"]
 DIRECTIONS = ("yes", "no", "inconclusive")
 
 
 # ---- figures from the results CSVs ----
-def figure(ref: str) -> tuple[float, float, int]:
-    """(mean, std, seeds) of `file#script#config#metric#scale`; std is 0 for a single seed."""
+def figure_values(ref: str) -> list[float]:
+    """The per-seed values of `file#script#config#metric#scale` (one per (bench, seed); a later row replaces)."""
     name, script, config, metric, scale = ref.split("#")
     path = RESULTS / name
     if not path.exists():
@@ -53,10 +56,22 @@ def figure(ref: str) -> tuple[float, float, int]:
     vals = list(by_seed.values())
     if not vals:
         raise ValueError(f"{ref}: no rows in benchmarks/results/{name}")
+    return vals
+
+
+def figure(ref: str) -> tuple[float, float, int]:
+    """(mean, std, seeds) of `file#script#config#metric#scale` as its table quotes it; std is 0 for a single seed."""
+    vals = figure_values(ref)
     if len(vals) == 1:
         return vals[0], 0.0, 1
-    sd = statistics.pstdev(vals) if name in POPULATION_STD else statistics.stdev(vals)
+    sd = statistics.pstdev(vals) if ref.split("#")[0] in POPULATION_STD else statistics.stdev(vals)
     return statistics.mean(vals), sd, len(vals)
+
+
+def sample_stats(ref: str) -> tuple[float, float, int]:
+    """(mean, sample std (n - 1), seeds) of a figure: what the verdict rule uses, whatever std its table quotes."""
+    vals = figure_values(ref)
+    return statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0, len(vals)
 
 
 def fmt(mean: float, sd: float, n: int, digits: int) -> str:
@@ -72,27 +87,139 @@ def parse_figures(spec: str) -> list[tuple[str, int]]:
     return out
 
 
-def expected_direction(spec: str, figs: list[tuple[float, float, int]]) -> str:
-    """The verdict that `compare` ("i>j", "i<j" or "i~j": the paper's direction between figures i and j) implies.
+# ---- the verdict rule ----
+MIN_SEEDS = 3
+RULE = """\
+**How a verdict is decided.** A row compares two of its figures in the paper's direction (`compare`: i > j, i < j,
+or i ~ j for "no change"). Each figure is either *seeded* (a mean over seeds, quoted as mean ± std with the number
+of seeds) or *exact* (a deterministic computation, or an estimate over many samples whose standard error is
+quoted beside it); the `kind` column says which. The **difference** column gives figure i minus figure j with its
+95% interval: for seeded figures Welch's t interval on the difference of the seed means (sample variances,
+Welch-Satterthwaite degrees of freedom), for exact figures ± 1.96 times the root sum of their squared standard
+errors (no interval when both are deterministic). *i > j*: **yes** when the interval lies above zero, **no** when
+it lies below, **inconclusive** otherwise. *i ~ j*: **yes** when the interval lies inside the row's equivalence
+margin (± m; written as a percentage it is that share of the larger |mean|), **no** when it lies wholly outside it,
+**inconclusive** otherwise. A margin is fixed before the run; rows measured before this rule existed take a uniform
+10% of the larger |mean|. A seeded comparison with fewer than 3 seeds in either arm is **inconclusive**
+whatever its interval, and a row that compares no two figures is **inconclusive** (it is described in words).
+The two arms of a comparison differ in the paper's idea only; where they differ in more, the row says so and a
+control arm is measured beside them. A verdict is what happens at this repository's tiny scale, not a judgement
+on the paper: the papers train billion-parameter models on real benchmarks.
+"""
 
-    The noise of a comparison is the larger of the two stds; when either side has a single seed, at least 10% of
-    the larger |mean|. '>' / '<': yes if the difference has the paper's sign and exceeds the noise, no if it has
-    the opposite sign and exceeds the noise, inconclusive otherwise. '~' (no change expected): yes if the
-    difference is within the noise, no otherwise.
-    """
+
+class Decision(NamedTuple):
+    verdict: str
+    diff: float  # figure i minus figure j
+    lo: float  # 95% interval of the difference; nan when none can be given (a single seed)
+    hi: float
+    margin: float  # the equivalence margin of a '~' row (nan otherwise)
+    note: str  # why the verdict is inconclusive regardless of the interval, if it is ("" otherwise)
+
+
+def parse_compare(spec: str) -> tuple[int, str, int]:
     m = re.fullmatch(r"(\d+)([<>~])(\d+)", spec.strip())
     if not m:
         raise ValueError(f"compare {spec!r}: expected i>j, i<j or i~j")
-    (mi, si, ni), (mj, sj, nj) = figs[int(m.group(1))], figs[int(m.group(3))]
-    noise = max(si, sj)
-    if min(ni, nj) == 1:
-        noise = max(noise, 0.1 * max(abs(mi), abs(mj)))
+    return int(m.group(1)), m.group(2), int(m.group(3))
+
+
+def parse_kind(kind: str) -> tuple[str, tuple[int | None, int | None]]:
+    """`seeded`, `exact`, or `exact se=k,l` (figures k and l are the standard errors of figures i and j; `-` for a
+    deterministic one) -> (kind, (k, l))."""
+    m = re.fullmatch(r"(seeded|exact)(?:\s+se=(\d+|-),(\d+|-))?", kind.strip())
+    if not m or (m.group(1) == "seeded" and m.group(2)):
+        raise ValueError(f"kind {kind!r}: expected seeded, exact or exact se=k,l")
+    se = tuple(None if g in (None, "-") else int(g) for g in (m.group(2), m.group(3)))
+    return m.group(1), se
+
+
+def parse_margin(margin: str, mi: float, mj: float) -> float:
+    """An equivalence margin: a number in the figures' units, or `p%` of the larger |mean|."""
+    margin = margin.strip()
+    if not margin:
+        raise ValueError("a '~' row needs an equivalence margin")
+    if margin.endswith("%"):
+        return float(margin[:-1]) / 100 * max(abs(mi), abs(mj))
+    return float(margin)
+
+
+def welch_interval(a: tuple[float, float, int], b: tuple[float, float, int], level: float = 0.95) -> tuple[float, float]:
+    """Welch's interval for mean(a) - mean(b) from (mean, sample std, n) of each arm (n >= 2 where std > 0)."""
+    from scipy import stats
+
+    (ma, sa, na), (mb, sb, nb) = a, b
+    va, vb = sa * sa / na, sb * sb / nb
+    diff = ma - mb
+    if va + vb == 0.0:
+        return diff, diff
+    dof = (va + vb) ** 2 / ((va * va / (na - 1) if va else 0.0) + (vb * vb / (nb - 1) if vb else 0.0))
+    half = stats.t.ppf(0.5 + level / 2, dof) * math.sqrt(va + vb)
+    return diff - half, diff + half
+
+
+def decide(compare: str, kind: str, margin: str, figs: list[tuple[float, float, int]]) -> Decision:
+    """The verdict of one row: `figs` are (mean, sample std, seeds) of the row's figures, in order."""
+    i, op, j = parse_compare(compare)
+    kind_name, (se_i, se_j) = parse_kind(kind)
+    (mi, si, ni), (mj, sj, nj) = figs[i], figs[j]
+    sign = -1.0 if op == "<" else 1.0
     diff = mi - mj
-    if m.group(2) == "~":
-        return "yes" if abs(diff) <= noise else "no"
-    if m.group(2) == "<":
-        diff = -diff
-    return "yes" if diff > noise else "no" if -diff > noise else "inconclusive"
+    m = parse_margin(margin, mi, mj) if op == "~" else math.nan
+    if op != "~" and margin.strip():
+        raise ValueError("only a '~' row takes an equivalence margin")
+    note = ""
+    if kind_name == "seeded":
+        if min(ni, nj) < 2:
+            return Decision("inconclusive", diff, math.nan, math.nan, m, f"{min(ni, nj)} seed")
+        lo, hi = welch_interval((mi, si, ni), (mj, sj, nj))
+        if min(ni, nj) < MIN_SEEDS:
+            note = f"{min(ni, nj)} seeds"
+    else:
+        se = math.hypot(*(0.0 if k is None else figs[k][0] for k in (se_i, se_j)))
+        lo, hi = diff - 1.96 * se, diff + 1.96 * se
+    if note:
+        verdict = "inconclusive"
+    elif op == "~":
+        verdict = "yes" if -m <= lo and hi <= m else "no" if lo > m or hi < -m else "inconclusive"
+    else:
+        a, b = sorted((sign * lo, sign * hi))
+        verdict = "yes" if a > 0 else "no" if b < 0 or (a == b == 0) else "inconclusive"
+    return Decision(verdict, diff, lo, hi, m, note)
+
+
+def expected_direction(spec: str, figs: list[tuple[float, float, int]], margin: str = "10%") -> str:
+    """The verdict of `decide` for seeded figures (mean, sample std, seeds); '~' takes `margin`."""
+    return decide(spec, "seeded", margin if "~" in spec else "", figs).verdict
+
+
+def fmt_decision(d: Decision, digits: int) -> str:
+    """`+1.2 [-0.3, +2.7]` (with `; margin ± m` on '~' rows and why a verdict is held back)."""
+    f = lambda x: f"{x:+.{digits}f}"  # noqa: E731
+    if math.isnan(d.lo):
+        text = f"{f(d.diff)} (no interval)"
+    elif d.lo == d.hi:
+        text = f"{f(d.diff)} (exact)"
+    else:
+        text = f"{f(d.diff)} [{f(d.lo)}, {f(d.hi)}]"
+    if not math.isnan(d.margin):
+        text += f"; margin ± {d.margin:.{digits}f}"
+    if d.note:
+        text += f"; {d.note}"
+    return text
+
+
+def row_decision(row: dict) -> Decision | None:
+    """The decision a claims row's figures imply (None for a row that compares no two figures)."""
+    if not row["compare"]:
+        return None
+    figs = [sample_stats(ref) for ref, _ in parse_figures(row["figures"])]
+    return decide(row["compare"], row["kind"], row["margin"], figs)
+
+
+def row_verdict(row: dict) -> str:
+    d = row_decision(row)
+    return "inconclusive" if d is None else d.verdict
 
 
 # ---- the claims table ----
@@ -103,15 +230,23 @@ def read_claims() -> list[dict]:
 
 def claims_table() -> str:
     rows = read_claims()
-    lines = ["| paper | claim | the paper's figure | ours | direction holds | command |", "|---|---|---|---|---|---|"]
+    lines = [RULE, "| paper | claim | the paper's figure | ours | difference (95% interval) | direction holds | "
+             "command |", "|---|---|---|---|---|---|---|"]
     cell = lambda s: s.replace("|", "\\|")  # noqa: E731
     for r in rows:
+        d = row_decision(r)
+        if d is None:
+            diff = "-"
+        else:
+            digits = parse_figures(r["figures"])[parse_compare(r["compare"])[0]][1]
+            diff = f"{fmt_decision(d, digits)} ({r['kind'].split()[0]})"
         lines.append(f"| {cell(r['paper'])} | {cell(r['claim'])} | {cell(r['paper_figure'])} | {cell(r['ours'])} | "
-                     f"**{r['direction']}** | `{r['command']}` |")
+                     f"{cell(diff)} | **{r['direction']}** | `{r['command']}` |")
     counts = {d: sum(r["direction"] == d for r in rows) for d in DIRECTIONS}
     lines += ["", f"{len(rows)} claims: {counts['yes']} yes, {counts['no']} no, {counts['inconclusive']} inconclusive. "
               "Rows: `benchmarks/results/claims.csv` (its `figures` column names the results rows each figure is "
-              "computed from, and tests/test_report.py recomputes them)."]
+              "computed from, `compare`, `kind` and `margin` give the rule its inputs, and tests/test_report.py "
+              "recomputes every figure and verdict)."]
     return "\n".join(lines) + "\n"
 
 
