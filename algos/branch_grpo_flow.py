@@ -324,7 +324,8 @@ def rollout(model, prompts: torch.Tensor, args: Args, sde: list[bool], gen: torc
     levels, nfe = [{"x": x0[tree], "tree": tree}], 0
     for k in range(args.denoise_steps):
         x, tree = levels[-1]["x"], levels[-1]["tree"]
-        mean, std = sde_step(model, x, k, prompts[tree], args.denoise_steps, args.eta)
+        # an ODE step (outside the Mix window) is the plain flow step x + h v, eta = 0
+        mean, std = sde_step(model, x, k, prompts[tree], args.denoise_steps, args.eta if sde[k] else 0.0)
         nfe += len(x)  # one model call per node, shared by its children
         parent = torch.arange(len(x)).repeat_interleave(args.branch_factor if k in splits else 1)
         mean, std = mean[parent], std[parent]

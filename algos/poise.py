@@ -187,18 +187,20 @@ def check_args(args: Args) -> None:
 
 # ---- the idea: a value probe on the policy's internal states, cross-rollout baselines ----
 @torch.no_grad()
-def probe_features(model, batch: dict, temperature: float = 1.0, prompt_only: bool = False) -> torch.Tensor:
+def probe_features(model, batch: dict, max_new_tokens: int, temperature: float = 1.0,
+                   prompt_only: bool = False) -> torch.Tensor:
     """f_i [B, 2H + 4] (or [B, H] with prompt_only) from one forward of the sampled sequences.
 
     The prompt's last token's final hidden state (left padding puts it at column P - 1), the response's mean final
     hidden state over the positions that predict its tokens, and its token entropies' mean, max and std, and the
-    response length over the generation budget.
+    response length over the generation budget max_new_tokens (not over the batch's padded width, which the
+    longest rollout sets: f_i reads rollout i alone).
     """
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state.float()
-    P, C = batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1]
+    P = batch["prompt_ids"].shape[1]
     if prompt_only:
         return hidden[:, P - 1]
     h = hidden[:, P - 1:-1]  # [B, C, H]: the states that predict each response token
@@ -208,7 +210,7 @@ def probe_features(model, batch: dict, temperature: float = 1.0, prompt_only: bo
     ent = -(logp.exp() * logp).sum(-1)  # [B, C]
     ent_mean = (ent * m).sum(1) / n
     ent_std = (((ent - ent_mean[:, None]) ** 2 * m).sum(1) / n).sqrt()
-    stats = torch.stack([ent_mean, (ent * m).max(1).values, ent_std, m.sum(1) / C], 1)
+    stats = torch.stack([ent_mean, (ent * m).max(1).values, ent_std, m.sum(1) / max_new_tokens], 1)
     return torch.cat([hidden[:, P - 1], (h * m[..., None]).sum(1) / n[:, None], stats], 1)
 
 
@@ -362,7 +364,7 @@ def rollout(model, tok, task, args: Args, rng, device, engine=None, probe: Ridge
     batch = {k: getattr(ro, k).to(device) for k in
              ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
     prompt_only = args.probe_features == "prompt"
-    feats = probe_features(model, batch, args.temperature, prompt_only)
+    feats = probe_features(model, batch, args.max_new_tokens, args.temperature, prompt_only)
     adv, base, values = poise_advantages(rewards.float(), feats, probe, args.group_size, prompt_only, args.adv_std_norm)
     var = rewards.float().var().item() if len(rewards) > 1 else 0.0
     batch.update(rewards=rewards, adv=adv, finish_reasons=ro.finish_reasons, features=feats,

@@ -261,6 +261,20 @@ def test_mix_window_slides_and_keeps_split_steps_stochastic():
     assert set(batch["rows"]["k"].tolist()) == {0, 1, 2, 4}
 
 
+def test_mix_ode_steps_are_the_plain_flow_step():
+    """Outside the SDE window a Mix rollout takes the ODE step x + h v (what evaluate()'s ODE samples take), not
+    the SDE mean without its noise, whose extra drift -(eta^2/2)(x - t v) h pulls samples together."""
+    args, model = replace(SMALL, mix_window=2, mix_shift_every=3), small_model()
+    ro, _, _ = rollout_batch(args, model)
+    h, c = 1.0 / args.denoise_steps, ro["prompts"]
+    with torch.no_grad():
+        for k in (3, 5, 6, 7):  # the ODE steps at iteration 0
+            prev, nxt = ro["levels"][k], ro["levels"][k + 1]
+            x = prev["x"][nxt["parent"]]
+            ode = x + h * model(x, torch.full((len(x),), k * h), c[nxt["tree"]])
+            assert torch.allclose(nxt["x"], ode, atol=1e-6), k
+
+
 # ---- learning and bad input ----
 @pytest.mark.slow
 def test_branch_grpo_learns(tmp_path):

@@ -54,7 +54,7 @@ def test_rollout_i_completion_moves_only_its_features_and_never_its_baseline(tin
     torch.manual_seed(0)
     ro = common.generate(model, tok, common.encode_prompts(tok, ["12+34=", "50+7="]), 2, 4, 1.0)
     batch = {k: getattr(ro, k) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
-    feats = m.probe_features(model, batch)
+    feats = m.probe_features(model, batch, 8)
     assert feats.shape == (4, 2 * model.config.hidden_size + 4)
     probe = fitted_probe(feats.shape[1])
     r = torch.tensor([1.0, 0.0, 0.0, 1.0])
@@ -63,16 +63,31 @@ def test_rollout_i_completion_moves_only_its_features_and_never_its_baseline(tin
     for i in range(4):
         b2 = dict(batch, completion_ids=batch["completion_ids"].clone(), completion_mask=batch["completion_mask"].clone())
         b2["completion_ids"][i, :3], b2["completion_mask"][i, :3] = digit, 1
-        f2 = m.probe_features(model, b2)
+        f2 = m.probe_features(model, b2, 8)
         assert not torch.allclose(f2[i], feats[i])
         rest = torch.arange(4) != i
         assert torch.allclose(f2[rest], feats[rest], atol=1e-5)
         _, base2, _ = m.poise_advantages(r, f2, probe, 2, prompt_only=False, std_norm=False)
         assert torch.allclose(base2[i], base[i], atol=1e-6) and not torch.allclose(base2[i ^ 1], base[i ^ 1])
     # prompt-only features do not see the completion at all
-    pf = m.probe_features(model, batch, prompt_only=True)
+    pf = m.probe_features(model, batch, 8, prompt_only=True)
     b2 = dict(batch, completion_ids=torch.full_like(batch["completion_ids"], digit))
-    assert torch.allclose(m.probe_features(model, b2, prompt_only=True), pf, atol=1e-6)
+    assert torch.allclose(m.probe_features(model, b2, 8, prompt_only=True), pf, atol=1e-6)
+
+
+def test_features_do_not_depend_on_the_batch_padding(tiny):
+    """A longer rollout elsewhere in the batch widens the padded completion block; no rollout's features (the
+    length feature |o_i| / max_new_tokens included) may move with it, or b_i would read rollout i's length."""
+    model, tok, _ = tiny
+    torch.manual_seed(0)
+    ro = common.generate(model, tok, common.encode_prompts(tok, ["12+34=", "50+7="]), 2, 4, 1.0)
+    batch = {k: getattr(ro, k) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+    feats = m.probe_features(model, batch, 8)
+    pad = lambda t, v: torch.cat([t, torch.full((len(t), 3), v, dtype=t.dtype)], 1)  # noqa: E731
+    wide = dict(batch, completion_ids=pad(batch["completion_ids"], tok.pad_token_id),
+                completion_mask=pad(batch["completion_mask"], 0))
+    assert torch.allclose(m.probe_features(model, wide, 8), feats, atol=1e-5)
+    assert torch.equal(feats[:, -1], batch["completion_mask"].sum(1) / 8)
 
 
 # ---- exact expectations over a categorical "policy": outcomes o in 0..K-1 ----
