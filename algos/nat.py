@@ -253,14 +253,19 @@ def rpc_inclusion(mask, q: float):
     """pi_t = P(K >= t) of random prefix cutting, K = floor(n U^(1/q - 1) + V); mask [B, C] (right-padded) -> [B, C].
 
     With b = q / (1 - q): pi_t = 1 - (t^(b+1) - (t-1)^(b+1)) / ((b+1) n^b) for t = 1..n (0 on padding), all > 0,
-    and sum_t pi_t = q n. q = 1 keeps everything.
+    and sum_t pi_t = q n. q = 1 keeps everything. Computed in log space, since t^(b+1) overflows float64 for q near
+    1 on long completions (2048^100 at q = 0.99): t^(b+1) - (t-1)^(b+1) = -t^(b+1) expm1((b+1) log1p(-1/t)), and
+    t^(b+1) / n^b = exp((b+1) log t - b log n) <= n for t <= n.
     """
     if q >= 1:
         return mask.double()
     b = q / (1 - q)
     n = mask.sum(1, keepdim=True).double().clamp(min=1)
     t = torch.arange(1, mask.shape[1] + 1, dtype=torch.float64, device=mask.device)
-    return (1 - (t ** (b + 1) - (t - 1) ** (b + 1)) / ((b + 1) * n ** b)) * mask
+    t = torch.minimum(t, n)  # [B, C]; positions past n are padding (zeroed below), kept finite here
+    lead = torch.exp((b + 1) * torch.log(t) - b * torch.log(n))  # t^(b+1) / n^b
+    step = -torch.expm1((b + 1) * torch.log1p(-1 / t))  # 1 - ((t-1)/t)^(b+1)
+    return ((1 - lead * step / (b + 1)) * mask).clamp(min=0)
 
 
 def select_tokens(mask, selector: str, keep_prob: float, gen=None):

@@ -1,5 +1,6 @@
 """NAT (algos/nat.py): the Horvitz-Thompson token subset is unbiased, keep-probability 1 is GRPO, RPC's truncated
 forward gives the same gradient, and the script learns."""
+import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -54,6 +55,24 @@ def test_rpc_inclusion_against_brute_force_count(q):
         assert torch.allclose(pi[:n], counted, atol=2e-3), (n, pi[:n], counted)
         assert (pi[:n] > 0).all() and (pi[n:] == 0).all()
         assert abs(float(pi.sum()) - q * n) < 1e-9  # the mean kept fraction is exactly q
+
+
+@pytest.mark.parametrize("q, n", [(0.99, 2048), (0.995, 1024), (0.999, 4096), (0.5, 4096)])
+def test_rpc_inclusion_is_finite_for_long_completions_and_keep_probabilities_near_one(q, n):
+    """t^(b+1) with b = q / (1 - q) overflows float64 (2048^100 > 1e308) and inf - inf is NaN; the probabilities
+    must stay finite, in (0, 1], non-increasing in t, with sum_t pi_t = q n, and match the closed form where it is
+    still representable (n^(b+1) < 1e304)."""
+    pi = nat.rpc_inclusion(lengths_mask([n, 3], n), q)
+    assert torch.isfinite(pi).all()
+    p = pi[0]
+    assert (p > 0).all() and (p <= 1).all() and (p[1:] <= p[:-1] + 1e-12).all()
+    assert abs(float(p.sum()) - q * n) < 1e-6 * n
+    b = q / (1 - q)
+    m = min(64, int(math.exp(700 / (b + 1))))
+    t = torch.arange(1, m + 1, dtype=torch.float64)
+    small = 1 - (t ** (b + 1) - (t - 1) ** (b + 1)) / ((b + 1) * float(m) ** b)
+    assert torch.allclose(nat.rpc_inclusion(lengths_mask([m], m), q)[0], small, rtol=0, atol=1e-12)
+    assert torch.allclose(pi[1, :3], nat.rpc_inclusion(lengths_mask([3], 3), q)[0])
 
 
 @pytest.mark.parametrize("selector", ["urs", "rpc"])
