@@ -11,8 +11,11 @@ Equations (each implemented by the function named on the right):
   leave-one-out    b_i = 1/(G-1) sum_{j != i} r_j,   A_i = r_i - b_i = G/(G-1) (r_i - mean_g r)
                    (b_i never reads r_i, so E[A_i grad log pi(o_i)] is the unbiased policy gradient)
                                                                                  rloo_advantages
-  REINFORCE++      A_i = (r_i - mean_batch r) / (std_batch r + eps): one batch-wide baseline and scale,
-                   no critic and no per-group statistics                          reinforce_pp_advantages
+  REINFORCE++      every token t of response i carries the return G_it = r_i (outcome reward, gamma = 1),
+                   whitened over all the batch's response tokens: A_i = (r_i - mu_tok) / sqrt(var_tok + eps),
+                   mu_tok = sum_i |o_i| r_i / N_tok, var_tok = sum_i |o_i| (r_i - mu_tok)^2 / (N_tok - 1), so a
+                   sequence weighs |o_i| times; one batch-wide baseline and scale, no critic, no per-group
+                   statistics (verl's masked_whiten)                             reinforce_pp_advantages
   policy gradient  l_it = -min(rho_it A_i, clip(rho_it, 1 - eps, 1 + eps) A_i), rho = pi_theta/pi_old;
                    on-policy (one epoch, one mini-batch) rho = 1 and this is plain REINFORCE  clipped_pg_loss
   aggregation      (--loss-agg) seq-mean by default: J = 1/N_seq sum_i 1/|o_i| sum_t l_it   aggregate_loss
@@ -27,12 +30,13 @@ Deviations from the papers:
 - The update keeps the PPO-style clip (as TRL's RLOO trainer); with the default one epoch and one
   mini-batch the ratio is 1 and the clip never acts.
 - REINFORCE++ puts a per-token KL penalty into the reward; here the KL (off by default) is a k3 loss term,
-  as in algos/grpo.py, and the advantage is the batch-normalised reward (per process under accelerate).
+  as in algos/grpo.py, so every token of a response has the same return r_i and the advantage is one number per
+  sequence; the token statistics are per process under accelerate.
 - The reward is the exact verifier (0/1), no reward model.
 
 Commands:
   python algos/rloo.py                                          # tiny default, 2-core CPU, ~2 minutes
-  python algos/rloo.py --advantage reinforce++                  # REINFORCE++ (batch-normalised, no critic)
+  python algos/rloo.py --advantage reinforce++                  # REINFORCE++ (token-whitened, no critic)
   python algos/rloo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm --device cuda \
       --max-new-tokens 512 --prompts-per-step 64 --lr 1e-6                        # one GPU
   accelerate launch --num_processes 4 algos/rloo.py --model ... --device cuda         # several GPUs
@@ -101,7 +105,7 @@ class Args:
     """nucleus sampling threshold"""
     # objective
     advantage: Literal["rloo", "reinforce++"] = "rloo"
-    """rloo: r_i minus the mean of the other G-1 rewards; reinforce++: batch-normalised reward"""
+    """rloo: r_i minus the mean of the other G-1 rewards; reinforce++: the reward whitened over the batch's tokens"""
     clip_eps_low: float = 0.2
     """lower clip range: ratio >= 1 - eps_low"""
     clip_eps_high: float = 0.2
@@ -176,9 +180,15 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (r - baseline).view(-1)
 
 
-def reinforce_pp_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """REINFORCE++: A_i = (r_i - mean_batch r) / (std_batch r + eps) over the whole rollout batch [B]."""
-    return (rewards - rewards.mean()) / (rewards.std() + eps)
+def reinforce_pp_advantages(rewards: torch.Tensor, lengths: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++: the return r_i on each of response i's |o_i| tokens, whitened over all the batch's tokens
+    (mean and unbiased variance over tokens); rewards [B], lengths [B] (tokens per response) -> A [B]."""
+    w = lengths.to(torch.float64)
+    r = rewards.to(torch.float64)
+    n = w.sum()
+    mu = (w * r).sum() / n.clamp(min=1)
+    var = (w * (r - mu) ** 2).sum() / (n - 1).clamp(min=1)
+    return ((r - mu) * torch.rsqrt(var + eps)).to(torch.float32)
 
 
 def clipped_pg_loss(logp, old_logp, adv, eps_low: float, eps_high: float):
@@ -258,7 +268,8 @@ def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
     rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
     batch = {k: getattr(ro, k).to(device) for k in
              ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
-    adv = rloo_advantages(rewards, args.group_size) if args.advantage == "rloo" else reinforce_pp_advantages(rewards)
+    adv = (rloo_advantages(rewards, args.group_size) if args.advantage == "rloo"
+           else reinforce_pp_advantages(rewards, batch["completion_mask"].sum(1)))
     batch.update(rewards=rewards, adv=adv, finish_reasons=ro.finish_reasons)
     return batch
 

@@ -36,15 +36,21 @@ def test_rloo_is_a_rescaled_dr_grpo_advantage():
     assert torch.allclose(rloo.rloo_advantages(r, 8), 8 / 7 * grpo.group_advantages(r, 8, std_norm=False), atol=1e-6)
 
 
-def test_reinforce_pp_against_loop():
+def test_reinforce_pp_whitens_over_tokens_against_a_per_token_loop():
+    """REINFORCE++ puts r_i on each of response i's tokens and whitens over all the batch's tokens (verl's
+    masked_whiten: mean and unbiased variance over tokens), so a sequence weighs |o_i| times."""
     torch.manual_seed(2)
-    r = torch.rand(16)
-    out = rloo.reinforce_pp_advantages(r)
-    m = sum(r.tolist()) / 16
-    sd = (sum((x - m) ** 2 for x in r.tolist()) / 15) ** 0.5
+    r, lengths = torch.rand(16), torch.randint(1, 9, (16,))
+    out = rloo.reinforce_pp_advantages(r, lengths)
+    tokens = [x for x, n in zip(r.tolist(), lengths.tolist()) for _ in range(n)]  # G_it = r_i on every token
+    m = sum(tokens) / len(tokens)
+    sd = (sum((x - m) ** 2 for x in tokens) / (len(tokens) - 1)) ** 0.5
     for i in range(16):
-        assert out[i].item() == pytest.approx((r[i].item() - m) / (sd + 1e-6), abs=1e-5)
-    assert torch.all(rloo.reinforce_pp_advantages(torch.ones(8)) == 0)
+        assert out[i].item() == pytest.approx((r[i].item() - m) / sd, abs=1e-5)
+    # one right answer of 1 token, one wrong of 7: +2.47 / -0.354 (sequence-level whitening gave +-0.707)
+    got = rloo.reinforce_pp_advantages(torch.tensor([1.0, 0.0]), torch.tensor([1, 7]))
+    assert torch.allclose(got, torch.tensor([2.4749, -0.35355]), atol=1e-4)
+    assert torch.all(rloo.reinforce_pp_advantages(torch.ones(8), torch.full((8,), 3)) == 0)
 
 
 SMALL = rloo.Args(steps=40, prompts_per_step=32, group_size=8, eval_every=20, eval_examples=300, pass_k=0,
