@@ -77,10 +77,11 @@ Commands:
   python algos/async_offpolicy_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm \
       --device cuda --max-new-tokens 512 --prompts-per-step 64 --lr 1e-6 --staleness 8     # one GPU
 Expected: the default (decoupled PPO on rollouts 4 versions stale, lr 5e-5, 150 batches) lifts tiny-0.6m's held-out
-greedy accuracy on 2-digit addition from 38.8% to 51.6% (+12.8 points) in 143 s on one shared core
+greedy accuracy on 2-digit addition from 38.8% to 51.6% (+12.8 points) in 105 s on one shared core
 (benchmarks/results/defaults.md). benchmarks/results/async_offpolicy.md (python benchmarks/async_offpolicy_table.py,
-lr 1e-4, 40 batches, one seed so far): at k = 16, KL(mu || pi) = 0.156; PPO-clip around mu falls from 35.3% to
-24.0% and clips 12.2% of tokens, M2PO's clip form rises to 44.0% and clips 9.8%.
+lr 1e-4, 40 batches, 3 seeds): at k = 16, KL(mu || pi) = 0.213 +- 0.056; from 35.3%, PPO-clip around mu ends at
+29.1 +- 10.9% and clips 11.8% of tokens, M2PO's clip form at 28.1 +- 13.8% and clips 9.8%: no difference in
+accuracy over seeds (seed 0 alone had M2PO at 44.0%).
 """
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ Commands:
       --max-new-tokens 512 --chunk 64 --prompts-per-step 64 --lr 1e-6                    # one GPU
   accelerate launch --num_processes 4 algos/partial_rollout.py --model ... --device cuda   # several GPUs
 Expected: the default (CoPRIS + cross-stage on the long-response task) lifts held-out greedy accuracy 49.4 -> 66.2
-(+16.8 points) in 268 s on a shared 2-core machine, with about half of the trained tokens sampled by the previous
+(+16.8 points) in 142 s on a shared 2-core machine, with about half of the trained tokens sampled by the previous
 weights and no token discarded; its simulator run (lognormal lengths, sigma 1, gpu preset) puts APRIL at 2.02x and
 CoPRIS at 2.37x synchronous rollout tokens/s (the partial_rollout row of benchmarks/results/defaults.md). In
 benchmarks/results/partial_rollout.md (3 seeds) the simulator holds APRIL's and CoPRIS's speed claims in direction

@@ -80,7 +80,7 @@ Commands:
       --max-new-tokens 512 --answer-marker "####" --lr 1e-6                              # one GPU
   accelerate launch --num_processes 4 algos/tree_rollout_grpo.py --model ... --device cuda  # several GPUs
 Expected: the default (16 prompts x 16 leaves, 50 steps) lifts held-out greedy accuracy 49.4 -> 61.4% (+12.0 points)
-in 183 s on the shared 2-core machine, sampling 1.70x fewer tokens than 16 independent completions (token_savings);
+in 139 s on the shared 2-core machine, sampling 1.70x fewer tokens than 16 independent completions (token_savings);
 see the tree_rollout_grpo row of benchmarks/results/defaults.md. Against GRPO at G = 16 (benchmarks/results/
 tree_rollout.md, 3 seeds of 8 prompts x 25 steps) the trees sample 1.71x fewer tokens per step, but neither they nor
 LATR learned faster here: the differences in accuracy are within the seed noise, and GRPO reached +5 points first.

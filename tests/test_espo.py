@@ -125,7 +125,26 @@ def test_rollout_gives_stopped_rows_the_terminal_reward(sums_model):
         assert delta[b, t].item() == pytest.approx(-0.5 - values[b, t].item(), abs=1e-6)
     metrics = espo.stop_metrics(batch, 0.6)
     assert metrics["rollout/stop_frac"] == pytest.approx(stopped.float().mean().item())
-    assert 0 <= metrics["rollout/stop_after_dev_frac"] <= 1
+    # first_dev against the reference solutions, recomputed token by token
+    rows = [e for e in task.sample("train", 48, np.random.default_rng(3)) for _ in range(args.group_size)]
+    for b, e in enumerate(rows):
+        ref = tok(e.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        got = batch["completion_ids"][b, :int(mask[b].sum())].tolist()
+        d = next((t for t, (x, y) in enumerate(zip(got, ref)) if x != y), len(ref) if len(got) > len(ref) else -1)
+        assert int(batch["first_dev"][b]) == d, b
+
+
+def test_stop_metrics_on_a_known_batch():
+    """Rows stopped at 2, -, 5, 3 with first deviations 1, 0, none, 3: two of the three stops come after the
+    deviation (lags 1 and 0); tokens after a deviation 2 + 6 + 0 + 1 of 19; a stopped row would have run to its
+    6-token reference: 3 + 0 + 2 tokens saved."""
+    mask = (torch.arange(6)[None] < torch.tensor([3, 6, 6, 4])[:, None]).long()
+    batch = {"stop_at": torch.tensor([2, -1, 5, 3]), "first_dev": torch.tensor([1, 0, -1, 3]),
+             "completion_mask": mask, "ref_len": torch.tensor([6, 6, 6, 6])}
+    m = espo.stop_metrics(batch, 0.6)
+    assert m["rollout/stop_frac"] == 0.75 and m["rollout/stop_after_dev_frac"] == pytest.approx(2 / 3)
+    assert m["rollout/stop_lag"] == pytest.approx(0.5) and m["rollout/post_dev_token_frac"] == pytest.approx(9 / 19)
+    assert m["rollout/est_saved_tokens"] == 5
 
 
 SMALL_PPO = dict(model="tiny-sums", task="sums", digits=1, max_new_tokens=48, prompts_per_step=16, steps=2,

@@ -187,10 +187,19 @@ def test_mc_grpo_learns(tmp_path):
     assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.06, s
 
 
-def test_partial_reward_on_sums_runs(tmp_path):
-    s = m.main(replace(SMALL, task="sums3", digits=1, reward="partial", reward_noise=0.1, max_new_tokens=20, steps=2,
-                       prompts_per_step=4, group_size=2, eval_every=2, eval_examples=10, out_dir=str(tmp_path)))
-    assert s["gen_tokens"] > 0 and 0 <= s["eval_acc_end"] <= 1
+def test_partial_reward_is_the_mean_of_exact_and_partial_credit_plus_unbiased_noise():
+    """--reward partial on '8+6+5:' (totals 14, 19): a right response 1, one right step of two and a wrong final
+    answer (0 + 1/2) / 2, a malformed one 0; --reward-noise adds zero-mean noise of that std."""
+    task = common.make_task("sums3", 1)
+    ex = task.make([8, 6, 5])
+    scores = [task.verify(t, ex.answer) for t in ("8+6=14;14+5=19;=19", "8+6=14;14+5=18;=18", "nineteen")]
+    args = replace(SMALL, task="sums3", digits=1, reward="partial")
+    assert m.train_rewards(scores, args, np.random.default_rng(0)).tolist() == [1.0, 0.25, 0.0]
+    assert m.train_rewards(scores, replace(args, reward="correct"), np.random.default_rng(0)).tolist() == [1, 0, 0]
+    noisy = torch.stack([m.train_rewards(scores, replace(args, reward_noise=0.1), np.random.default_rng(s))
+                         for s in range(4000)])
+    assert torch.allclose(noisy.mean(0), torch.tensor([1.0, 0.25, 0.0]), atol=0.01)
+    assert torch.allclose(noisy.std(0), torch.full((3,), 0.1), rtol=0.05)
 
 
 @pytest.mark.parametrize("change,msg", [({"group_size": 3}, "must be even"), ({"group_size": 1}, "group-size"),

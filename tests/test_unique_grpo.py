@@ -132,13 +132,17 @@ def test_rollout_reweights_grpo_advantages_by_strategy(tiny):
     assert torch.allclose(batch["adv"], m.uniqueness_advantages(r, labels, 8)[0])
 
 
-def test_diversity_eval_counts_strategies(tiny):
+def test_diversity_eval_counts_strategies(tiny, monkeypatch):
+    """Four fixed samples for each of two prompts '3,5,8,1>11': three right answers in two strategies ('+' twice,
+    '++-' once), then none right. pass@k per prompt 3/4, 1, 1, 1 and 0, 0, 0, 0; distinct right strategies 2 and 0."""
     model, tok, task = tiny
-    torch.manual_seed(0)
-    exs = task.sample("test", 20, np.random.default_rng(1))
-    out = m.diversity_eval(model, tok, task, exs, 4, 8, 1.0)
-    assert 0 <= out["eval/pass@1_sampled"] <= out["eval/auc@4"] <= out["eval/pass@4_curve"] <= 1
-    assert 0 <= out["eval/distinct_strategies"] <= 4
+    ex = common.Example(prompt="3,5,8,1>11:", answer="3,5,8,1>11", solution="8+3")
+    texts = ["8+3", "3+8", "5+8-3+1", "8+5"] + ["8+5", "1+1", "x", "3+5"]
+    monkeypatch.setattr(m.common, "generate", lambda *a, **k: type("Ro", (), {"texts": texts})())
+    out = m.diversity_eval(model, tok, task, [ex, ex], 4, 8, 1.0)
+    assert out["eval/pass@1_sampled"] == pytest.approx(0.375) and out["eval/pass@4_curve"] == pytest.approx(0.5)
+    assert out["eval/auc@4"] == pytest.approx((0.375 + 3 * 0.5) / 4)
+    assert out["eval/distinct_strategies"] == pytest.approx(1.0)
 
 
 SMALL = m.Args(steps=40, prompts_per_step=32, group_size=8, eval_every=40, eval_examples=300, pass_k=0,
