@@ -72,9 +72,10 @@ The chunked log-prob path (common.token_logprobs, chunks of about --logprob-chun
 recomputed in the backward): forward, 3 chunk-sized fp32 buffers alive (log-softmax, its exp, their product for the
 entropy); backward, 4 (the recomputed log-softmax, the gradient of the log-probs, of the logits, of logits / T),
 plus the lm_head weight's gradient per chunk: under autocast its bf16 cast, its bf16 gradient and the fp32 copy
-accumulated into .grad (8 V h bytes), in fp32 the fp32 gradient (4 V h). `--logprob-path legacy` models the
-previous path (4096 positions per chunk, every chunk's graph kept: 4 V + a h bytes saved per new token), which is
-what benchmarks/bench_gpu_step.py measured on the H200; the plan is checked against those peaks below the table.
+accumulated into .grad (8 V h bytes), in fp32 the fp32 gradient (4 V h). Setup(logprob_path="legacy") models
+the previous path (4096 positions per chunk, every chunk's graph kept: 4 V + a h bytes saved per new token, and 3
+chunk-sized buffers in the backward, which recomputes nothing), which is what benchmarks/bench_gpu_step.py measured
+on the H200; the plan is checked against those peaks below the table.
 
 Deviations, assumptions: the KV cache and logits of vLLM are not modelled (--engine hf); prompts are all of the
 stated length and every completion runs to the budget (the worst case); allocator fragmentation, the CUDA context,
@@ -267,11 +268,11 @@ def plan(s: Shape, u: Setup) -> dict:
     # training: one micro-batch forward + backward
     L, Tc = u.prompt + u.new, u.micro * u.new
     act = decoder_activation_bytes(s, u.micro, L, u.bf16, u.ckpt, u.attn)
-    if u.logprob_path == "legacy":
-        chunk = min(4096, Tc) * 4 * s.vocab
+    if u.logprob_path == "legacy":  # the log-softmax of every chunk is saved (in keep): the backward recomputes none
+        chunk, bufs_bwd = min(4096, Tc) * 4 * s.vocab, 3
         keep = Tc * (4 * s.vocab + a * s.hidden + 4 * s.hidden)
     else:
-        chunk = min(max(1, int(u.chunk_mb * 2 ** 20) // (4 * s.vocab)), Tc) * 4 * s.vocab
+        chunk, bufs_bwd = min(max(1, int(u.chunk_mb * 2 ** 20) // (4 * s.vocab)), Tc) * 4 * s.vocab, 4
         keep = Tc * 4 * s.hidden
     head_grad = (8 if u.bf16 else 4) * s.vocab * s.hidden
     casts = u.bf16 and (N == 1 or u.fsdp_gather == "fp32")  # autocast caches bf16 casts of fp32 weights
@@ -292,7 +293,7 @@ def plan(s: Shape, u: Setup) -> dict:
     t["autocast_weights_fwd"] = casts_fwd
     t["fsdp_gathered"] = fsdp_bwd
     fwd = persistent + act["saved"] + keep + casts_fwd + fsdp_fwd + max(act["fwd_extra"], 3 * chunk)
-    bwd = persistent + act["saved"] + keep + casts_bwd + fsdp_bwd + max(act["bwd_extra"], 4 * chunk + head_grad)
+    bwd = persistent + act["saved"] + keep + casts_bwd + fsdp_bwd + max(act["bwd_extra"], bufs_bwd * chunk + head_grad)
     training = max(fwd, bwd)
     t["train_extra"] = training - persistent  # what one micro-batch's forward + backward adds to the persistent
     optimiser = persistent + 4 * P_local
