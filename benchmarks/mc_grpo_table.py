@@ -1,7 +1,8 @@
 """MC-GRPO: how often a mean or a median group baseline gives a rollout the wrong advantage sign, at G = 2, 4, 8.
 
     python benchmarks/mc_grpo_table.py                  # the sign-flip simulation (seconds) + the table and plot
-    python benchmarks/mc_grpo_table.py --train          # also the training comparison (2 seeds x 4 runs, minutes)
+    python benchmarks/mc_grpo_table.py --train          # also the training comparison (3 seeds x 6 runs, minutes)
+    python benchmarks/mc_grpo_table.py --train-only --train-arms "G=2 mean, no std" --train-seeds 2  # some runs
     python benchmarks/mc_grpo_table.py --report-only    # rebuilds the table and the plot from the CSVs
 
 The claim ("MC-GRPO: Median-Centered Group Relative Policy Optimization for Small-Rollout
@@ -24,7 +25,11 @@ value flip, sign(r_i - baseline) = -sign(v_i - p) (against the response's true w
 A zero: A_i = 0 while v_i != p (the sample carries no gradient).
 
 Training (--train): algos/mc_grpo.py on `add` with --reward-noise 0.3, G = 2 and 8, median vs mean baseline,
-the same prompts per step and steps, 2 seeds.
+the same prompts per step and steps, 3 seeds. The G = 2 mean arm (GRPO) differs from the median arm in more than
+the baseline: it divides by the group std (at G = 2 every non-zero advantage becomes +-0.707, whatever the reward
+gap) and samples 2 rollouts per prompt against the median arm's 3. Two control arms take these apart: the mean
+baseline without std normalisation at G = 2 (--no-adv-std-norm, as the median arm has no MAD normalisation), and
+the mean over 3 rollouts without it (the median arm's sampling cost; all 3 carry gradient).
 
 Writes benchmarks/results/mc_grpo_signflip.csv, mc_grpo.csv (training), mc_grpo.md and mc_grpo.png.
 """
@@ -45,7 +50,9 @@ GROUPS = (2, 4, 8)
 SEEDS = (0, 1, 2)
 MODELS = ("binary", "binary + noise", "graded", "graded + noise")
 ARMS = ("mean, G", "median, G+1 (pivot dropped)", "mean, G+1")
-TRAIN = {"G=2 mean": (2, "mean"), "G=2 median": (2, "median"), "G=8 mean": (8, "mean"), "G=8 median": (8, "median")}
+TRAIN = {"G=2 mean": (2, "mean", {}), "G=2 median": (2, "median", {}), "G=8 mean": (8, "mean", {}),
+         "G=8 median": (8, "median", {}), "G=2 mean, no std": (2, "mean", {"adv_std_norm": False}),
+         "G=3 mean, no std": (3, "mean", {"adv_std_norm": False})}
 TRAIN_FLAGS = dict(reward_noise=0.3, steps=60, prompts_per_step=32, eval_every=30, eval_examples=300, pass_k=0,
                    eval_hard=False, threads=1)
 
@@ -86,16 +93,19 @@ def run_flips(seeds, prompts: int) -> None:
                                  "counted": c["counted"]}, f"python benchmarks/mc_grpo_table.py --prompts {prompts}")
 
 
-def run_train(seeds) -> None:
+def run_train(seeds, arms) -> None:
     from algos import mc_grpo
 
     for seed in seeds:
-        for label, (G, baseline) in TRAIN.items():
+        for label in arms:
+            G, baseline, extra = TRAIN[label]
             args = mc_grpo.Args(group_size=G, baseline=baseline, seed=seed, out_dir=f"runs/bench_mc_grpo/s{seed}",
-                                exp_name=label.replace(" ", "_").replace("=", ""), **TRAIN_FLAGS)
+                                exp_name=label.replace(" ", "_").replace("=", "").replace(",", ""), **TRAIN_FLAGS,
+                                **extra)
             s = mc_grpo.main(args)
             cmd = (f"python algos/mc_grpo.py --group-size {G} --baseline {baseline} --reward-noise 0.3 --steps 60 "
-                   f"--eval-every 30 --eval-examples 300 --pass-k 0 --no-eval-hard --threads 1 --seed {seed}")
+                   f"--eval-every 30 --eval-examples 300 --pass-k 0 --no-eval-hard --threads 1 --seed {seed}"
+                   + (" --no-adv-std-norm" if extra.get("adv_std_norm") is False else ""))
             append_rows(TRAIN_CSV, "mc_grpo_train", "algos/mc_grpo.py", label, seed, s, cmd)
 
 
@@ -151,7 +161,8 @@ def report() -> None:
         lines += ["", f"Accuracy gap G=8 minus G=2 (points, per seed then mean ± std): mean baseline "
                   f"{fmt(gap['mean'])}, median baseline {fmt(gap['median'])}. `add` (2-digit addition), tiny-0.6m, "
                   f"training reward = exact answer + N(0, 0.3^2), {TRAIN_FLAGS['steps']} rollout batches of "
-                  f"{TRAIN_FLAGS['prompts_per_step']} prompts (the median arm samples G+1 per prompt and trains on G), "
+                  f"{TRAIN_FLAGS['prompts_per_step']} prompts (the median arm samples G+1 per prompt and trains on G; "
+                  f"'no std': the mean baseline without dividing by the group std), "
                   f"lr 1e-4, 300 held-out prompts, greedy. Hardware: {row['hardware']} (shared); commit "
                   f"{row['commit']}. Rows: `benchmarks/results/{TRAIN_CSV}`; command: "
                   f"`python benchmarks/mc_grpo_table.py --train`."]
@@ -185,11 +196,14 @@ if __name__ == "__main__":
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table and the plot from the CSVs")
     ap.add_argument("--train", action="store_true", help="also run the training comparison (minutes)")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
-    ap.add_argument("--train-seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--train-seeds", type=int, nargs="+", default=list(SEEDS))
+    ap.add_argument("--train-arms", nargs="+", default=list(TRAIN), choices=list(TRAIN), help="training arms to run")
     ap.add_argument("--prompts", type=int, default=20000, help="simulated prompts per (reward model, G, seed)")
+    ap.add_argument("--train-only", action="store_true", help="run the training arms, not the simulation")
     a = ap.parse_args()
     if not a.report_only:
-        run_flips(a.seeds, a.prompts)
-        if a.train:
-            run_train(a.train_seeds)
+        if not a.train_only:
+            run_flips(a.seeds, a.prompts)
+        if a.train or a.train_only:
+            run_train(a.train_seeds, a.train_arms)
     report()
