@@ -36,7 +36,9 @@ Deviations from the paper:
 - The loss/* statistics (entropy, clip fraction) and rollout/logprob_mismatch are HT estimates over the kept
   tokens (unbiased for grpo's full-token figures; equal to them with --selector full).
 - On CPU peak memory is not measured reliably; nat/positions counts the token positions (prompt + kept prefix
-  columns, per sequence) that go through the forward and backward, which is what activation memory scales with.
+  columns, per sequence) that go through the forward and backward of a rollout batch, which is what compute scales
+  with; nat/peak_positions counts those of its widest micro-batch, which is what peak activation memory scales with
+  (the micro-batches run one after another).
   perf/forward_s and perf/backward_s are wall-clock (no CUDA synchronisation: CPU figures).
 - Everything of GRPO's deviations (algos/grpo.py) applies.
 
@@ -312,6 +314,8 @@ def nat_summary(history: list[dict]) -> dict:
     rows = [h for h in history if "nat/kept_frac" in h]
     return {"kept_frac": float(np.mean([h["nat/kept_frac"] for h in rows])),
             "positions_per_step": float(np.mean([h["nat/positions"] for h in rows])),
+            "peak_positions_per_step": float(np.mean([h["nat/peak_positions"] for h in rows])),
+            "peak_positions_max": float(np.max([h["nat/peak_positions"] for h in rows])),
             "forward_s_per_step": float(np.median([h["perf/forward_s"] for h in rows])),
             "backward_s_per_step": float(np.median([h["perf/backward_s"] for h in rows]))}
 
@@ -378,7 +382,7 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
     # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
     mismatch = 0.0 if on_policy else common.masked_mean((old - batch["logprobs"]).abs(),
                                                         batch["completion_mask"].float()).item()
-    n_opt, positions, t_fwd, t_bwd = 0, 0, 0.0, 0.0
+    n_opt, positions, peak, t_fwd, t_bwd = 0, 0, 0, 0.0, 0.0
     for _ in range(args.ppo_epochs):
         for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
             counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
@@ -398,7 +402,8 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
                 t1 = time.perf_counter()
                 loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
                 t_fwd, t_bwd = t_fwd + t1 - t0, t_bwd + time.perf_counter() - t1
-                positions += len(idx) * (batch["prompt_ids"].shape[1] + cols)
+                width = len(idx) * (batch["prompt_ids"].shape[1] + cols)  # positions through this micro-batch
+                positions, peak = positions + width, max(peak, width)
                 stats["pg"] += loss.item()
                 for k, v in {**token_stats, "entropy": ent}.items():
                     stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["ht"]).item() / max(n_tokens, 1)
@@ -410,7 +415,8 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
             n_opt += 1
     kept = float((ht > 0).sum() / batch["completion_mask"].sum().clamp(min=1))
     return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, "rollout/logprob_mismatch": mismatch,
-            "nat/kept_frac": kept, "nat/positions": positions, "perf/forward_s": t_fwd, "perf/backward_s": t_bwd}
+            "nat/kept_frac": kept, "nat/positions": positions, "nat/peak_positions": peak, "perf/forward_s": t_fwd,
+            "perf/backward_s": t_bwd}
 
 
 # ---- main ----
