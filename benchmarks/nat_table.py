@@ -1,6 +1,6 @@
 """NAT at 50% of the tokens (URS and RPC) against full-token GRPO: held-out accuracy and forward/backward cost.
 
-    python benchmarks/nat_table.py                  # 2 seeds x 3 arms (about 90 s each on 2 cores) + the table
+    python benchmarks/nat_table.py                  # 3 seeds x 3 arms (about 90 s each on 2 cores) + the table
     python benchmarks/nat_table.py --report-only    # rebuilds the table from the CSV
 
 The claims ("Not All Tokens Are Needed"): GRPO's loss on a random 50% of the generated tokens, reweighted by
@@ -14,7 +14,10 @@ batches, with --micro-batch-size 32 in every arm (RPC's saving comes from cuttin
 kept prefix, so it needs micro-batches smaller than the rollout batch). Times are medians over the rollout
 batches of one run; the ratio against full is taken per seed, between runs of the same invocation. On CPU peak
 memory is not measured: `positions` is the number of token positions (prompt + completion columns, per sequence)
-through the forward and backward of one rollout batch, what activation memory scales with.
+through the forward and backward of one rollout batch, what compute scales with; `peak positions` those of the
+widest micro-batch of a rollout batch (mean over rollout batches), what peak activation memory scales with, since
+micro-batches run one after another. RPC sorts a mini-batch by kept length, longest first, so its first
+micro-batch holds the longest kept prefixes, often as wide as full's widest.
 
 Writes benchmarks/results/nat.csv (rows through benchmarks/_results.py) and nat.md.
 """
@@ -61,7 +64,8 @@ def report() -> None:
     if not by:
         raise SystemExit(f"no rows in benchmarks/results/{CSV}; run without --report-only first")
     lines = ["| arm | kept tokens % | held-out acc start | end | best | fwd+bwd s / step (x full) | "
-             "backward s / step (x full) | positions / step (x full) | seeds |", "|---|---|---|---|---|---|---|---|---|"]
+             "backward s / step (x full) | positions / step (x full) | peak positions / step (x full) | seeds |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     full = by.get("full", {})
     for label in ARMS:
         runs = by.get(label, {})
@@ -78,14 +82,16 @@ def report() -> None:
                      f"{fmt(get('eval_acc_best'))} | {fmt(get('fwd_bwd_s_per_step'), 1, 2)} "
                      f"({fmt(ratio('fwd_bwd_s_per_step'), 1, 2)}) | {fmt(get('backward_s_per_step'), 1, 2)} "
                      f"({fmt(ratio('backward_s_per_step'), 1, 2)}) | {fmt(get('positions_per_step'), 1, 0)} "
-                     f"({fmt(ratio('positions_per_step'), 1, 2)}) | {len(runs)} |")
+                     f"({fmt(ratio('positions_per_step'), 1, 2)}) | {fmt(get('peak_positions_per_step'), 1, 0)} "
+                     f"({fmt(ratio('peak_positions_per_step'), 1, 2)}) | {len(runs)} |")
     row = next(iter(meta.values()))
     lines += ["", f"Mean ± std over seeds. `add` (2-digit addition), tiny-0.6m, {STEPS} rollout batches of 32 prompts x 8 "
               f"completions, lr 1e-4, micro-batches of 32 in every arm, 300 held-out prompts, greedy. Times: median "
               f"per rollout batch within a run, the ratio against full per seed (same invocation, one after the other); "
               f"wall-clock on a shared CPU, so a ratio is the figure to read, not the seconds. Positions: token "
-              f"positions through forward and backward per rollout batch (on CPU peak memory is not measured; "
-              f"activation memory scales with this count). Hardware: {row['hardware']} (shared); {row['versions']}; "
+              f"positions through forward and backward per rollout batch (compute scales with it); peak positions: "
+              f"those of the widest micro-batch (on CPU peak memory is not measured; peak activation memory scales "
+              f"with this count). Hardware: {row['hardware']} (shared); {row['versions']}; "
               f"commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; command: `python benchmarks/nat_table.py`."]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -94,7 +100,7 @@ def report() -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     a = ap.parse_args()
     if not a.report_only:
         run(a.seeds)
