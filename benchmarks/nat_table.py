@@ -36,7 +36,8 @@ from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noq
 CSV, NAME = "nat.csv", "nat"
 ARMS = {"full": ("full", 1.0), "urs 50%": ("urs", 0.5), "rpc 50%": ("rpc", 0.5)}
 STEPS = 20
-FLAGS = dict(steps=STEPS, eval_every=STEPS, eval_examples=300, pass_k=0, eval_hard=False, micro_batch_size=32)
+FLAGS = dict(steps=STEPS, eval_every=STEPS, eval_examples=300, pass_k=0, eval_hard=False, micro_batch_size=32,
+             threads=1)
 
 
 def run(seeds) -> None:
@@ -48,7 +49,7 @@ def run(seeds) -> None:
                             exp_name=selector, **FLAGS)
             s = nat.main(args)
             cmd = (f"python algos/nat.py --selector {selector} --keep-prob {p} --steps {STEPS} --eval-every {STEPS} "
-                   f"--eval-examples 300 --pass-k 0 --no-eval-hard --micro-batch-size 32 --seed {seed}")
+                   f"--eval-examples 300 --pass-k 0 --no-eval-hard --micro-batch-size 32 --threads 1 --seed {seed}")
             append_rows(CSV, "nat", "algos/nat.py", label, seed, s, cmd)
 
 

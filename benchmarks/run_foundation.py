@@ -1,6 +1,6 @@
 """The foundation rows: algos/sft.py and algos/grpo.py on the tiny default, 3 seeds each.
 
-    python benchmarks/run_foundation.py                 # runs everything (about 8 minutes on 2 cores)
+    python benchmarks/run_foundation.py                 # runs everything, one thread per run (about 10 minutes)
     python benchmarks/run_foundation.py --report-only   # rebuilds the tables from the committed CSV
     python benchmarks/report.py                         # puts the tables into benchmarks/README.md
 
@@ -26,16 +26,18 @@ FIGURES = ["eval_acc_start", "eval_acc_end", "eval_acc_best", "eval_acc_hard_end
            "train_reward_first", "train_reward_last", "gen_tokens", "tokens_per_s", "wall_s"]
 
 
-def run(seeds) -> None:
+def run(seeds, threads: int) -> None:
     from algos import grpo, sft
 
     for seed in seeds:
         out = f"runs/bench_foundation/sft_s{seed}"
-        s = sft.main(sft.Args(seed=seed, out_dir=out))
-        append_rows(CSV, "foundation", "algos/sft.py", "default", seed, s, f"python algos/sft.py --seed {seed}")
+        s = sft.main(sft.Args(seed=seed, out_dir=out, threads=threads))
+        append_rows(CSV, "foundation", "algos/sft.py", "default", seed, s,
+                    f"python algos/sft.py --seed {seed} --threads {threads}")
         out = f"runs/bench_foundation/grpo_s{seed}"
-        s = grpo.main(grpo.Args(seed=seed, out_dir=out))
-        append_rows(CSV, "foundation", "algos/grpo.py", "default", seed, s, f"python algos/grpo.py --seed {seed}")
+        s = grpo.main(grpo.Args(seed=seed, out_dir=out, threads=threads))
+        append_rows(CSV, "foundation", "algos/grpo.py", "default", seed, s,
+                    f"python algos/grpo.py --seed {seed} --threads {threads}")
         if seed == 0:
             shutil.copy(Path(out) / "grpo" / "curve.png", RESULTS / "grpo_curve.png")
 
@@ -46,11 +48,12 @@ def fmt(vals, pct=True):
 
 def report() -> None:
     rows = read_rows(CSV)
-    by = defaultdict(lambda: defaultdict(list))
+    per_seed = defaultdict(lambda: defaultdict(dict))  # script -> metric -> seed -> value (a later row wins)
     meta = {}
     for r in rows:
-        by[r["script"]][r["metric"]].append(float(r["value"]))
+        per_seed[r["script"]][r["metric"]][r["seed"]] = float(r["value"])
         meta[r["script"]] = r
+    by = {script: {k: list(v.values()) for k, v in metrics.items()} for script, metrics in per_seed.items()}
     lines = ["| script | held-out acc start | end | best | harder (3-digit) end | pass@8 end | gain (points) | "
              "wall s | gen tokens/s | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
     for script in ("algos/sft.py", "algos/grpo.py"):
@@ -77,7 +80,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--report-only", action="store_true", help="only rebuild the tables from the CSV")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
     a = ap.parse_args()
     if not a.report_only:
-        run(a.seeds)
+        run(a.seeds, a.threads)
     report()
