@@ -17,7 +17,8 @@ file, so the sampler, the model and the loss are the same code):
 Training: each script default (20 SDE steps, 8 prompts of 8 modes per iteration, 150 iterations, lr 3e-4),
 one thread. Timing: the same arms at 64 prompts per iteration (where the arithmetic, not per-call overhead,
 sets the time), 10 iterations, one thread, the arms interleaved within each seed; iteration time = rollout +
-training wall time, averaged over the iterations.
+training wall time, averaged over the iterations; each arm's iteration time over DanceGRPO's of the same seed
+(iter_x_dance) is the paired figure the timing claims are decided on, since the shared machine's load moves both.
 
 Writes benchmarks/results/branch_flow.csv (rows through benchmarks/_results.py) and branch_flow.md.
 """
@@ -69,11 +70,14 @@ def run(seeds, timing_only: bool) -> None:
                 s = bf.main(args)
                 cmd = f"python algos/branch_grpo_flow.py {flags_of(kw)} --threads 1 --seed {seed}".replace("  ", " ")
                 append_rows(CSV, "branch_flow_train", "algos/branch_grpo_flow.py", f"train | {label}", seed, s, cmd)
-        for label in TIMED:
+        dance_s = None
+        for label in TIMED:  # DanceGRPO first: each arm's time is also written as a ratio to it (same seed, interleaved)
             kw = {**ARMS[label], **TIME_FLAGS}
             args = bf.Args(seed=seed, threads=1, out_dir=str(RUNS / f"time_s{seed}"), save_png=False,
                            exp_name=exp_name(label), **kw)
             s = bf.main(args)
+            dance_s = dance_s or s["iter_s"]
+            s["iter_x_dance"] = s["iter_s"] / dance_s
             cmd = f"python algos/branch_grpo_flow.py {flags_of(kw)} --threads 1 --seed {seed}"
             append_rows(CSV, "branch_flow_time", "algos/branch_grpo_flow.py", f"time P=64 | {label}", seed, s, cmd)
 
