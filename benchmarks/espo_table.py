@@ -16,9 +16,13 @@ Per run: held-out greedy accuracy, generated tokens, decode seconds; per seed th
 1 - tokens(ESPO) / tokens(PPO), and where the stops land relative to the first token that leaves the reference
 solution (first_dev, see algos/espo.py).
 
-Probe (seconds, no training): the starting policy's full responses (no stop) with the rule applied after the fact
-at several k (statistics from one batch, applied to another): stops, tokens that would be saved, stops after the
-first deviation, and false stops (stopped responses that would have earned the reward).
+Probe (seconds, no training, 3 seeds of prompts): the starting policy's full responses (no stop) with the rule
+applied after the fact at several k (statistics from one batch, applied to another): stops, tokens that would be
+saved, stops after the first deviation, and false stops (stopped responses that would have earned the reward).
+Random-stop control (the rule at k = 3 against chance): the same stop positions, as many as the rule makes, given
+to randomly drawn rows that are still generating there (RANDOM_DRAWS draws, averaged). Any stop lands after the
+first deviation more often the later it comes, and any stop shortens the share of tokens generated after it; the
+rule marks the failure only where it beats this control.
 
 Writes benchmarks/results/espo.csv (rows through benchmarks/_results.py) and espo.md.
 """
@@ -41,6 +45,7 @@ ARMS = {"PPO": math.inf, "ESPO k=3": 3.0}
 FLAGS = dict(steps=STEPS, prompts_per_step=PROMPTS, eval_every=STEPS, eval_examples=300, pass_k=0, eval_hard=False,
              threads=1)
 PROBE_K = (2.0, 3.0, 4.0)
+RANDOM_DRAWS = 50
 
 
 def run(seeds) -> None:
@@ -60,8 +65,32 @@ def run(seeds) -> None:
                     "python benchmarks/espo_table.py")
 
 
-def probe(n: int = 512) -> None:
-    """The stop rule applied after the fact to the starting policy's full responses."""
+def kept_after_dev(stop, dev, lengths):
+    """Where stops land: (stops whose kept prefix holds the first deviation / stops, tokens kept after the first
+    deviation / tokens kept); stop [B] (-1: not stopped, else the last kept position), dev [B] (-1: none)."""
+    import torch
+
+    stopped = stop >= 0
+    kept = torch.where(stopped, stop + 1, lengths)
+    after = stopped & (dev >= 0) & (dev <= stop)
+    post = ((kept - dev).clamp(min=0) * (dev >= 0)).sum().item() / max(1, kept.sum().item())
+    return after.sum().item() / max(1, stopped.sum().item()), post
+
+
+def random_stops(stop, eligible, gen):
+    """The rule's stop positions, each given to a random row that is still generating there (one stop per row)."""
+    import torch
+
+    out = torch.full_like(stop, -1)
+    for t in stop[stop >= 0].tolist():
+        free = ((out < 0) & eligible[:, t]).nonzero().flatten()
+        if len(free):
+            out[free[torch.randint(len(free), (1,), generator=gen)]] = t
+    return out
+
+
+def probe(seeds, n: int = 512) -> None:
+    """The stop rule applied after the fact to the starting policy's full responses, and the random-stop control."""
     from dataclasses import replace
 
     import numpy as np
@@ -71,14 +100,26 @@ def probe(n: int = 512) -> None:
     from algos import espo
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
     args = espo.Args()
     model, tok = common.load_model(args.model)
     task = common.make_task(args.task, args.digits)
+    for seed in seeds:
+        probe_seed(seed, n, args, model, tok, task)
+
+
+def probe_seed(seed, n, args, model, tok, task) -> None:
+    from dataclasses import replace
+
+    import numpy as np
+    import torch
+
+    from algos import espo
+
+    torch.manual_seed(seed)
     batches = []
     for i in range(2):  # one batch measures the statistics, the other is stopped with them
-        b = espo.rollout(model, tok, task, replace(args, prompts_per_step=n), np.random.default_rng([99, i]), "cpu")
-        batches.append(b)
+        rng = np.random.default_rng([99, i] if seed == 0 else [99, i, seed])
+        batches.append(espo.rollout(model, tok, task, replace(args, prompts_per_step=n), rng, "cpu"))
     stats = espo.RegretStats(args.regret_momentum)
     stats.update(batches[0]["z"], batches[0]["completion_mask"])
     b = batches[1]
@@ -98,7 +139,15 @@ def probe(n: int = 512) -> None:
              "failures_stopped_frac": (stopped & ~correct).sum().item() / max(1, (~correct).sum().item()),
              "reward": correct.float().mean().item(), "post_dev_token_frac":
              ((lengths - dev) * (dev >= 0)).sum().item() / lengths.sum().item()}
-        append_rows(CSV, "espo_probe", SCRIPT, f"probe k={k:g}", 0, m, "python benchmarks/espo_table.py")
+        m["kept_post_dev_frac"] = kept_after_dev(stop, dev, lengths)[1]
+        append_rows(CSV, "espo_probe", SCRIPT, f"probe k={k:g}", seed, m, "python benchmarks/espo_table.py")
+        if k == 3.0:  # the random-stop control: the same stop positions on random rows
+            gen = torch.Generator().manual_seed(seed)
+            draws = [kept_after_dev(random_stops(stop, eligible, gen), dev, lengths) for _ in range(RANDOM_DRAWS)]
+            append_rows(CSV, "espo_probe", SCRIPT, "probe k=3, random rows", seed,
+                        {"stop_after_dev_frac": float(np.mean([d[0] for d in draws])),
+                         "kept_post_dev_frac": float(np.mean([d[1] for d in draws])), "stop_frac": m["stop_frac"]},
+                        "python benchmarks/espo_table.py")
 
 
 def report() -> None:
@@ -134,18 +183,22 @@ def report() -> None:
               f"batched Hugging Face decoding runs until a batch's last row ends, so fewer tokens barely shorten it."]
     if probe_rows:
         lines += ["", "| starting policy, rule after the fact | threshold | rows stopped | tokens saved | stops after the "
-                  "first deviation | stop lag | false stops (would have been right) | failures stopped |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for label, seeds in probe_rows.items():
-            m = next(iter(seeds.values()))
-            lines.append(f"| {label} | {m['threshold']:.2f} | {100 * m['stop_frac']:.1f} | {100 * m['saved_frac']:.1f} | "
-                         f"{100 * m['stop_after_dev_frac']:.1f} | {m['stop_lag']:.1f} | "
-                         f"{100 * m['false_stop_frac']:.1f} | {100 * m['failures_stopped_frac']:.1f} |")
-        m = next(iter(next(iter(probe_rows.values())).values()))
-        lines += ["", f"512 full responses of tiny-sums (reward {100 * m['reward']:.1f}%, "
-                  f"{100 * m['post_dev_token_frac']:.1f}% of their tokens after the first deviation), the threshold "
+                  "first deviation | stop lag | false stops (would have been right) | failures stopped | kept tokens "
+                  "after the first deviation | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
+        pg = lambda label, k, scale=100, d=1: (f(v, scale, d) if (v := [r[k] for r in probe_rows[label].values()  # noqa: E731
+                                                                      if k in r]) else "-")
+        for label in probe_rows:
+            lines.append(f"| {label} | {pg(label, 'threshold', 1, 2)} | {pg(label, 'stop_frac')} | "
+                         f"{pg(label, 'saved_frac')} | {pg(label, 'stop_after_dev_frac')} | {pg(label, 'stop_lag', 1)} | "
+                         f"{pg(label, 'false_stop_frac')} | {pg(label, 'failures_stopped_frac')} | "
+                         f"{pg(label, 'kept_post_dev_frac')} | {len(probe_rows[label])} |")
+        first = next(iter(probe_rows))
+        lines += ["", f"Per seed 512 full responses of tiny-sums (reward {pg(first, 'reward')}%, "
+                  f"{pg(first, 'post_dev_token_frac')}% of their tokens after the first deviation), the threshold "
                   f"from another 512; smoothing 0.5. A false stop is a stopped response whose full text earned the "
-                  f"reward (the tiny model sometimes reaches the right sum after a wrong step)."]
+                  f"reward (the tiny model sometimes reaches the right sum after a wrong step). 'random rows': the "
+                  f"k = 3 rule's stop positions given to randomly drawn rows still generating there, {RANDOM_DRAWS} "
+                  f"draws averaged: the control for where a stop of that timing lands by chance."]
     if meta:
         lines += ["", f"Hardware: {meta['hardware']} (shared); {meta['versions']}; commit {meta['commit']}. Rows: "
                   f"`benchmarks/results/{CSV}`; command: `python benchmarks/espo_table.py`."]
@@ -158,9 +211,11 @@ if __name__ == "__main__":
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--no-probe", action="store_true", help="skip the starting-policy probe")
+    ap.add_argument("--probe-only", action="store_true", help="only the starting-policy probe (no training)")
     a = ap.parse_args()
     if not a.report_only:
         if not a.no_probe:
-            probe()
-        run(a.seeds)
+            probe(a.seeds)
+        if not a.probe_only:
+            run(a.seeds)
     report()
