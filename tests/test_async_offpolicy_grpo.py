@@ -114,6 +114,21 @@ def test_m2po_water_filling_level(seed):
     assert lo >= 0.3 and hi >= 0.5  # never narrower than the authors' minimum widths
 
 
+@pytest.mark.parametrize("c", [0.0, 0.05, 0.3, 1.0, math.inf])
+def test_m2po_clip_form_clips_a_subset_of_ppo_clip_by_construction(c):
+    """Its range is never narrower than [1 - 0.3, 1 + 0.5], which holds PPO's [0.8, 1.2]: every token the M2PO clip
+    form clips, PPO-clip clips too, so "M2PO clips fewer tokens than PPO-clip" is no measurement (the paper's
+    figure is the second-moment mask's share, --correction m2po-mask)."""
+    g = torch.Generator().manual_seed(3)
+    logp, behav = torch.randn(64, 8, generator=g) * 0.5, torch.randn(64, 8, generator=g) * 0.5
+    adv = torch.randn(64, generator=g)
+    lo, hi = ao.m2po_clip_range(c)
+    assert 1 - lo <= 0.8 and 1 + hi >= 1.2
+    _, m2po = ao.clipped_pg_loss(logp, behav, adv, lo, hi)
+    _, ppo = ao.clipped_pg_loss(logp, behav, adv, 0.2, 0.2)
+    assert torch.all(m2po <= ppo) and ppo.sum() > 0
+
+
 def test_m2po_clip_level_ignores_harmless_tokens():
     # row 0 (A < 0): only w < 1 is harmful (-2.0); row 1 (A > 0): only w > 1 is harmful (0.01)
     log_w, adv = torch.tensor([[0.1, -2.0], [0.01, -0.1]]), torch.tensor([-1.0, 1.0])
