@@ -10,8 +10,9 @@ where y_i is the target response followed by EOS. The normaliser is the number o
 batch (token mean), as in most SFT trainers.
 
 The shipped checkpoints in algos/models/ were made with this script (the exact commands are in each
-model's README.md and below). `--model new-small` / `new-large` start from random weights with the
-project's character-level tokenizer; any other name (tiny-*, smollm2-135m, a HF id or path) fine-tunes it.
+model's README.md and below). `--model new-small` / `new-large` (Llama) and `new-moe` (a Qwen3-MoE mixture of
+experts, whose load-balancing loss is added to the SFT loss) start from random weights with the project's
+character-level tokenizer; any other name (tiny-*, smollm2-135m, a HF id or path) fine-tunes it.
 
 Deviations: none in the objective. Training data is generated on the fly (a fresh batch every step from a
 seeded generator), so there are no epochs; a short run is deliberately stopped early to leave the policy
@@ -20,6 +21,7 @@ only partly competent, which gives RL room to improve.
 Commands:
     python algos/sft.py                     # the SFT baseline: tiny-0.6m, 200 more steps on add (about 1 min)
     python algos/sft.py --model new-small --tasks add addsteps --steps 1500 --save-to algos/models/tiny-0.6m
+    python algos/sft.py --model new-moe --tasks add addsteps --seed 1 --steps 1500 --lr 3e-3 ...  # tiny-moe, see card
     python algos/sft.py --model smollm2-135m --tasks jsonl:data.jsonl --device cuda    # a real model
     python algos/sft.py --model new-small --tasks sums5 sums2 sums3 sums4 sums6 --digits 1 ...  # tiny-sums, see card
 Expected: the shipped models' accuracies are in their model cards (algos/models/*/README.md);
@@ -48,6 +50,13 @@ NEW_MODELS = {
     "new-small": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, intermediate_size=384),
     "new-large": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, intermediate_size=768),
 }
+# A mixture-of-experts architecture from transformers' own classes (Qwen3MoeForCausalLM, same tokenizer): 4 experts,
+# top-2, the Switch load-balancing loss (returned by the model as aux_loss and added to the SFT loss).
+NEW_MOE_MODELS = {
+    "new-moe": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                    intermediate_size=128, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                    norm_topk_prob=True, router_aux_loss_coef=0.01),
+}
 
 
 @dataclass
@@ -61,7 +70,7 @@ class Args:
     out_dir: str = "runs"
     """where metrics.jsonl, summary.json and the curve go"""
     model: str = "tiny-0.6m"
-    """tiny-*, new-small, new-large, smollm2-135m, a Hugging Face id or a local path"""
+    """tiny-*, new-small, new-large, new-moe, smollm2-135m, a Hugging Face id or a local path"""
     tasks: list[str] = field(default_factory=lambda: ["add"])
     """tasks to train on, mixed uniformly: add, addsteps, sums<N> (N operands), sumsmix, jsonl:PATH, gsm8k"""
     digits: int = 2
@@ -142,14 +151,16 @@ def build_char_tokenizer():
 
 
 def new_model(kind: str, seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     tok = build_char_tokenizer()
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=128, tie_word_embeddings=True,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      **NEW_MODELS[kind])
-    return LlamaForCausalLM(cfg), tok
+    config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if kind in NEW_MOE_MODELS else \
+        (LlamaConfig, LlamaForCausalLM)
+    cfg = config_cls(vocab_size=len(tok), max_position_embeddings=128, tie_word_embeddings=True,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                     **{**NEW_MODELS, **NEW_MOE_MODELS}[kind])
+    return model_cls(cfg), tok
 
 
 def lr_at(step: int, args: Args) -> float:
@@ -175,7 +186,7 @@ def main(args: Args) -> dict:
     common.set_seed(args.seed)
     device = common.get_device(args.device)
     tasks = [common.make_task(name, args.digits) for name in args.tasks]
-    if args.model in NEW_MODELS:
+    if args.model in NEW_MODELS or args.model in NEW_MOE_MODELS:
         model, tok = new_model(args.model, args.seed)
         model.to(device)
     else:
@@ -196,8 +207,11 @@ def main(args: Args) -> dict:
         examples = [ex for t in tasks for ex in t.sample("train", args.batch_size // len(tasks), rng)]
         ids, attn, loss_mask = (x.to(device) for x in build_batch(tok, examples))
         with common.autocast(model):  # bf16 matmuls under --dtype bf16; sft_loss is fp32
-            logits = model(input_ids=ids, attention_mask=attn).logits
-        loss = sft_loss(logits, ids, loss_mask)
+            moe = {"output_router_logits": True} if hasattr(model.config, "router_aux_loss_coef") else {}
+            out = model(input_ids=ids, attention_mask=attn, **moe)
+        loss = sft_loss(out.logits, ids, loss_mask)
+        if getattr(out, "aux_loss", None) is not None:  # a mixture of experts: + coef * load-balancing loss
+            loss = loss + model.config.router_aux_loss_coef * out.aux_loss.float()
         if not torch.isfinite(loss):
             raise SystemExit(f"non-finite loss at step {step}: lower --lr")
         opt.zero_grad(set_to_none=True)

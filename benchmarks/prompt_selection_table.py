@@ -1,6 +1,6 @@
 """Prompt selection: cumulative rollouts each selector needs to reach GRPO's final held-out accuracy.
 
-    python benchmarks/prompt_selection_table.py                  # 3 seeds x 5 selectors + the table
+    python benchmarks/prompt_selection_table.py                  # 3 seeds x 6 arms + the table
     python benchmarks/prompt_selection_table.py --report-only    # rebuilds the table from the CSV
 
 The claims: Pilot-Commit (Kim et al., "Spend Your Rollouts Where It Counts: Rollout Allocation for Group-Based RL
@@ -10,7 +10,11 @@ Reasoning via Selective Rollouts", arXiv:2506.02177) up to 2.4x faster rollouts 
 accuracy loss; VADE (arXiv:2511.18902) fewer zero-variance groups at no extra rollouts.
 
 Arms (algos/grpo_prompt_selection.py, one file: everything but the selector is the same code): uniform (= GRPO),
-dynamic (DAPO's dynamic sampling, GRPO's loss), pilot-commit, greso, vade, each with its defaults. Setting: the
+dynamic (DAPO's dynamic sampling, GRPO's loss), pilot-commit, greso, vade, each with its defaults, and a control
+arm for GRESO: its refill rule without its filter (--greso-base 1 --greso-floor 1: every candidate is rolled out,
+a refill round rolls out only about as many prompts as the missing groups need). DAPO-style always refills a full
+round and discards the surplus informative groups, so GRESO against DAPO-style changes the refill rule as well as
+adding the filter; GRESO against the control is the filter alone. Setting: the
 default task (tiny-0.6m, 2-digit `add`, a fixed training set of 256 prompts, 32 prompts x 8 completions per
 step, lr 1e-4), each run stopped once it has generated BUDGET sequences (GRPO's 40 steps), held-out greedy
 accuracy on 500 prompts about every 1,024 generated sequences. Accuracy between evaluations moves by several points
@@ -36,9 +40,11 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
 
 CSV, NAME, SCRIPT = "prompt_selection.csv", "prompt_selection", "algos/grpo_prompt_selection.py"
-# label -> (selector, steps between evaluations): an evaluation about every 1,024 generated sequences in each arm
-ARMS = {"GRPO (uniform)": ("uniform", 4), "DAPO-style dynamic sampling": ("dynamic", 2),
-        "Pilot-Commit": ("pilot-commit", 4), "GRESO": ("greso", 2), "VADE": ("vade", 4)}
+# label -> (selector, steps between evaluations, other flags): an evaluation about every 1,024 generated sequences
+ARMS = {"GRPO (uniform)": ("uniform", 4, {}), "DAPO-style dynamic sampling": ("dynamic", 2, {}),
+        "Pilot-Commit": ("pilot-commit", 4, {}), "GRESO": ("greso", 2, {}), "VADE": ("vade", 4, {}),
+        "GRESO's refill rule, no filter": ("greso", 2, {"greso_base": 1.0, "greso_floor": 1.0})}
+REFILL = "GRESO's refill rule, no filter"
 BUDGET, SMOOTH = 40 * 32 * 8, 3
 FLAGS = dict(steps=200, rollout_budget=BUDGET, pool_size=256, eval_examples=500, pass_k=0, eval_hard=False,
              threads=1)
@@ -74,16 +80,18 @@ def run(seeds) -> None:
 
     for seed in seeds:
         out, curves, summaries = Path(f"runs/bench_prompt_selection/s{seed}"), {}, {}
-        for label, (sel, every) in ARMS.items():
-            summaries[label] = ps.main(ps.Args(selector=sel, seed=seed, out_dir=str(out), exp_name=sel,
-                                               eval_every=every, **FLAGS))
-            curves[label] = curve(out / sel)
+        for label, (sel, every, extra) in ARMS.items():
+            name = sel + ("_refill_only" if extra else "")
+            summaries[label] = ps.main(ps.Args(selector=sel, seed=seed, out_dir=str(out), exp_name=name,
+                                               eval_every=every, **FLAGS, **extra))
+            curves[label] = curve(out / name)
         target = smoothed(curves["GRPO (uniform)"])[-1][1]  # GRPO's final: the mean of its last SMOOTH evaluations
         costs = {label: cost_to(c, target) for label, c in curves.items()}
-        for label, (sel, every) in ARMS.items():
+        for label, (sel, every, extra) in ARMS.items():
             (r, reached), s = costs[label], summaries[label]
-            cmd = (f"python {SCRIPT} --selector {sel} --pool-size 256 --steps 200 --rollout-budget {BUDGET} --eval-every {every} "
-                   f"--eval-examples 500 --pass-k 0 --no-eval-hard --threads 1 --seed {seed}")
+            more = "".join(f" --{k.replace('_', '-')} {v:g}" for k, v in extra.items())
+            cmd = (f"python {SCRIPT} --selector {sel}{more} --pool-size 256 --steps 200 --rollout-budget {BUDGET} "
+                   f"--eval-every {every} --eval-examples 500 --pass-k 0 --no-eval-hard --threads 1 --seed {seed}")
             append_rows(CSV, NAME, SCRIPT, label, seed,
                         {**s, "target_acc": target, "rollouts_to_target": r, "reached_target": float(reached),
                          "speedup_vs_grpo": costs["GRPO (uniform)"][0] / r,
@@ -136,12 +144,15 @@ def report() -> None:
                   f"{row['versions']}; commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; command: "
                   f"`python benchmarks/prompt_selection_table.py`."]
         cost = lambda label, k="rollouts_to_target": [r[k] for r in by[label].values()]  # noqa: E731
-        lines += ["", "In direction (benchmarks/report.py's rule: a difference counts only beyond the larger std): "
+        lines += ["", "In direction (benchmarks/report.py's rule: Welch's 95% interval on the difference, >= 3 seeds): "
                   f"Pilot-Commit needs fewer rollouts than GRPO: "
                   f"{verdict(cost('Pilot-Commit'), cost('GRPO (uniform)'), '0<1')}; than DAPO-style: "
                   f"{verdict(cost('Pilot-Commit'), cost('DAPO-style dynamic sampling'), '0<1')}; GRESO than DAPO-style: "
                   f"{verdict(cost('GRESO'), cost('DAPO-style dynamic sampling'), '0<1')} (rollouts per informative "
-                  f"group: {verdict(cost('GRESO', 'rollouts_per_informative_group'), cost('DAPO-style dynamic sampling', 'rollouts_per_informative_group'), '0<1')}); "
+                  f"group: {verdict(cost('GRESO', 'rollouts_per_informative_group'), cost('DAPO-style dynamic sampling', 'rollouts_per_informative_group'), '0<1')}"
+                  + (f"; GRESO's filter alone, against its refill rule without it: "
+                     f"{verdict(cost('GRESO', 'rollouts_per_informative_group'), cost(REFILL, 'rollouts_per_informative_group'), '0<1')}"
+                     if REFILL in by else "") + "); "
                   f"VADE trains on fewer zero-variance groups than GRPO: "
                   f"{verdict(cost('VADE', 'zero_var_group_frac'), cost('GRPO (uniform)', 'zero_var_group_frac'), '0<1')}. "
                   f"Every arm's held-out accuracy plateaus near 45-48% within the first ~2,000 sequences here and "

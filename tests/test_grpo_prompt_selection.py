@@ -240,7 +240,10 @@ def test_prompt_selection_learns(tmp_path):
     # stated margin: +3 points of held-out greedy accuracy in 50 steps of VADE (measured, 1 thread: +6.0 with
     # seed 0, +4.3 with seed 1; a flipped advantage sign loses accuracy instead)
     assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.03, s
-    assert s["zero_var_group_frac"] < 0.5 and (tmp_path / "t" / "curve.png").exists()
+    # VADE trains on fewer zero-variance groups than uniform sampling: 16-18% against 25-29% per seed in
+    # benchmarks/results/prompt_selection.csv (3 seeds each, 40 steps of this setting); 0.22 lies between, so uniform
+    # sampling (or a selector that ignores the posterior) fails here
+    assert s["zero_var_group_frac"] < 0.22 and (tmp_path / "t" / "curve.png").exists()
 
 
 # ---- bad input ----

@@ -1,0 +1,630 @@
+"""MoE routing replay: R3 and PR2 against the train-inference routing mismatch of a mixture-of-experts policy.
+
+Papers: Ma et al., "Stabilizing MoE Reinforcement Learning by Aligning Training and Inference Routers",
+arXiv:2510.11370 (Rollout Routing Replay, R3); Dong et al., "PR2: Predictive Routing Replay for MoE-Based LLM
+Reinforcement Learning", arXiv:2606.00395 (PR2); truncated importance sampling (TIS) of Yao et al., "Your
+Efficient RL Framework Secretly Brings You Off-Policy RL Training" (blog, 2025), R3's comparison.
+
+Parent: algos/grpo.py; changed: Args, check_args, rollout, update, main.
+
+The mismatch. A router picks the top-k experts of softmax(s), s = W_r h. The rollout engine (MoERolloutEngine) is
+a separate copy of the policy at rollout precision (--rollout-dtype bf16: the whole copy in bf16, as a bf16 inference
+engine) whose routers add Gaussian noise of std --router-noise to their logits (a controlled stand-in for the kernel
+and batch nondeterminism that makes real engines route differently, even between identical passes); it records the
+expert ids of every token it feeds (prompt and response). The trainer is the fp32 policy. A token whose route differs
+between the two gets a different probability: pi_old(y_t) != mu(y_t) even at the same weights.
+Routing (class Routing: a forward hook on every router module of the transformers model, *TopKRouter of Qwen3-MoE,
+Qwen2-MoE, Mixtral and OLMoE: the router's own forward runs, then its output (logits, gate weights, expert ids) is
+replaced)
+  own route        I = top-k(s)                                              (--replay none, and the trainer's eval)
+  rollout route    I_mu = top-k(s_mu + eps),  eps ~ N(0, noise^2)            (MoERolloutEngine, recorded)
+  R3 (--replay r3) the trainer's forwards (pi_old, pi_theta, pi_ref) use I_mu, the recorded ids of the same token;
+                   gate weights from the trainer's own logits over the replayed set, as the R3 paper does:
+                   g_i = softmax(s)_i / sum_{j in I_mu} softmax(s)_j  for i in I_mu                   gate_weights
+                   so the policy gradient reaches the router through g, and nothing flows through I_mu (integers)
+  PR2 (--replay pr2) each router has an evolution predictor P_l (a linear map, zero-initialised, not part of the
+                   policy): the rollout routes by the predicted logits, I_mu = top-k(s_mu + c P_l(h) + eps), c =
+                   --pr2-scale, and the trainer replays I_mu as in R3. P_l is fitted after each rollout batch's
+                   updates to the router change those updates caused on the batch's tokens,
+                   min ||P_l(h_before) - (s_after - s_before)||^2                       fit_predictors
+Load balancing (every arm): + aux_coef * E sum_e f_e P_e per layer (Switch Transformer), f_e the share of routed
+slots sent to expert e (the routes actually used; no gradient), P_e the mean router probability (the gradient
+path), averaged over layers, on real tokens                                              load_balancing_loss
+TIS (--correction tis, R3's comparison): the trainer routes freely and each token's clipped surrogate is weighted by
+w_t = min(pi_old(y_t) / mu(y_t), C), C = --sampler-is-cap                          truncated_is_weight, grpo_loss
+The rest is GRPO (group advantage, PPO-clip, aggregation), copied unchanged from algos/grpo.py.
+Diagnostics (mismatch_metrics, route_disagreement; on the rollout's response tokens, pi_old scored before any
+update): train-inference KL(mu || pi_old) by the k3 estimator mean(r - 1 - log r), r = pi_old / mu; the variance
+of r (the importance-ratio variance); mean |log r|; routing disagreement, the share of (token, layer) pairs whose
+rollout expert set differs from the trainer router's own top-k before the update (routing/disagree) and at the
+last optimiser step of the batch (routing/stale: how stale the replayed routes are by then).
+
+Deviations:
+- R3 records routes inside the inference engine (SGLang / vLLM); here the engine is a Hugging Face copy of the
+  policy (common.generate with the dynamic cache), so --engine vllm is not offered. The rollout's own mismatch is
+  bf16 numerics plus injected router noise, not a real engine's kernels.
+- PR2's predictor architecture and objective are not given in its abstract: here P_l is one linear layer per router
+  on the router input, fitted by least squares (--pr2-iters Adam steps per rollout batch) to the change of router
+  logits over one rollout batch's updates (its target needs one more no-grad forward of --pr2-rows sequences
+  before and after the update). The predictor is not saved in the checkpoint.
+- The load-balancing loss counts f_e on the routes used (the replayed ones under R3 / PR2) and averages the
+  per-layer losses (transformers' load_balancing_loss_func pools the counts over layers first).
+- pi_ref (when --kl-coef > 0) is scored on the same routes as pi_theta.
+- Single process: accelerate launch and FSDP2 are not wired here (the route buffers are per process).
+- Default --minibatches 4 (four optimiser steps per rollout batch, as gspo.py), so routes can go stale within a
+  batch; grpo.py's default is one on-policy step.
+
+Commands:
+  python algos/moe_routing_replay.py                                 # tiny-moe, bf16 + noisy routers, R3
+  python algos/moe_routing_replay.py --replay none                   # the mismatch left alone
+  python algos/moe_routing_replay.py --replay pr2                    # predictive routing replay
+  python algos/moe_routing_replay.py --replay none --correction tis  # truncated importance sampling instead
+  python algos/moe_routing_replay.py --rollout-dtype fp32 --router-noise 0   # no mismatch: R3 is exact
+  python algos/moe_routing_replay.py --model Qwen/Qwen3-30B-A3B --task gsm8k --device cuda --max-new-tokens 512 \
+      --lr 1e-6 --micro-batch-size 8                                 # a real MoE checkpoint (unverified here)
+Expected: EXPECTED_PLACEHOLDER
+"""
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    # bookkeeping
+    exp_name: str = "moe_routing_replay"
+    """name of the run (the output folder is out_dir/exp_name)"""
+    seed: int = 0
+    """random seed: prompts and sampling of step s depend only on (seed, s), which makes resume exact"""
+    track: bool = False
+    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
+    out_dir: str = "runs"
+    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
+    # model and task
+    model: str = "tiny-moe"
+    """a mixture-of-experts causal LM: tiny-moe (shipped), a Hugging Face id or a local path (Qwen3-MoE, Mixtral...)"""
+    task: str = "add"
+    """add, addsteps, jsonl:PATH (prompt/answer records) or gsm8k"""
+    digits: int = 2
+    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
+    device: str = "auto"
+    """auto (CUDA if present), cpu or cuda"""
+    threads: int = 1
+    """torch CPU threads"""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """trainer compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+    # rollout engine and its mismatch
+    rollout_dtype: Literal["bf16", "fp32"] = "bf16"
+    """precision of the rollout engine's copy of the policy (bf16: the whole copy; fp32: the trainer's numerics)"""
+    router_noise: float = 0.5
+    """std of the Gaussian noise added to every router logit in the rollout engine (0 = none)"""
+    prompts_per_step: int = 32
+    """distinct prompts per rollout batch"""
+    group_size: int = 8
+    """completions per prompt (G)"""
+    max_new_tokens: int = 8
+    """generation budget per completion"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer scores with the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    # routing replay and corrections
+    replay: Literal["none", "r3", "pr2"] = "r3"
+    """none: the trainer routes by its own router; r3: it replays the rollout's routes; pr2: the rollout routes by
+    the predicted router, the trainer replays those routes"""
+    correction: Literal["none", "tis"] = "none"
+    """tis: weight each token's surrogate by min(pi_old / mu, --sampler-is-cap) (truncated importance sampling)"""
+    sampler_is_cap: float = 2.0
+    """cap C of the truncated importance weight of --correction tis"""
+    aux_coef: float = 0.01
+    """weight of the load-balancing loss (tiny-moe was trained with 0.01)"""
+    pr2_scale: float = 1.0
+    """PR2: the predicted router change added to the rollout's router logits is scaled by this"""
+    pr2_lr: float = 1e-3
+    """PR2: Adam learning rate of the evolution predictors"""
+    pr2_iters: int = 20
+    """PR2: predictor fitting steps after each rollout batch"""
+    pr2_rows: int = 64
+    """PR2: sequences of each rollout batch whose router change is measured (two extra no-grad forwards)"""
+    # objective
+    adv_std_norm: bool = True
+    """divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
+    clip_eps_low: float = 0.2
+    """lower clip range: ratio >= 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """upper clip range: ratio <= 1 + eps_high (DAPO's clip-higher uses 0.28)"""
+    kl_coef: float = 0.0
+    """weight of the k3 KL to the frozen initial policy (0 = no reference model)"""
+    loss_agg: Literal["seq-mean", "token-mean", "const"] = "seq-mean"
+    """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
+    agg_const: int = 0
+    """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    # optimisation
+    steps: int = 100
+    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
+    ppo_epochs: int = 1
+    """passes over each rollout batch"""
+    minibatches: int = 4
+    """optimiser steps per pass; the rollout batch is split into this many"""
+    micro_batch_size: int = 256
+    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
+    lr: float = 3e-4
+    """peak learning rate (AdamW)"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
+    warmup_steps: int = 0
+    """linear warm-up (optimiser steps)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    grad_checkpointing: bool = False
+    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all"""
+    # eval and checkpoints
+    eval_every: int = 10
+    """rollout batches between held-out evaluations"""
+    eval_examples: int = 500
+    """held-out prompts for greedy accuracy"""
+    pass_k: int = 8
+    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
+    eval_hard: bool = True
+    """also evaluate one digit harder than training (out of distribution)"""
+    save_every: int = 0
+    """rollout batches between checkpoints (0 = only at the end)"""
+    resume: str = ""
+    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run; the PR2 predictors restart)"""
+
+
+def check_args(args: Args) -> None:
+    """Fail early, naming the flag, instead of deep inside torch."""
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size must be at least 2 for a group baseline, got {args.group_size}")
+    if args.prompts_per_step < 1 or args.steps < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--prompts-per-step, --steps and --max-new-tokens must be positive")
+    batch = args.prompts_per_step * args.group_size
+    if batch % args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} must divide the rollout batch "
+                         f"(prompts_per_step * group_size = {batch})")
+    if args.micro_batch_size < 1:
+        raise SystemExit("--micro-batch-size must be positive")
+    if not (0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0):
+        raise SystemExit("clip ranges need 0 <= eps_low < 1 and eps_high >= 0")
+    if args.temperature <= 0:
+        raise SystemExit("--temperature must be > 0 (greedy decoding is used for eval only)")
+    if args.router_noise < 0 or args.aux_coef < 0:
+        raise SystemExit("--router-noise and --aux-coef must be >= 0")
+    if args.correction == "tis" and args.sampler_is_cap <= 0:
+        raise SystemExit("--correction tis needs --sampler-is-cap > 0")
+    if args.replay == "pr2" and (args.pr2_rows < 1 or args.pr2_iters < 1):
+        raise SystemExit("--replay pr2 needs --pr2-rows and --pr2-iters >= 1")
+
+
+# ---- the idea (GRPO's equations, unchanged) ----
+def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True, eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std_g r + eps); rewards [B] group-major -> advantages [B]."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(1, keepdim=True)
+    if std_norm:
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def clipped_pg_loss(logp, old_logp, adv, eps_low: float, eps_high: float):
+    """Per-token PPO-clip loss -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); logp [B, C], adv [B].
+
+    Returns (loss [B, C], clipped [B, C] as float: where the clipped branch was the active one).
+    """
+    ratio = torch.exp(logp - old_logp)
+    a = adv.unsqueeze(1)
+    unclipped, clipped = ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def k3_kl(logp, ref_logp):
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, const: int):
+    """This micro-batch's share of the step loss; summing the shares over micro-batches gives J.
+
+    token_loss, mask: [b, C]; n_seqs, n_tokens: counted over the whole optimiser step (all ranks).
+    """
+    per_seq_sum = (token_loss * mask).sum(1)
+    if mode == "seq-mean":
+        return (per_seq_sum / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if mode == "token-mean":
+        return per_seq_sum.sum() / max(n_tokens, 1)
+    if mode == "const":
+        return per_seq_sum.sum() / (n_seqs * const)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def agg_const(args: Args) -> int:
+    """The constant k of --loss-agg const (default: the generation budget, as Dr. GRPO)."""
+    return args.agg_const or args.max_new_tokens
+
+
+def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """This micro-batch's share of J: clipped surrogate + kl_coef * k3 KL, aggregated over the step.
+
+    logp [b, C] (with grad); mb holds old, ref (or None), adv [b], mask [b, C]. Returns (loss, per-token stats).
+    """
+    tok_loss, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    if mb.get("is_weight") is not None:  # the sampler is not the trainer: truncated importance weight per token
+        tok_loss = tok_loss * mb["is_weight"]
+    stats = {"clipfrac": clipped}
+    if mb["ref"] is not None:
+        kl = k3_kl(logp, mb["ref"])
+        tok_loss, stats["kl"] = tok_loss + args.kl_coef * kl, kl
+    return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
+
+
+def truncated_is_weight(old_logp, sampler_logp, cap: float):
+    """w_t = min(pi_old(o_t) / pi_sampler(o_t), C): corrects the update for samples drawn by another computation
+    than the trainer's (truncated importance sampling, as verl's rollout correction); no gradient."""
+    return torch.exp(old_logp - sampler_logp).clamp(max=cap).detach()
+
+
+# ---- the idea: routes recorded, perturbed, replayed and predicted ----
+def find_routers(model) -> list:
+    """The top-k routers of a transformers mixture-of-experts model, in layer order: modules of a class named
+    *TopKRouter (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) whose forward maps h [N, H] to (logits [N, E], gate
+    weights [N, k], expert ids [N, k])."""
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    if not routers:
+        raise SystemExit(f"{type(model).__name__} has no *TopKRouter modules: --model must be a mixture-of-experts "
+                         "model of transformers (tiny-moe, Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE)")
+    return routers
+
+
+def gate_weights(logits, ids, normalise: bool):
+    """R3's replayed gate: g_i = softmax(s)_i for i in the given expert set (renormalised over the set when the router
+    normalises its top-k), from this forward's logits s; gradient reaches s, none reaches the ids. [N, E], [N, k]."""
+    g = torch.softmax(logits, -1, dtype=torch.float).gather(-1, ids)
+    if normalise:
+        g = g / g.sum(-1, keepdim=True)
+    return g.to(logits.dtype)
+
+
+def load_balancing_loss(logits, ids, mask, n_experts: int):
+    """Switch Transformer's auxiliary loss for one layer, E sum_e f_e P_e on the rows where mask is 1: f_e = routed
+    slots sent to e per token (no gradient), P_e = mean router probability of e (gradient). [N, E], [N, k], [N]."""
+    m = mask.reshape(-1).to(torch.float32)
+    f = torch.zeros(n_experts, device=logits.device).scatter_add(0, ids.reshape(-1),
+                                                                   m.repeat_interleave(ids.shape[-1]))
+    p = torch.softmax(logits, -1, dtype=torch.float)
+    return n_experts * ((f / m.sum().clamp(min=1)) * ((p * m[:, None]).sum(0) / m.sum().clamp(min=1))).sum()
+
+
+class Routing:
+    """Forward hooks on every router of one model. Each call: the router's own forward runs; the ids become
+    top-k(s + c P_l(h) + noise) when the predictor or the noise is on (else the router's own), then the replayed ids
+    where `replay` holds a record (>= 0); gate weights are recomputed over the final ids unless they are the router's
+    own. `record` collects the ids of every call (the rollout engine); `keep` keeps the last call's logits, ids, own
+    ids and inputs per layer (aux loss, disagreement, PR2's targets)."""
+
+    def __init__(self, model, noise: float = 0.0, predictors=None, pr2_scale: float = 1.0):
+        self.routers = find_routers(model)
+        self.k, self.n_experts = self.routers[0].top_k, self.routers[0].weight.shape[0]
+        self.normalise = getattr(self.routers[0], "norm_topk_prob", True)  # Mixtral always renormalises
+        self.noise, self.predictors, self.pr2_scale = noise, predictors, pr2_scale
+        self.replay, self.mask, self.recorded, self.rows, self.keep = None, None, None, 0, False
+        self.kept = [None] * len(self.routers)
+        for layer, router in enumerate(self.routers):
+            router.register_forward_hook(partial(self._hook, layer))
+
+    def _hook(self, layer, module, inputs, output):
+        logits, _, own = output
+        h = inputs[0].reshape(logits.shape[0], -1)
+        ids = own
+        if self.noise > 0 or self.predictors is not None:
+            s = logits.detach().float()
+            if self.predictors is not None:
+                s = s + self.pr2_scale * self.predictors[layer](h.detach().float())
+            if self.noise > 0:
+                s = s + self.noise * torch.randn_like(s)
+            ids = s.topk(self.k, -1).indices
+        if self.replay is not None:
+            rec = self.replay[layer].reshape(-1, self.k).to(ids.device)
+            ids = torch.where(rec >= 0, rec, ids)
+        if self.recorded is not None:
+            self.recorded[layer].append(ids.reshape(self.rows, -1, self.k))
+        if self.keep:
+            self.kept[layer] = (logits, ids, own, h.detach())
+        return output if ids is own else (logits, gate_weights(logits, ids, self.normalise), ids)
+
+    def set(self, replay=None, mask=None, keep: bool = False):
+        """Routes to replay ([L, b, T, k], -1 = free) and the real-token mask [b, T] of the next forward."""
+        self.replay, self.mask, self.keep = replay, mask, keep
+
+    def aux_loss(self):
+        """The load-balancing loss of the last kept forward, averaged over layers."""
+        return torch.stack([load_balancing_loss(lg, ids, self.mask, self.n_experts)
+                            for lg, ids, _, _ in self.kept]).mean()
+
+
+class MoERolloutEngine:
+    """The inference engine: a copy of the policy at rollout precision whose routers add noise (and, with PR2, the
+    predicted router change) and record the expert ids of every token they route."""
+
+    def __init__(self, model, dtype: str, noise: float, predictors=None, pr2_scale: float = 1.0):
+        self.model = copy.deepcopy(model).to(torch.bfloat16 if dtype == "bf16" else torch.float32).eval()
+        self.model.requires_grad_(False)
+        self.model.amp_dtype = None  # the copy's own dtype is its precision: no autocast
+        self.routing = Routing(self.model, noise, predictors, pr2_scale)
+
+    def generate(self, policy, tok, prompts, group_size, max_new_tokens, temperature, top_p):
+        """Sample with the engine's copy refreshed from the policy; returns (Rollout, routes [L, B, P + C, k]) with the
+        route of every position the engine fed (prompt and response; the last response token, never fed, gets -1)."""
+        torch._foreach_copy_(list(self.model.parameters()), list(policy.parameters()))
+        r = self.routing
+        r.rows, r.recorded = len(prompts) * group_size, [[] for _ in r.routers]
+        try:
+            ro = common.generate(self.model, tok, prompts, group_size, max_new_tokens, temperature, top_p, fast=False)
+        finally:
+            recorded, r.recorded = r.recorded, None
+        width = ro.prompt_ids.shape[1] + ro.completion_ids.shape[1]
+        routes = torch.stack([torch.cat(calls, 1) for calls in recorded])[:, :, :width]
+        return ro, torch.nn.functional.pad(routes, (0, 0, 0, width - routes.shape[2]), value=-1)
+
+
+def mismatch_metrics(old, mu, mask) -> dict:
+    """Train-inference mismatch on the sampled response tokens, r = pi_old / mu: KL(mu || pi_old) by the k3 estimator
+    E_mu[r - 1 - log r], the variance of r, mean and max |log r|."""
+    log_r = (old - mu) * mask
+    r = torch.exp(log_r)
+    mean_r = common.masked_mean(r, mask)
+    return {"mismatch/kl_k3": common.masked_mean(r - 1 - log_r, mask).item(),
+            "mismatch/ratio_var": common.masked_mean((r - mean_r) ** 2, mask).item(),
+            "mismatch/logratio_abs": common.masked_mean(log_r.abs(), mask).item(),
+            "mismatch/logratio_max": log_r.abs().max().item()}
+
+
+def route_disagreement(kept, routes, mask) -> tuple[float, float]:
+    """(number, count) of (token, layer) pairs, over the positions where mask is 1, whose expert set in `routes`
+    [L, b, T, k] differs from the trainer router's own top-k of the kept forward."""
+    own = torch.stack([o.reshape(routes.shape[1:]) for _, _, o, _ in kept])
+    diff = (own.sort(-1).values != routes.sort(-1).values).any(-1).float()
+    return float((diff * mask).sum()), float(mask.sum()) * len(kept)
+
+
+def fit_predictors(predictors, opt, h, delta, iters: int) -> tuple[float, float]:
+    """PR2's evolution predictors: min over P_l of sum_l mean ||P_l(h_l) - delta_l||^2, h_l [N, H] the router inputs
+    before the batch's updates, delta_l [N, E] the router-logit change they caused. Returns the loss before fitting
+    (the forecast the rollout used, out of sample) and after."""
+    losses = []
+    for _ in range(iters + 1):
+        opt.zero_grad(set_to_none=True)
+        loss = sum(((p(x) - d) ** 2).mean() for p, x, d in zip(predictors, h, delta))
+        losses.append(loss.item())
+        if len(losses) <= iters:
+            loss.backward()
+            opt.step()
+    return losses[0], losses[-1]
+
+
+# ---- rollout and update ----
+def scored(model, routing: Routing, batch: dict, idx, args: Args, with_entropy: bool = False, keep: bool = False):
+    """token_logprobs of rows idx, the routers replaying the rollout's routes under --replay r3 / pr2."""
+    replay = batch["routes"][:, idx] if args.replay != "none" else None
+    routing.set(replay, torch.cat([batch["prompt_mask"][idx], batch["completion_mask"][idx]], 1), keep)
+    try:
+        return common.token_logprobs(model, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
+                                     batch["completion_ids"][idx], batch["completion_mask"][idx], args.temperature,
+                                     with_entropy=with_entropy)
+    finally:
+        routing.replay = None  # evaluation routes freely; the mask and the kept tensors stay for the caller
+
+
+def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
+    """Sample G completions for each of prompts_per_step training prompts with the rollout engine (routes recorded);
+    reward them; A_i per group."""
+    examples = task.sample("train", args.prompts_per_step, rng)
+    ro, routes = engine.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]),
+                                 args.group_size, args.max_new_tokens, args.temperature, args.top_p)
+    answers = [e.answer for e in examples for _ in range(args.group_size)]
+    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
+    batch = {k: getattr(ro, k).to(device) for k in
+             ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
+    P, C = batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1]
+    scoring = torch.zeros(len(rewards), P + C, device=device)  # the positions whose state predicts a response token
+    scoring[:, P - 1:P + C - 1] = batch["completion_mask"].float()
+    batch.update(rewards=rewards, adv=group_advantages(rewards, args.group_size, args.adv_std_norm),
+                 finish_reasons=ro.finish_reasons, routes=routes.to(device), scoring=scoring)
+    return batch
+
+
+def lr_factor(step: int, total: int, args: Args) -> float:
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return 1.0
+    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
+    """NaN guard, clip, scheduled lr, step; returns the gradient norm. With several processes FSDP2 has already
+    summed the gradients over ranks (the loss used step-global normalisers) and the norm is the global one; the
+    full sampler copy of a sharded model is gathered again after the step."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
+    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
+        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
+                         "intact. Lower --lr or check the rewards.")
+    for group in opt.param_groups:
+        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
+    opt.step()
+    common.sync_sampler(model)
+    return grad_norm
+
+
+def update(model, opt, batch: dict, routing: Routing, args: Args, step: int, accel, ref_model=None) -> dict:
+    """GRPO's update (ppo_epochs x minibatches optimiser steps, micro-batches accumulating gradients) with every forward
+    under `routing` (the rollout's routes replayed under r3 / pr2), the load-balancing loss added, TIS weights under
+    --correction tis, and the mismatch diagnostics measured on pi_old before any update."""
+    B = batch["completion_ids"].shape[0]
+    micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
+    on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
+    disagree = [0.0, 0.0]
+    with torch.no_grad():  # pi_old on the routes of this arm, and the trainer router's own choice beside them
+        olds = []
+        for i in micro(torch.arange(B)):
+            olds.append(scored(model, routing, batch, i, args, keep=True))
+            n, c = route_disagreement(routing.kept, batch["routes"][:, i], batch["scoring"][i])
+            disagree = [disagree[0] + n, disagree[1] + c]
+        old = torch.cat(olds)
+        ref = torch.cat([scored(ref_model, ref_model.routing, batch, i, args) for i in micro(torch.arange(B))]) \
+            if ref_model else None
+    stats = {"pg": 0.0, "aux": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    stale, n_opt, last = [0.0, 0.0], 0, args.ppo_epochs * args.minibatches - 1
+    for _ in range(args.ppo_epochs):
+        for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
+            n_seqs, n_tokens = len(mb_idx), int(batch["completion_mask"][mb_idx].sum())
+            opt.zero_grad(set_to_none=True)
+            for idx in micro(mb_idx):
+                logp, ent = scored(model, routing, batch, idx, args, with_entropy=True, keep=True)
+                aux = routing.aux_loss()
+                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
+                      "old": logp.detach() if on_policy else old[idx], "ref": None if ref is None else ref[idx]}
+                mb["is_weight"] = truncated_is_weight(old[idx], batch["logprobs"][idx], args.sampler_is_cap) \
+                    if args.correction == "tis" else None
+                loss, token_stats = grpo_loss(logp, mb, n_seqs, n_tokens, args)
+                (loss + args.aux_coef * aux * len(idx) / n_seqs).backward()
+                stats["pg"] += loss.item()
+                stats["aux"] += aux.item() * len(idx) / n_seqs
+                for k, v in {**token_stats, "entropy": ent}.items():
+                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
+                if n_opt == last:  # how stale the rollout's routes are at the batch's last optimiser step
+                    n, c = route_disagreement(routing.kept, batch["routes"][:, idx], batch["scoring"][idx])
+                    stale = [stale[0] + n, stale[1] + c]
+            routing.set()
+            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
+            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+            n_opt += 1
+    mask = batch["completion_mask"].float()
+    return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, **mismatch_metrics(old, batch["logprobs"], mask),
+            "rollout/logprob_mismatch": common.masked_mean((old - batch["logprobs"]).abs(), mask).item(),
+            "routing/disagree": disagree[0] / max(disagree[1], 1), "routing/stale": stale[0] / max(stale[1], 1)}
+
+
+def router_snapshot(model, routing: Routing, batch: dict, rows, args: Args) -> tuple[list, list]:
+    """Per layer, the router inputs h [N, H] and logits s [N, E] of the real tokens of `rows` (no gradient)."""
+    with torch.no_grad():
+        scored(model, routing, batch, rows, args, keep=True)
+    m = routing.mask.reshape(-1).bool()
+    routing.set()
+    return [h[m].float() for _, _, _, h in routing.kept], [lg[m].float() for lg, _, _, _ in routing.kept]
+
+
+# ---- main ----
+def main(args: Args) -> dict:
+    check_args(args)
+    from accelerate import Accelerator
+
+    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
+    if accel.num_processes > 1:
+        raise SystemExit("moe_routing_replay.py runs in one process (its route buffers are per process)")
+    torch.set_num_threads(args.threads)
+    common.set_seed(args.seed)
+    task = common.make_task(args.task, args.digits)
+    hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    model, tok = common.load_model(args.model, accel.device, args.dtype)
+    model.train()
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    n_layers, hidden = len(find_routers(model)), find_routers(model)[0].weight.shape
+    predictors = None
+    if args.replay == "pr2":  # one zero-initialised linear predictor per router: PR2 starts as R3
+        predictors = torch.nn.ModuleList(torch.nn.Linear(hidden[1], hidden[0]) for _ in range(n_layers))
+        predictors.to(accel.device).requires_grad_(True)
+        for p in predictors.parameters():
+            torch.nn.init.zeros_(p)
+        pred_opt = torch.optim.Adam(predictors.parameters(), lr=args.pr2_lr)
+    engine = MoERolloutEngine(model, args.rollout_dtype, args.router_noise, predictors, args.pr2_scale)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    if ref_model is not None:
+        ref_model.routing = Routing(ref_model)
+    routing = Routing(model)  # after the copies: their hooks are their own
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    run_dir = Path(args.out_dir) / args.exp_name
+    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
+    start_step, history = state.get("step", 0), state.get("history", [])
+    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name)
+    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
+    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task)
+
+    def log(metrics: dict, step: int):
+        history.append({"step": step, **metrics})
+        tracker.log(metrics, step)
+
+    if start_step == 0:
+        log(evaluate(), 0)
+    bar = tqdm(range(start_step + 1, args.steps + 1), desc="moe-replay", dynamic_ncols=True, initial=start_step,
+               total=args.steps)
+    for step in bar:
+        # Every random draw of this step depends on (seed, step) only: resuming is exact.
+        torch.manual_seed(hash((args.seed, step, 0)) % 2**31)
+        rng = np.random.default_rng([args.seed, step, 0])
+        with timer("gen"):
+            batch = rollout(model, tok, task, args, rng, accel.device, engine)
+        rows = torch.arange(min(args.pr2_rows, len(batch["rewards"])))
+        before = router_snapshot(model, routing, batch, rows, args) if predictors is not None else None
+        with timer("train"):
+            stats = update(model, opt, batch, routing, args, step, accel, ref_model)
+        if predictors is not None:
+            with timer("pr2"):
+                after = router_snapshot(model, routing, batch, rows, args)
+                delta = [a - b for a, b in zip(after[1], before[1])]
+                forecast, fitted = fit_predictors(predictors, pred_opt, before[0], delta, args.pr2_iters)
+                change = sum((d ** 2).mean().item() for d in delta)  # the error of R3's forecast: no change
+                stats.update({"pr2/forecast_mse": forecast, "pr2/fitted_mse": fitted, "pr2/change_ms": change,
+                              "pr2/explained": 1 - forecast / max(change, 1e-12)})
+        t = timer.pop()
+        gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
+        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
+                                            args.group_size, t["gen"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
+                   **{f"perf/{k}_s": v for k, v in t.items()}}
+        if step % args.eval_every == 0 or step == args.steps:
+            metrics.update(evaluate())
+        log(metrics, step)
+        bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", kl=f"{metrics['mismatch/kl_k3']:.1e}",
+                        acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
+        if args.save_every and step % args.save_every == 0 or step == args.steps:
+            common.save_checkpoint(run_dir / "checkpoint", model, tok, opt,
+                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
+                                    "gen_tokens": gen_tokens, "gen_time": gen_time})
+    summary = common.summarize(history, gen_tokens, gen_time, time.time() - t_start)
+    train = [h for h in history if "mismatch/kl_k3" in h]
+    for key in ("mismatch/kl_k3", "mismatch/ratio_var", "mismatch/logratio_abs", "routing/disagree", "routing/stale"):
+        summary[key.split("/")[1]] = float(np.mean([h[key] for h in train]))
+    print(f"train-inference KL {summary['kl_k3']:.2e}, ratio variance {summary['ratio_var']:.2e}, routes: "
+          f"{100 * summary['disagree']:.1f}% differ from the trainer's, {100 * summary['stale']:.1f}% at the last step")
+    common.save_curve(history, run_dir / "curve.png", f"MoE routing replay ({args.replay}) on {task.name}")
+    return tracker.finish(summary)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
