@@ -62,7 +62,9 @@ Commands:
   python algos/moe_routing_replay.py --rollout-dtype fp32 --router-noise 0   # no mismatch: R3 is exact
   python algos/moe_routing_replay.py --model Qwen/Qwen3-30B-A3B --task gsm8k --device cuda --max-new-tokens 512 \
       --lr 1e-6 --micro-batch-size 8                                 # a real MoE checkpoint (unverified here)
-Expected: EXPECTED_PLACEHOLDER
+Expected: the default (R3) lifts held-out greedy accuracy on 2-digit addition from 45.4% by 10+ points in about
+2 minutes on one CPU thread, with a train-inference KL per token about 100x lower than without replay; the 3-seed
+comparison of all arms is benchmarks/results/moe_routing_replay.md (benchmarks/moe_routing_replay_table.py).
 """
 from __future__ import annotations
 
