@@ -214,8 +214,9 @@ def decoder_activation_bytes(s: Shape, M: int, L: int, bf16: bool, ckpt: bool, a
     per_layer = layer_saved_bytes(s, L, bf16, attn) * T
     if ckpt:
         saved = (s.layers * 4 * s.hidden + model_saved_bytes(s, bf16) + L) * T
+        recomputed = per_layer - 4 * s.hidden * T  # its input is the checkpoint's saved input, counted above
         return {"saved": saved, "fwd_extra": per_layer,
-                "bwd_extra": per_layer + layer_backward_bytes(s, L, bf16, attn) * T}
+                "bwd_extra": recomputed + layer_backward_bytes(s, L, bf16, attn) * T}
     saved = s.layers * per_layer + model_saved_bytes(s, bf16) * T
     return {"saved": saved, "fwd_extra": 0.0, "bwd_extra": layer_backward_bytes(s, L, bf16, attn) * T}
 
@@ -243,8 +244,8 @@ def plan(s: Shape, u: Setup) -> dict:
     """Per-GPU bytes of each term and each phase of one steady-state GRPO step; 'peak' is the largest phase."""
     shapes, N = param_shapes(s), u.gpus
     P, P_local = n_params(s), sum(shard_numel(p, N) for p in shapes)
-    lin = sum(numel(p) for p in layer_param_shapes(s)) * s.layers + s.vocab * s.hidden  # autocast-cast weights
     layer = sum(numel(p) for p in layer_param_shapes(s))
+    lin = layer - 2 * s.hidden  # what autocast casts for a layer: its linear weights and biases, not the norms
     root = P - layer * s.layers
     kv_bytes, a = (2, 2) if u.bf16 else (4, 4)
     t = {"weights": 4 * P_local, "grads": 4 * P_local, "adamw": adamw_state_bytes(s, N, with_step=False),
@@ -275,10 +276,15 @@ def plan(s: Shape, u: Setup) -> dict:
     else:
         chunk, bufs_bwd = min(max(1, int(u.chunk_mb * 2 ** 20) // (4 * s.vocab)), Tc) * 4 * s.vocab, 4
         keep = Tc * 4 * s.hidden
-    head_grad = (8 if u.bf16 else 4) * s.vocab * s.hidden
     casts = u.bf16 and (N == 1 or u.fsdp_gather == "fp32")  # autocast caches bf16 casts of fp32 weights
-    casts_fwd = 2 * lin if casts else 0
-    casts_bwd = (2 * (layer + s.vocab * s.hidden) if u.ckpt else 2 * lin) if casts else 0
+    Vh = s.vocab * s.hidden
+    # the lm_head's weight in the log-prob chunks: its bf16 cast (cached through the forward's chunk loop), and per
+    # chunk in the backward the cast, its bf16 gradient and the fp32 copy added to .grad (fp32: the fp32 gradient;
+    # gathered in bf16 by FSDP2: its bf16 gradient, the unsharded accumulation being counted with FSDP2's buffers)
+    head_fwd = 2 * Vh if casts else 0
+    head_grad = 8 * Vh if casts else (2 if u.bf16 else 4) * Vh
+    casts_fwd = 2 * lin * s.layers if casts else 0
+    casts_bwd = (2 * lin if u.ckpt else 2 * lin * s.layers) if casts else 0
     if N > 1:
         g = 4 if u.fsdp_gather == "fp32" else 2
         fsdp_fwd = g * (root + 2 * layer)
@@ -293,8 +299,9 @@ def plan(s: Shape, u: Setup) -> dict:
     t["autocast_weights"] = casts_bwd
     t["autocast_weights_fwd"] = casts_fwd
     t["fsdp_gathered"] = fsdp_bwd
-    fwd = persistent + act["saved"] + keep + casts_fwd + fsdp_fwd + max(act["fwd_extra"], 3 * chunk)
-    bwd = persistent + act["saved"] + keep + casts_bwd + fsdp_bwd + max(act["bwd_extra"], bufs_bwd * chunk + head_grad)
+    fwd = persistent + act["saved"] + keep + casts_fwd + fsdp_fwd + max(act["fwd_extra"], head_fwd + 3 * chunk)
+    bwd = persistent + act["saved"] + keep + casts_bwd + fsdp_bwd + max(act["bwd_extra"],
+                                                                          bufs_bwd * chunk + head_grad)
     training = max(fwd, bwd)
     t["train_extra"] = training - persistent  # what one micro-batch's forward + backward adds to the persistent
     optimiser = persistent + 4 * P_local

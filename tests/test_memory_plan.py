@@ -141,11 +141,14 @@ def allocator_peak(fn) -> int:
 FACTOR = 1.25
 
 
-@pytest.mark.parametrize("attn,ckpt", [("sdpa", False), ("sdpa", True), ("eager", False)])
-def test_activation_peak_within_a_factor_of_the_cpu_allocator(attn, ckpt):
-    """One micro-batch of the training forward + backward through common.token_logprobs (fp32, the CPU path), with
-    gradients already allocated (as at a steady-state step): the allocator's peak against the plan's."""
+@pytest.mark.parametrize("attn,ckpt,bf16", [("sdpa", False, False), ("sdpa", True, False), ("eager", False, False),
+                                            ("sdpa", False, True), ("sdpa", True, True)])
+def test_activation_peak_within_a_factor_of_the_cpu_allocator(attn, ckpt, bf16):
+    """One micro-batch of the training forward + backward through common.token_logprobs, with gradients already
+    allocated (as at a steady-state step): the allocator's peak against the plan's. fp32 is the CPU path; bf16 runs
+    CPU autocast, which casts and caches like CUDA's (the GPU path), so the weight-cast terms are measured too."""
     model, shape = tiny_model("llama", attn, vocab_size=4096)
+    model.amp_dtype = torch.bfloat16 if bf16 else None  # what common.load_model sets: common.autocast reads it
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     M, P, C, chunk_mb = 8, 24, 72, 0.25  # 16 positions per chunk of fp32 logits: 36 chunks
@@ -163,7 +166,7 @@ def test_activation_peak_within_a_factor_of_the_cpu_allocator(attn, ckpt):
 
     step()  # gradients exist from here on, as between two steps of a run
     measured = allocator_peak(step)
-    setup = mp.Setup(gpus=1, micro=M, prompt=P, new=C, ckpt=ckpt, bf16=False, attn=attn, chunk_mb=chunk_mb,
+    setup = mp.Setup(gpus=1, micro=M, prompt=P, new=C, ckpt=ckpt, bf16=bf16, attn=attn, chunk_mb=chunk_mb,
                      logprob_path="recompute" if recompute else "legacy")
     planned = mp.plan(shape, setup)["train_extra"]
     assert measured / FACTOR <= planned <= measured * FACTOR, (planned, measured)
