@@ -47,7 +47,8 @@ tensor hooks of a real layer, tests/test_memory_plan.py checks the total to the 
   + 8       the two rsqrt(var + eps), fp32
   attention SDPA (memory-efficient kernel with a mask, CPU flash kernel): + 4 nq (fp32 log-sum-exp) + a L (the
             boolean mask converted to an additive bias in the query dtype, per call, saved as attn_bias)
-            eager: + 4 nq L (fp32 softmax) + a nq L (its bf16 cast saved by the PV matmul; not in fp32): quadratic.
+            eager, instead of those two: + 4 nq L (the fp32 softmax) + a nq L (its bf16 cast, saved by the PV
+            matmul; absent in fp32): quadratic in the length.
   Per token, once for the model: cos and sin (2 r d), the final norm's input and normalised copy (2 r h + 4), the
   input ids (8), and the completion positions' hidden states kept for the chunked log-prob (r h per new token).
   Under autocast with SDPA a layer saves 26 h + 8 q + 8 I + 4 nq + 2 L + 8 bytes per token: for Qwen2.5-7B at
@@ -59,7 +60,10 @@ The backward's transient: while a layer is differentiated, the gradients alive b
 one intermediate-wide activation gradient (each MLP node frees its saved input as it makes the gradient that
 replaces it) and two fp32 residual gradients, (a I + 2 r h) T; eager attention holds the gradients of the softmax's
 output and input, 2 (4 + a) nq L + 2 r h per token (a only under autocast), if larger. With checkpointing, the
-recomputed layer's saved tensors come on top.
+recomputed layer's saved tensors (less its input, already kept) come on top.
+Measured on CPU (tests/test_memory_plan.py, a 4-layer Llama, 8 x 96 tokens): the plan's forward + backward peak is
+0.92-1.16x the allocator's, fp32 and bf16 autocast, SDPA and eager, with and without checkpointing; the test allows
+1.25x either way.
 Weights under autocast: autocast caches the bf16 cast of every fp32 weight for the whole `with autocast` block and
 the matmuls save it for the backward, so without checkpointing a bf16 copy of every linear weight (2 bytes per
 parameter, never sharded: FSDP2 all-gathers fp32 and autocast casts the gathered weight) is alive from the forward
@@ -77,6 +81,10 @@ accumulated into .grad (8 V h bytes), in fp32 the fp32 gradient (4 V h). Setup(l
 the previous path (4096 positions per chunk, every chunk's graph kept: 4 V + a h bytes saved per new token, and 3
 chunk-sized buffers in the backward, which recomputes nothing), which is what benchmarks/bench_gpu_step.py measured
 on the H200; the plan is checked against those peaks below the table.
+
+Result (benchmarks/results/memory_plan.md): Qwen2.5-7B at 512 new tokens fits on 8 GPUs of 80 GB with checkpointing
+(micro-batch up to 53, peak 60.0 GiB at 32) or without (micro-batch 2), with the pass@k eval off: its one generate
+call of 800 sequences needs 27 GiB of KV cache and 15 GiB of prefill at 7B.
 
 Deviations, assumptions: the KV cache and logits of vLLM are not modelled (--engine hf); prompts are all of the
 stated length and every completion runs to the budget (the worst case); allocator fragmentation, the CUDA context,
@@ -134,7 +142,8 @@ class Shape:
                    layers=cfg["num_hidden_layers"], heads=nq, kv_heads=cfg.get("num_key_value_heads", nq),
                    head_dim=cfg.get("head_dim") or h // nq, tied=bool(cfg.get("tie_word_embeddings", False)),
                    qkv_bias=kind == "qwen2", attn_bias=kind == "llama" and bool(cfg.get("attention_bias")),
-                   mlp_bias=kind == "llama" and bool(cfg.get("mlp_bias")), max_pos=cfg.get("max_position_embeddings", 0))
+                   mlp_bias=kind == "llama" and bool(cfg.get("mlp_bias")),
+                   max_pos=cfg.get("max_position_embeddings", 0))
 
     @classmethod
     def load(cls, path: str | Path) -> "Shape":
@@ -412,7 +421,8 @@ def render(rs: list[dict], base: Setup) -> str:
             f = r[card]
             if f["max_micro"]:
                 u = f["setup"]
-                lines.append(f"- {r['model']}, {u.gpus} GPU{'s' * (u.gpus > 1)}, checkpointing {'on' if u.ckpt else 'off'}"
+                lines.append(f"- {r['model']}, {u.gpus} GPU{'s' * (u.gpus > 1)}, "
+                             f"checkpointing {'on' if u.ckpt else 'off'}"
                              f" ({gb(f['plan']['peak'])} GiB): `{command(r['hub'], u)}`")
         lines.append("")
     lines += [*breakdown(rs), "", *checks()]
@@ -431,7 +441,8 @@ def breakdown(rs: list[dict]) -> list[str]:
            + ", ".join(f"{k[6:]} {gb(v)}" for k, v in p.items() if k.startswith("phase_"))
            + f" GiB. Peak {gb(p['peak'])} GiB of {gb(budget('80GB'))} usable. The bf16 autocast copies of the "
            f"weights ({gb(p['autocast_weights'])} GiB in the backward, {gb(p['autocast_weights_fwd'])} GiB cached "
-           "until the forward's end) are not sharded: FSDP2 gathers fp32 weights and autocast casts them; with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) the training phase would be "
+           "until the forward's end) are not sharded: FSDP2 gathers fp32 weights and autocast casts them; with "
+           "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) the training phase would be "
            f"{gb(bf['phase_training'])} GiB instead of {gb(p['phase_training'])} GiB."]
     return out
 
@@ -448,8 +459,8 @@ def checks() -> list[str]:
                 measured[row["config"].split()[0], int(row["config"].split()[1].split("=")[1])] = float(row["value"])
     out = ["Check against measured peaks (`benchmarks/bench_gpu_step.py`, one H200, random-weight SmolLM2 shapes, "
            f"{PROMPTS} prompts x {GROUP}, micro-batch {MICRO}, prompts of about 40 tokens, the previous log-prob path: "
-           "4096 positions per chunk with every chunk's graph kept, no checkpointing; `torch.cuda.max_memory_allocated`, "
-           "which leaves out fragmentation and the CUDA context):", "",
+           "4096 positions per chunk with every chunk's graph kept, no checkpointing; "
+           "`torch.cuda.max_memory_allocated`, which leaves out fragmentation and the CUDA context):", "",
            "| shape | new tokens | plan GiB (phase) | measured GiB | plan / measured |", "|---|---|---|---|---|"]
     gaps = []
     for (shape, new), value in sorted(measured.items()):
