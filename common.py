@@ -1,8 +1,9 @@
 """Shared plumbing for every script: seeding, devices, tasks and verifiers, model loading, the rollout
-seam, per-token log-probs, masked reductions, evaluation and summaries, the tracker, checkpoints, a timer.
+seam, per-token log-probs, masked reductions, evaluation and summaries, the tracker, checkpoints, a timer, and
+the FSDP2 sharding of a run with several processes.
 
 Plumbing only: advantages, losses and rollout structures stay in the scripts, and a helper lives here only
-when at least three scripts need it as is. Budget: 650 lines (a test enforces it).
+when at least three scripts need it as is. Budget: 700 lines (a test enforces it).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import copy
 import hashlib
 import itertools
 import json
+import os
 import random
 import re
 import time
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 
 ROOT = Path(__file__).resolve().parent
 MODELS_DIR = ROOT / "algos" / "models"  # the shipped tiny checkpoints
@@ -238,7 +241,11 @@ def load_jsonl_task(path: str, test_frac: float = 0.1) -> DatasetTask:
     if not Path(path).is_file():
         raise SystemExit(f"--task jsonl:{path}: no such file")
     rows = []
-    for i, line in enumerate(open(path, encoding="utf-8"), 1):
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"--task jsonl:{path}: not UTF-8 text (byte {e.start}); save the file as UTF-8")
+    for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -247,7 +254,10 @@ def load_jsonl_task(path: str, test_frac: float = 0.1) -> DatasetTask:
             raise SystemExit(f"--task jsonl:{path}: line {i} is not valid JSON ({e.msg})")
         if not isinstance(r, dict) or {"prompt", "answer"} - set(r):
             raise SystemExit(f"--task jsonl:{path}: line {i} needs fields 'prompt' and 'answer' (found {line[:80]!r})")
-        rows.append(Example(str(r["prompt"]), str(r["answer"]), str(r.get("solution") or "")))
+        if not all(isinstance(r.get(k, ""), str) for k in ("prompt", "answer", "solution")):
+            raise SystemExit(f"--task jsonl:{path}: line {i}: 'prompt', 'answer' (and 'solution') must be strings, "
+                             f"found {line[:80]!r}")
+        rows.append(Example(r["prompt"], r["answer"], r.get("solution") or ""))
     if len(rows) < 2:
         raise SystemExit(f"--task jsonl:{path}: need at least 2 records, found {len(rows)}")
     n_test = max(1, int(len(rows) * test_frac))
@@ -332,9 +342,19 @@ def load_model(name: str, device="cpu", dtype: str = "auto"):
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model, on_cuda = model.to(device), torch.device(device).type == "cuda"
+    on_cuda = torch.device(device).type == "cuda"
+    # several processes: the full fp32 weights stay on CPU; shard() moves each rank's shard to its device
+    model = model.to(device) if int(os.environ.get("WORLD_SIZE", "1")) == 1 else model
     model.amp_dtype = torch.bfloat16 if dtype == "bf16" or dtype == "auto" and on_cuda else None
     return model, tok
+
+
+def eos_ids(tok, model=None) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS and the model's generation-config EOS ids (chat models
+    often have several). The sampler stops, and the trainer's mask ends, on this same set."""
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = {tok.eos_token_id, *([extra] if isinstance(extra, int) else extra or [])}
+    return sorted(i for i in ids if i is not None)
 
 
 def autocast(model):
@@ -371,8 +391,8 @@ class Rollout:
     texts: list[str]  # decoded completions without special tokens
 
 
-def _completion_mask(ids: torch.Tensor, eos_id: int) -> torch.Tensor:
-    is_eos = ids == eos_id
+def _completion_mask(ids: torch.Tensor, eos: int | list[int]) -> torch.Tensor:
+    is_eos = torch.isin(ids, torch.tensor(eos, device=ids.device))
     after_eos = (is_eos.cumsum(1) - is_eos.long()) > 0  # strictly after the first EOS
     return (~after_eos).long()
 
@@ -419,8 +439,12 @@ def generate(model, tok, prompts: list[list[int]], group_size: int = 1, max_new_
         return engine.generate(tok, prompts, group_size, max_new_tokens, temperature, top_p, greedy)
     from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-    device = next(model.parameters()).device
+    sampler = model.__dict__.get("_sampler", model)  # a sharded model samples with its full copy (see shard)
+    device, limit = next(sampler.parameters()).device, getattr(model.config, "max_position_embeddings", None)
     fast = (device.type == "cuda" and not getattr(model, "static_cache_failed", False)) if fast is None else fast
+    if limit and max(map(len, prompts)) + max_new_tokens > limit:
+        raise SystemExit(f"a prompt of {max(map(len, prompts))} tokens + {max_new_tokens} new tokens exceeds the "
+                         f"model's context of {limit} positions: shorten the prompts or --max-new-tokens")
     ids, mask = left_pad([p for p in prompts for _ in range(group_size)], tok.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
     width = -ids.shape[1] % 32 if fast else 0  # a fixed prompt width keeps the static cache's shape across calls
@@ -432,10 +456,12 @@ def generate(model, tok, prompts: list[list[int]], group_size: int = 1, max_new_
         [TopPLogitsWarper(top_p)] * (top_p < 1.0)  # each only when it changes the scores
     recorder = _BehaviourLogprobs()
     # only what we set: generate() would fill unset fields (repetition_penalty...) from the model's own config
-    gc = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    eos = eos_ids(tok, model)
+    gc = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=eos,
                           do_sample=not greedy, temperature=1.0, top_p=1.0, top_k=0,
                           cache_implementation="static" if fast else None)
-    sampler = _bf16_sampler(model) if fast and getattr(model, "amp_dtype", None) is not None else model
+    if sampler is model and fast and getattr(model, "amp_dtype", None) is not None:
+        sampler = _bf16_sampler(model)
     own, sampler.generation_config = sampler.generation_config, gc
     try:
         with autocast(sampler):
@@ -451,21 +477,22 @@ def generate(model, tok, prompts: list[list[int]], group_size: int = 1, max_new_
         sampler.generation_config = own
     comp = seqs[:, gen_ids.shape[1]:]
     logprobs = recorder.logprobs(comp)
-    cmask = _completion_mask(comp, tok.eos_token_id)
+    cmask = _completion_mask(comp, eos)
     # masked_fill, not a product: after EOS, top-p may have given the pad token a log-prob of -inf
     logprobs, comp = logprobs.masked_fill(cmask == 0, 0.0), comp.masked_fill(cmask == 0, tok.pad_token_id)
-    stopped = ((comp == tok.eos_token_id) & cmask.bool()).any(1).tolist()
+    stopped = (torch.isin(comp, torch.tensor(eos, device=comp.device)) & cmask.bool()).any(1).tolist()
     return Rollout(ids, mask, comp, cmask, logprobs, ["stop" if s else "length" for s in stopped],
                    tok.batch_decode(comp, skip_special_tokens=True))
 
 
 # ---- per-token log-probs ----
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                   chunk_tokens: int = 4096, with_entropy: bool = False, fused_fn=None):
+                   chunk_mb: float = 256, with_entropy: bool = False, fused_fn=None):
     """log pi(y_t | x, y_<t) for every completion token, [B, C] (and the entropy when asked). The decoder runs
-    once; the lm_head + log-softmax run over chunks of `chunk_tokens` positions, so the [tokens x vocab] logits are
-    never all alive at once. `fused_fn(hidden, weight, targets, temperature)` -> (logprob, entropy), a kernel,
-    replaces the chunked loop when given."""
+    once; the lm_head + log-softmax run over chunks of positions whose fp32 logits take about `chunk_mb` MiB, and
+    under a gradient each chunk is recomputed in the backward (activation checkpointing), so at most one chunk of
+    [positions x vocab] logits is ever alive, in the forward or the backward. `fused_fn(hidden, weight, targets,
+    temperature)` -> (logprob, entropy), a kernel, replaces the chunked loop when given."""
     ids = torch.cat([prompt_ids, completion_ids], 1)
     mask = torch.cat([prompt_mask, completion_mask], 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)  # left padding: positions count real tokens only
@@ -473,21 +500,39 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     targets = completion_ids.reshape(-1)
     head = model.get_output_embeddings()
     with autocast(model):  # bf16 matmuls under --dtype bf16; the log-softmax below is fp32 either way
-        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
-        h = hidden[:, P - 1:-1].reshape(B * C, -1)  # the state that predicts each completion token
-        if fused_fn is not None:
-            lp, ent = fused_fn(h, head.weight.to(h.dtype), targets, temperature)
+        h = decoder_hidden(model, ids, mask, pos)[:, P - 1:-1].reshape(B * C, -1)  # predicts each completion token
+        if fused_fn is not None:  # the lm_head in the autocast dtype, as the chunked path's matmul
+            dt = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+            lp, ent = fused_fn(h.to(dt), head.weight.to(dt), targets, temperature)
         else:
-            lps, ents = [], []
-            for s in range(0, B * C, chunk_tokens):
-                logits = head(h[s:s + chunk_tokens]).float() / temperature
-                logp = torch.log_softmax(logits, -1)
-                lps.append(logp.gather(-1, targets[s:s + chunk_tokens, None]).squeeze(-1))
-                if with_entropy:  # a statistic: no graph kept through the [chunk x vocab] probabilities
-                    ents.append(-(logp.exp() * logp).sum(-1).detach())
-            lp, ent = torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+            def chunk_logprobs(hc, tc):
+                logp = torch.log_softmax(head(hc).float() / temperature, -1)
+                ent = -(logp.exp() * logp).sum(-1).detach() if with_entropy else hc.new_zeros(0)
+                return logp.gather(-1, tc[:, None]).squeeze(-1), ent  # the entropy is a statistic: no graph
+
+            step = max(1, int(chunk_mb * 2**20) // (4 * head.weight.shape[0]))
+            grad = torch.is_grad_enabled() and h.requires_grad
+            parts = [torch.utils.checkpoint.checkpoint(chunk_logprobs, h[s:s + step], targets[s:s + step],
+                                                       use_reentrant=False) if grad else
+                     chunk_logprobs(h[s:s + step], targets[s:s + step]) for s in range(0, B * C, step)]
+            lp, ent = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if with_entropy else None
     lp = lp.view(B, C) * completion_mask
     return (lp, ent.view(B, C) * completion_mask) if with_entropy else lp
+
+
+def decoder_hidden(model, ids, mask, pos) -> torch.Tensor:
+    """The decoder's last hidden states [B, T, H] (after the final norm), without the [B, T, vocab] logits. A model
+    sharded by FSDP2 gathers its root parameters (embeddings, final norm, lm_head) only in the root's forward and
+    keeps them gathered until the backward: run that forward with one kept logit and read the decoder's output."""
+    if not is_sharded(model):
+        return model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+    out = {}
+    hook = model.get_decoder().register_forward_hook(lambda m, a, o: out.__setitem__("h", o.last_hidden_state))
+    try:
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1, use_cache=False)
+    finally:
+        hook.remove()
+    return out["h"]
 
 
 # ---- masked reductions ----
@@ -603,16 +648,71 @@ def save_curve(history: list[dict], path: str | Path, title: str, hlines: dict |
     plt.close(fig)
 
 
+# ---- several processes: FSDP2 ----
+def is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def shard(model, accel, sampler: bool = True):
+    """FSDP2 (torch's fully_shard) over all processes: a unit per decoder layer (the model's _no_split_modules), the
+    root holding embeddings, final norm and lm_head; weights, gradients and AdamW state are split across ranks.
+    Gradients are summed, not averaged: the losses already divide by step-global counts. sampler=True keeps a full
+    copy for generate() (bf16 on CUDA under autocast: 2 bytes per parameter), which sync_sampler refreshes after
+    every optimiser step. With one process the model is returned as it is."""
+    if accel.num_processes == 1 or model is None:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if sampler:
+        full = copy.deepcopy(model).eval().requires_grad_(False)
+        if accel.device.type == "cuda" and model.amp_dtype is not None:
+            full, full.amp_dtype = full.to(model.amp_dtype), None
+        model.__dict__["_sampler"] = full.to(accel.device)  # not a submodule: FSDP leaves it whole
+    mesh = init_device_mesh(accel.device.type, (accel.num_processes,))
+    units = set(getattr(model, "_no_split_modules", None) or [])
+    for m in [*(m for m in model.modules() if type(m).__name__ in units), model]:
+        fully_shard(m, mesh=mesh)
+        m.set_gradient_divide_factor(1.0)  # each unit reduces its own gradients: sum them, do not average
+        m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    return model
+
+
+def sampler_is_trainer(model) -> bool:
+    """False when generate() decodes with another computation than the trainer's forward: on CUDA under bf16
+    autocast it samples from a bf16 copy of the weights (the static-cache fast path, or a sharded model's copy)."""
+    return not (next(model.parameters()).device.type == "cuda" and getattr(model, "amp_dtype", None) is not None
+                and not getattr(model, "static_cache_failed", False))
+
+
+@torch.no_grad()
+def sync_sampler(model) -> None:
+    """Gather a sharded model's weights into its sampler copy, one parameter at a time (a collective: every rank)."""
+    full = model.__dict__.get("_sampler")
+    for p, q in zip(model.parameters(), full.parameters()) if full is not None else ():
+        q.copy_(p.full_tensor())
+
+
 # ---- checkpoints ----
 def save_checkpoint(path: str | Path, model, tok, optimizer=None, state: dict | None = None) -> None:
-    """Model in HF format (safetensors), optimizer tensors in safetensors, counters in JSON. No pickle."""
+    """Model in HF format (safetensors), optimizer tensors in safetensors, counters in JSON. No pickle. A sharded
+    model (every rank calls) saves its shards with torch.distributed.checkpoint; otherwise only rank 0 writes."""
     from safetensors.torch import save_file
 
-    path = Path(path)
+    path, rank = Path(path), torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     tmp = path.with_name(path.name + ".tmp")
-    model.save_pretrained(tmp)
+    if is_sharded(model):
+        _dcp(model, optimizer, tmp, save=True)
+    if rank != 0:
+        return torch.distributed.barrier() if is_sharded(model) else None
+    if is_sharded(model):
+        model.config.save_pretrained(tmp)
+    else:
+        model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    if optimizer is not None:
+    if optimizer is not None and not is_sharded(model):
         sd = optimizer.state_dict()
         tensors = {f"{i}.{k}": v.detach().cpu().contiguous() for i, st in sd["state"].items() for k, v in st.items()}
         save_file(tensors, tmp / "optimizer.safetensors")
@@ -623,6 +723,24 @@ def save_checkpoint(path: str | Path, model, tok, optimizer=None, state: dict | 
 
         shutil.rmtree(path)
     tmp.rename(path)
+    if is_sharded(model):
+        torch.distributed.barrier()  # no rank reads or rewrites the folder before it is complete
+
+
+def _dcp(model, optimizer, path: Path, save: bool) -> None:
+    """Save or load a sharded model's (and optimizer's) state with torch.distributed.checkpoint: each rank its own
+    shard, resharded on load if the world size changed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state = {"model": msd, **({"optim": osd} if optimizer is not None else {})}
+    if save:
+        return dcp.save(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
+                   optim_state_dict=state.get("optim", {}))
+    sync_sampler(model)
 
 
 def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
@@ -632,6 +750,11 @@ def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
     path = Path(path)
     if not (path / "trainer_state.json").exists():
         raise SystemExit(f"{path} is not a checkpoint (no trainer_state.json)")
+    if is_sharded(model) or (path / ".metadata").exists():
+        if not is_sharded(model):
+            raise SystemExit(f"{path} holds the shards of a run with several processes: resume it with as many")
+        _dcp(model, optimizer, path, save=False)
+        return json.loads((path / "trainer_state.json").read_text())
     weights = {}
     for shard in sorted(path.glob("model*.safetensors")):  # one file, or shards of a large model
         weights.update(load_file(shard))

@@ -140,6 +140,12 @@ class Args:
     """gradient clipping by global norm"""
     kernels: bool = False
     """use the Triton kernels (fused log-prob, fused clipped loss) when a GPU is present"""
+    grad_checkpointing: bool = False
+    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
+    off by default (the tiny CPU default needs no memory and steps 25% slower with it); on for real models on a GPU"""
+    sampler_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
+    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
     # eval and checkpoints
     eval_every: int = 25
     """rollout batches between held-out evaluations"""
@@ -228,11 +234,19 @@ def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
     logp [b, C] (with grad); mb holds old, ref (or None), adv [b], mask [b, C]. Returns (loss, per-token stats).
     """
     tok_loss, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    if mb.get("is_weight") is not None:  # the sampler is not the trainer: truncated importance weight per token
+        tok_loss = tok_loss * mb["is_weight"]
     stats = {"clipfrac": clipped}
     if mb["ref"] is not None:
         kl = k3_kl(logp, mb["ref"])
         tok_loss, stats["kl"] = tok_loss + args.kl_coef * kl, kl
     return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
+
+
+def truncated_is_weight(old_logp, sampler_logp, cap: float):
+    """w_t = min(pi_old(o_t) / pi_sampler(o_t), C): corrects the update for samples drawn by another computation
+    than the trainer's (truncated importance sampling, as verl's rollout correction); no gradient."""
+    return torch.exp(old_logp - sampler_logp).clamp(max=cap).detach()
 
 
 def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
@@ -243,6 +257,8 @@ def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
     """
     from kernels.clipped_pg_loss import clipped_pg_loss as fused
 
+    if mb.get("is_weight") is not None:  # the kernel has no per-token weight: the reference path takes it
+        return grpo_loss(logp, mb, n_seqs, n_tokens, args)
     mask = mb["mask"]
     loss, kst = fused(logp, mb["old"], mb["adv"], mask, args.clip_eps_low, args.clip_eps_high, ref_logp=mb["ref"],
                       beta=args.kl_coef, reduction="seq_mean" if args.loss_agg == "seq-mean" else "token_mean")
@@ -277,18 +293,18 @@ def lr_factor(step: int, total: int, args: Args) -> float:
 
 
 def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
-    """All-reduce (sum: the loss used global normalisers), NaN guard, clip, scheduled lr, step; returns the norm."""
-    if accel.num_processes > 1:
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad = accel.reduce(p.grad, "sum")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-    if not math.isfinite(grad_norm):  # the same all-reduced value on every rank, so all ranks stop together
+    """NaN guard, clip, scheduled lr, step; returns the gradient norm. With several processes FSDP2 has already
+    summed the gradients over ranks (the loss used step-global normalisers) and the norm is the global one; the
+    full sampler copy of a sharded model is gathered again after the step."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
+    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
         raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
                          "intact. Lower --lr or check the rewards.")
     for group in opt.param_groups:
         group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
     opt.step()
+    common.sync_sampler(model)
     return grad_norm
 
 
@@ -296,7 +312,8 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
     """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
 
     pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
-    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged.
+    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged. The logged
+    statistics are sums over all ranks divided by global counts: every rank returns the same values.
     """
     B = batch["completion_ids"].shape[0]
     micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
@@ -307,11 +324,13 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
     with torch.no_grad():
         old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
         ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
-    stats = {"pg": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    correct = args.sampler_is_cap > 0 and (args.engine == "vllm" or not common.sampler_is_trainer(model))
+    sums = {"pg": 0.0, "entropy": 0.0}  # this rank's share of each step mean, summed over ranks below
     # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
-    mismatch = 0.0 if on_policy else common.masked_mean((old - batch["logprobs"]).abs(),
-                                                        batch["completion_mask"].float()).item()
-    n_opt = 0
+    gap = {"sum": 0.0 if on_policy else common.masked_sum((old - batch["logprobs"]).abs(),
+                                                          batch["completion_mask"].float()).item(),
+           "tokens": float(batch["completion_mask"].sum()), "is_w": 0.0, "is_cut": 0.0}
+    n_opt, grad_norm = 0, 0.0
     for _ in range(args.ppo_epochs):
         for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
             counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
@@ -322,18 +341,32 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
                 logp, ent = logprobs_of(model, idx, True)
                 mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
                       "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx]}
+                mb["is_weight"] = truncated_is_weight(mb["old"], batch["logprobs"][idx], args.sampler_is_cap) \
+                    if correct else None
                 loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
                 loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
-                stats["pg"] += loss.item()
+                sums["pg"] += loss.item()
                 for k, v in {**token_stats, "entropy": ent}.items():
-                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
+                    sums[k] = sums.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
                 if on_policy:  # the only forward on the sampler's weights
-                    mismatch += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
-                                                  mb["mask"]).item() / max(n_tokens, 1)
+                    gap["sum"] += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(), mb["mask"]).item()
+                if correct and n_opt == 0:
+                    gap["is_w"] += common.masked_sum(mb["is_weight"], mb["mask"]).item()
+                    gap["is_cut"] += common.masked_sum((mb["is_weight"] >= args.sampler_is_cap).float(),
+                                                       mb["mask"]).item()
             opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
-            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+            grad_norm += optimizer_step(model, opt, args, accel, opt_step)
             n_opt += 1
-    return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, "rollout/logprob_mismatch": mismatch}
+    keys = sorted(sums) + [f"gap_{k}" for k in gap]
+    tot = torch.tensor([*(sums[k] for k in sorted(sums)), *gap.values()], dtype=torch.float64,
+                       device=batch["adv"].device)
+    tot = dict(zip(keys, (accel.reduce(tot, "sum") if accel.num_processes > 1 else tot).tolist()))
+    out = {**{f"loss/{k}": tot[k] / n_opt for k in sums}, "loss/grad_norm": grad_norm / n_opt,
+           "rollout/logprob_mismatch": tot["gap_sum"] / max(tot["gap_tokens"], 1)}
+    if correct:
+        out.update({"rollout/is_weight_mean": tot["gap_is_w"] / max(tot["gap_tokens"], 1),
+                    "rollout/is_truncated_frac": tot["gap_is_cut"] / max(tot["gap_tokens"], 1)})
+    return out
 
 
 # ---- main ----
@@ -350,7 +383,10 @@ def main(args: Args) -> dict:
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
     model, tok = common.load_model(args.model, accel.device, args.dtype)
     model.train()
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    model, ref_model = common.shard(model, accel), common.shard(ref_model, accel, sampler=False)  # >1 process
     engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
         if args.engine == "vllm" else None
     use_kernels = args.kernels and accel.device.type == "cuda"
@@ -402,7 +438,7 @@ def main(args: Args) -> dict:
         if is_main:
             bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
                             acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
-        if is_main and (args.save_every and step % args.save_every == 0 or step == args.steps):
+        if args.save_every and step % args.save_every == 0 or step == args.steps:  # every rank: shards
             common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
                                    {"step": step, "history": history, "wall_s": time.time() - t_start,
                                     "gen_tokens": gen_tokens, "gen_time": gen_time})

@@ -179,6 +179,12 @@ class Args:
     """gradient clipping by global norm"""
     kernels: bool = False
     """use the Triton kernels (fused log-prob, fused clipped loss) when a GPU is present"""
+    grad_checkpointing: bool = False
+    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
+    off by default (the tiny CPU default needs no memory and steps 25% slower with it); on for real models on a GPU"""
+    sampler_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
+    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
     # eval and checkpoints
     eval_every: int = 25
     """rollout batches between held-out evaluations"""
@@ -275,6 +281,8 @@ def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
     logp [b, C] (with grad); mb holds old, ref (or None), adv [b], mask [b, C]. Returns (loss, per-token stats).
     """
     tok_loss, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    if mb.get("is_weight") is not None:  # the sampler is not the trainer: truncated importance weight per token
+        tok_loss = tok_loss * mb["is_weight"]
     stats = {"clipfrac": clipped}
     if mb["ref"] is not None:
         kl = k3_kl(logp, mb["ref"])
@@ -290,6 +298,8 @@ def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
     """
     from kernels.clipped_pg_loss import clipped_pg_loss as fused
 
+    if mb.get("is_weight") is not None:  # the kernel has no per-token weight: the reference path takes it
+        return grpo_loss(logp, mb, n_seqs, n_tokens, args)
     mask = mb["mask"]
     loss, kst = fused(logp, mb["old"], mb["adv"], mask, args.clip_eps_low, args.clip_eps_high, ref_logp=mb["ref"],
                       beta=args.kl_coef, reduction="seq_mean" if args.loss_agg == "seq-mean" else "token_mean")
@@ -458,18 +468,18 @@ def lr_factor(step: int, total: int, args: Args) -> float:
 
 
 def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
-    """All-reduce (sum: the loss used global normalisers), NaN guard, clip, scheduled lr, step; returns the norm."""
-    if accel.num_processes > 1:
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad = accel.reduce(p.grad, "sum")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-    if not math.isfinite(grad_norm):  # the same all-reduced value on every rank, so all ranks stop together
+    """NaN guard, clip, scheduled lr, step; returns the gradient norm. With several processes FSDP2 has already
+    summed the gradients over ranks (the loss used step-global normalisers) and the norm is the global one; the
+    full sampler copy of a sharded model is gathered again after the step."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
+    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
         raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
                          "intact. Lower --lr or check the rewards.")
     for group in opt.param_groups:
         group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
     opt.step()
+    common.sync_sampler(model)
     return grad_norm
 
 
@@ -542,7 +552,10 @@ def main(args: Args) -> dict:
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
     model, tok = common.load_model(args.model, accel.device, args.dtype)
     model.train()
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    model, ref_model = common.shard(model, accel), common.shard(ref_model, accel, sampler=False)  # >1 process
     engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
         if args.engine == "vllm" else None
     use_kernels = args.kernels and accel.device.type == "cuda"
@@ -597,7 +610,7 @@ def main(args: Args) -> dict:
         if is_main:
             bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
                             acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
-        if is_main and (args.save_every and step % args.save_every == 0 or step == args.steps):
+        if args.save_every and step % args.save_every == 0 or step == args.steps:  # every rank: shards
             common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
                                    {"step": step, "history": history, "wall_s": time.time() - t_start,
                                     "gen_tokens": gen_tokens, "gen_time": gen_time})

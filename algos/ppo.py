@@ -150,6 +150,9 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm (policy and critic clipped separately)"""
+    grad_checkpointing: bool = False
+    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
+    off by default (the tiny CPU default needs no memory and steps 25% slower with it); on for real models on a GPU"""
     # eval and checkpoints
     eval_every: int = 25
     """rollout batches between held-out evaluations"""
@@ -198,15 +201,17 @@ class Critic(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
+    def forward(self, ids, mask, pos):  # a forward of its own: FSDP2 gathers a sharded root's weights in it
+        return self.head(self.decoder(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state)
+
 
 def critic_values(critic: Critic, prompt_ids, prompt_mask, completion_ids, completion_mask):
     """V_t for each response token t: the value of the state that emits token t; [B, C] (0 on padding)."""
     ids = torch.cat([prompt_ids, completion_ids], 1)
     mask = torch.cat([prompt_mask, completion_mask], 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    hidden = critic.decoder(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
     P = prompt_ids.shape[1]
-    return critic.head(hidden[:, P - 1:-1]).squeeze(-1) * completion_mask
+    return critic(ids, mask, pos)[:, P - 1:-1].squeeze(-1) * completion_mask
 
 
 def token_rewards(scores, mask, logp=None, ref_logp=None, kl_coef: float = 0.0):
@@ -240,9 +245,19 @@ def gae(rewards, values, mask, gamma: float, lam: float):
 
 
 def whiten(x, mask, eps: float = 1e-8):
-    """(x - mean) / (std + eps) over the positions where mask is 1 (0 elsewhere)."""
-    mean = common.masked_mean(x, mask)
-    var = common.masked_mean((x - mean) ** 2, mask)
+    """(x - mean) / (std + eps) over the positions where mask is 1 (0 elsewhere), of the whole step's batch: with
+    several processes the mean and variance are over every rank's positions."""
+    dist = torch.distributed
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        n_sum = torch.stack([mask.sum(), common.masked_sum(x, mask)]).double()
+        dist.all_reduce(n_sum)
+        mean = (n_sum[1] / n_sum[0].clamp(min=1)).to(x.dtype)
+        sq = common.masked_sum((x - mean) ** 2, mask).double()
+        dist.all_reduce(sq)
+        var = (sq / n_sum[0].clamp(min=1)).to(x.dtype)
+    else:
+        mean = common.masked_mean(x, mask)
+        var = common.masked_mean((x - mean) ** 2, mask)
     return (x - mean) / (var.sqrt() + eps) * mask
 
 
@@ -337,20 +352,18 @@ def lr_factor(step: int, total: int, args: Args) -> float:
 
 
 def optimizer_step(model, opt, args: Args, accel, opt_step: int, critic=None) -> float:
-    """All-reduce (sum), clip policy and critic separately, set the scheduled lr of each group, step.
-
-    opt's groups are (policy at --lr, critic at --vf-lr); returns the policy's gradient norm.
+    """Clip policy and critic separately, set the scheduled lr of each group, step (FSDP2 has summed the gradients
+    over ranks); refresh a sharded policy's sampler copy. opt's groups are (policy at --lr, critic at --vf-lr);
+    returns the policy's gradient norm.
     """
-    if accel.num_processes > 1:
-        for p in [*model.parameters(), *critic.parameters()]:
-            if p.grad is not None:
-                p.grad = accel.reduce(p.grad, "sum")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
     torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
     factor = lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
     for group, base_lr in zip(opt.param_groups, (args.lr, args.vf_lr)):
         group["lr"] = base_lr * factor
     opt.step()
+    common.sync_sampler(model)
     return grad_norm
 
 
@@ -375,11 +388,17 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
         old_v = torch.cat([values_of(i) for i in micro(torch.arange(B))])
         ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
         adv, returns = ppo_advantages(batch["rewards"], mask, old, old_v, ref, args)
-    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
-    before = {"rollout/logprob_mismatch": common.masked_mean((old - batch["logprobs"]).abs(), mask).item(),
-              "value/explained_var": explained_variance(old_v, returns, mask),
-              "value/mean": common.masked_mean(old_v, mask).item(),
-              "loss/kl": common.masked_mean(k3_kl(old, ref), mask).item() if ref is not None else 0.0}
+    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch. Sums
+    # over all ranks, divided by global counts (explained variance is this rank's: a ratio of variances).
+    before = {"rollout/logprob_mismatch": common.masked_sum((old - batch["logprobs"]).abs(), mask).item(),
+              "value/mean": common.masked_sum(old_v, mask).item(),
+              "loss/kl": common.masked_sum(k3_kl(old, ref), mask).item() if ref is not None else 0.0,
+              "tokens": mask.sum().item()}
+    if accel.num_processes > 1:
+        before = dict(zip(before, accel.reduce(torch.tensor(list(before.values()), dtype=torch.float64,
+                                                            device=mask.device), "sum").tolist()))
+    before = {k: v / max(before["tokens"], 1) for k, v in before.items() if k != "tokens"}
+    before["value/explained_var"] = explained_variance(old_v, returns, mask)
     stats = {"entropy": 0.0, "grad_norm": 0.0}
     n_opt = 0
     for _ in range(args.ppo_epochs):
@@ -402,6 +421,10 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
             opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
             stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step, critic)
             n_opt += 1
+    if accel.num_processes > 1:  # each rank's share of the step means: summed (the norm is already global)
+        shares = [k for k in stats if k != "grad_norm"]
+        stats.update(zip(shares, accel.reduce(torch.tensor([stats[k] for k in shares], dtype=torch.float64,
+                                                            device=mask.device), "sum").tolist()))
     return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, **before}
 
 
@@ -431,8 +454,12 @@ def main(args: Args) -> dict:
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
     model, tok = common.load_model(args.model, accel.device, args.dtype)
     model.train()
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     critic = Critic(model).to(accel.device).train()
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    model, ref_model = common.shard(model, accel), common.shard(ref_model, accel, sampler=False)  # >1 process
+    critic = common.shard(critic, accel, sampler=False)
     engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
         if args.engine == "vllm" else None
     opt = torch.optim.AdamW([{"params": list(model.parameters()), "lr": args.lr},

@@ -1,0 +1,64 @@
+"""A script's `update` for a few optimiser steps on one fixed global batch: in one process, or split over the ranks
+of a two-process launch where common.shard wraps the policy (and reference / critic) with FSDP2.
+
+    python tests/_sharded_update.py grpo OUT                                   # one process, the whole batch
+    accelerate launch --multi_gpu --num_processes 2 ... tests/_sharded_update.py grpo OUT   # each rank half of it
+
+Rank 0 writes OUT/stats.json (the logged statistics of every step) and OUT/params.safetensors (the full
+parameters after the steps). tests/test_sharding.py compares the two: same losses, same parameters.
+"""
+import importlib
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import common  # noqa: E402
+
+
+def main(script: str, out: str, steps: int = 3) -> None:
+    from accelerate import Accelerator
+    from safetensors.torch import save_file
+
+    mod = importlib.import_module(f"algos.{script}")
+    accel = Accelerator(cpu=True)
+    torch.set_num_threads(1)
+    args = replace(mod.Args(), device="cpu", prompts_per_step=4, group_size=4, max_new_tokens=8, micro_batch_size=3,
+                   kl_coef=0.05, lr=1e-4)
+    common.set_seed(0)
+    model, tok = common.load_model("tiny-0.6m", "cpu")
+    model.train()
+    # the global batch: sampled once from the initial weights, the same on every rank
+    torch.manual_seed(0)
+    batch = mod.rollout(model, tok, common.make_task("add", 2), args, np.random.default_rng(0), "cpu")
+    per_rank = batch["completion_ids"].shape[0] // accel.num_processes  # whole groups: B / ranks is a multiple of G
+    rows = slice(accel.process_index * per_rank, (accel.process_index + 1) * per_rank)
+    batch = {k: v[rows] for k, v in batch.items()}
+    ref = mod.copy.deepcopy(model).eval().requires_grad_(False)
+    extra = {}
+    if script == "ppo":
+        extra["critic"] = common.shard(mod.Critic(model).train(), accel, sampler=False)
+        groups = [{"params": list(common.shard(model, accel).parameters())},
+                  {"params": list(extra["critic"].parameters())}]
+        opt, loss_fn = torch.optim.AdamW(groups, lr=args.lr), mod.ppo_loss
+    else:
+        model = common.shard(model, accel)
+        opt, loss_fn = torch.optim.AdamW(model.parameters(), lr=args.lr), mod.grpo_loss
+    ref = common.shard(ref, accel, sampler=False)
+    history = [mod.update(model, opt, batch, loss_fn, args, step, accel, ref, **extra) for step in range(1, steps + 1)]
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in [*model.named_parameters(), *((f"critic.{n}", p) for n, p in
+                                                      (extra["critic"].named_parameters() if extra else []))]}
+    if accel.is_main_process:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, "stats.json").write_text(json.dumps(history))
+        save_file({k: v.contiguous() for k, v in full.items()}, str(Path(out, "params.safetensors")))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,138 @@
+"""Several processes through FSDP2 (common.shard), on CPU over gloo: the sharded step equals one process's on the
+same global batch, a sharded checkpoint resumes exactly, and the logged statistics are those of the whole batch.
+Also the single-process pieces of scaling up: gradient checkpointing and the sampler-trainer correction."""
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import common
+from algos import grpo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+          "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
+def run(cmd: list, timeout: int = 400) -> str:
+    """A subprocess in its own session: a hang (ranks out of step in a collective) kills the group and fails."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{cmd[-3:]} hung for {timeout}s")
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_sharded_update_equals_one_process(tmp_path, script):
+    """3 optimiser steps on one global batch of 16 sequences (micro-batches of 3, a reference model; PPO: a critic
+    and advantages whitened over the whole batch): two ranks of 8 each under FSDP2 against one process of 16.
+    Tolerance: fp32 summation order only (measured: losses equal to 1e-6 relative, parameters to 7e-7)."""
+    harness = os.path.join("tests", "_sharded_update.py")
+    run([sys.executable, harness, script, str(tmp_path / "one")])
+    run([*LAUNCH, harness, script, str(tmp_path / "two")])
+    one, two = (json.loads((tmp_path / d / "stats.json").read_text()) for d in ("one", "two"))
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):  # the logged statistics of the whole batch, not rank 0's half
+        for k in a:
+            if k == "value/explained_var":  # a ratio of variances, logged from each rank's own half
+                continue
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (k, a[k], b[k])
+    pa, pb = (load_file(str(tmp_path / d / "params.safetensors")) for d in ("one", "two"))
+    assert set(pa) == set(pb)
+    diff = max((pa[k] - pb[k]).abs().max().item() for k in pa)
+    assert diff < 1e-5, diff
+
+
+def test_sharded_checkpoint_resumes_exactly(tmp_path):
+    """grpo.py in two processes: 3 steps in one run, against 2 steps, a sharded checkpoint
+    (torch.distributed.checkpoint) and a resumed third step; the resumed run logs the same metrics."""
+    flags = ["algos/grpo.py", "--device", "cpu", "--threads", "1", "--prompts-per-step", "4", "--group-size", "4",
+             "--eval-examples", "20", "--eval-every", "3", "--pass-k", "0", "--no-eval-hard", "--lr", "1e-4"]
+    run([*LAUNCH, *flags, "--steps", "3", "--out-dir", str(tmp_path / "whole")])
+    run([*LAUNCH, *flags, "--steps", "2", "--out-dir", str(tmp_path / "half")])
+    ckpt = tmp_path / "half" / "grpo" / "checkpoint"
+    assert (ckpt / ".metadata").exists() and (ckpt / "trainer_state.json").exists()  # the shards, not HF weights
+    run([*LAUNCH, *flags, "--steps", "3", "--out-dir", str(tmp_path / "half"), "--resume", str(ckpt)])
+    rows = lambda d: {r["step"]: r for r in map(json.loads, open(tmp_path / d / "grpo" / "metrics.jsonl"))}  # noqa
+    whole, resumed = rows("whole"), rows("half")
+    for k, v in whole[3].items():
+        if not k.startswith("perf/") and not k.endswith("per_s"):  # timings differ
+            assert resumed[3][k] == pytest.approx(v, rel=1e-6, abs=1e-9), (k, v, resumed[3][k])
+
+
+# ---- one process ----
+@pytest.fixture(scope="module")
+def tiny_batch():
+    torch.manual_seed(0)
+    model, tok = common.load_model("tiny-0.6m", "cpu")
+    args = replace(grpo.Args(), prompts_per_step=4, group_size=4, max_new_tokens=8)
+    batch = grpo.rollout(model, tok, common.make_task("add", 2), args, np.random.default_rng(0), "cpu")
+    return model, batch
+
+
+def test_grad_checkpointing_leaves_loss_and_gradients_unchanged(tiny_batch):
+    model, batch = tiny_batch
+    grads = []
+    for ckpt in (False, True):
+        m = copy.deepcopy(model).train()
+        if ckpt:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lp = common.token_logprobs(m, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                   batch["completion_mask"])
+        loss = -(lp * batch["adv"][:, None]).sum()
+        loss.backward()
+        grads.append((loss.item(), [p.grad.clone() for p in m.parameters()]))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+class _OneProcess:
+    num_processes = 1
+
+
+def test_sampler_trainer_correction(tiny_batch):
+    """Same computation (CPU, the HF sampler): no weight, today's update. A sampler whose log-probs differ (a fake
+    engine: --engine vllm with perturbed behaviour log-probs): each token's loss is weighted by
+    min(pi_old / pi_sampler, C), checked against a naive loop over tokens, with its statistics logged."""
+    model, batch = tiny_batch
+    args = replace(grpo.Args(), prompts_per_step=4, group_size=4, max_new_tokens=8, lr=0.0)
+    assert common.sampler_is_trainer(model)
+    out = grpo.update(copy.deepcopy(model).train(), torch.optim.SGD(model.parameters(), lr=0.0), batch,
+                      grpo.grpo_loss, args, 1, _OneProcess())
+    assert "rollout/is_weight_mean" not in out
+
+    torch.manual_seed(1)
+    fake = dict(batch, logprobs=(batch["logprobs"] + 0.5 * torch.randn_like(batch["logprobs"])).clamp(max=0)
+                * batch["completion_mask"])
+    m = copy.deepcopy(model).train()
+    out = grpo.update(m, torch.optim.SGD(m.parameters(), lr=0.0), fake, grpo.grpo_loss,
+                      replace(args, engine="vllm", sampler_is_cap=2.0), 1, _OneProcess())
+    with torch.no_grad():
+        old = common.token_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                    batch["completion_mask"])
+    mask, B, C = batch["completion_mask"], *batch["completion_ids"].shape
+    ws, per_seq = [], []
+    for i in range(B):  # on-policy: ratio 1, so each token's loss is -A_i * w_it
+        toks = [t for t in range(C) if mask[i, t]]
+        w = [min(float(torch.exp(old[i, t] - fake["logprobs"][i, t])), 2.0) for t in toks]
+        ws += w
+        per_seq.append(sum(-batch["adv"][i].item() * x for x in w) / len(toks))
+    assert out["rollout/is_weight_mean"] == pytest.approx(np.mean(ws), rel=1e-4)
+    assert out["rollout/is_truncated_frac"] == pytest.approx(np.mean([x >= 2.0 for x in ws]), abs=1e-9)
+    assert out["loss/pg"] == pytest.approx(sum(per_seq) / B, rel=1e-4, abs=1e-7)
+    assert 0 < out["rollout/is_truncated_frac"] < 1  # the case exercises the cap
