@@ -54,6 +54,21 @@ def test_shipped_model_is_a_transformers_moe(tiny):
     assert sum(p.numel() for p in model.parameters()) < 200_000
 
 
+def test_sft_makes_the_moe_architecture_with_its_load_balancing_loss(tiny, tmp_path):
+    from algos import sft
+
+    shipped = tiny[0].config
+    for key, value in sft.NEW_MOE_MODELS["new-moe"].items():  # the card's command rebuilds the shipped architecture
+        assert getattr(shipped, key) == value, key
+    s = sft.main(sft.Args(model="new-moe", steps=2, batch_size=8, eval_every=2, eval_examples=4, max_new_tokens=4,
+                          threads=1, out_dir=str(tmp_path)))
+    assert s["n_params"] == sum(p.numel() for p in tiny[0].parameters())
+    model, _ = sft.new_model("new-moe", 0)
+    ids = torch.randint(3, 99, (2, 6))
+    out = model(input_ids=ids, output_router_logits=True)
+    assert out.aux_loss is not None and out.aux_loss > 0  # what sft.main adds, times router_aux_loss_coef
+
+
 def test_replay_reproduces_the_rollout_exactly_and_noise_breaks_it_without(tiny):
     model, tok, task = tiny
     args = small_args(replay="r3")
