@@ -425,15 +425,13 @@ def fit_predictors(predictors, opt, h, delta, iters: int) -> tuple[float, float]
 
 # ---- rollout and update ----
 def scored(model, routing: Routing, batch: dict, idx, args: Args, with_entropy: bool = False, keep: bool = False):
-    """token_logprobs of rows idx, the routers replaying the rollout's routes under --replay r3 / pr2."""
+    """token_logprobs of rows idx, the routers replaying the rollout's routes under --replay r3 / pr2. The replay stays
+    set until routing.set() (a checkpointed layer recomputes its forward in the backward, on the same routes)."""
     replay = batch["routes"][:, idx] if args.replay != "none" else None
     routing.set(replay, torch.cat([batch["prompt_mask"][idx], batch["completion_mask"][idx]], 1), keep)
-    try:
-        return common.token_logprobs(model, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
-                                     batch["completion_ids"][idx], batch["completion_mask"][idx], args.temperature,
-                                     with_entropy=with_entropy)
-    finally:
-        routing.replay = None  # evaluation routes freely; the mask and the kept tensors stay for the caller
+    return common.token_logprobs(model, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
+                                 batch["completion_ids"][idx], batch["completion_mask"][idx], args.temperature,
+                                 with_entropy=with_entropy)
 
 
 def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
@@ -496,6 +494,7 @@ def update(model, opt, batch: dict, routing: Routing, args: Args, step: int, acc
         old = torch.cat(olds)
         ref = torch.cat([scored(ref_model, ref_model.routing, batch, i, args) for i in micro(torch.arange(B))]) \
             if ref_model else None
+    routing.set()
     stats = {"pg": 0.0, "aux": 0.0, "entropy": 0.0, "grad_norm": 0.0}
     stale, n_opt, last = [0.0, 0.0], 0, args.ppo_epochs * args.minibatches - 1
     for _ in range(args.ppo_epochs):
@@ -522,6 +521,7 @@ def update(model, opt, batch: dict, routing: Routing, args: Args, step: int, acc
             opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
             stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
             n_opt += 1
+    routing.set()  # evaluation routes freely
     mask = batch["completion_mask"].float()
     return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, **mismatch_metrics(old, batch["logprobs"], mask),
             "rollout/logprob_mismatch": common.masked_mean((old - batch["logprobs"]).abs(), mask).item(),

@@ -87,6 +87,24 @@ def test_replay_reproduces_the_rollout_exactly_and_noise_breaks_it_without(tiny)
     assert 0.05 < n / c < 0.95
 
 
+def test_replayed_gradient_is_the_same_with_gradient_checkpointing(tiny):
+    """A checkpointed layer recomputes its forward in the backward: it must route the recomputation the same way."""
+    model, tok, task = tiny
+    args = small_args(replay="r3")
+    trainer, routing, batch = roll(model, tok, task, args, noise=1.0)
+    grads = []
+    for ckpt in (False, True):
+        trainer.train()
+        if ckpt:
+            trainer.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        trainer.zero_grad(set_to_none=True)
+        lp = mrr.scored(trainer, routing, batch, torch.arange(32), args, keep=True)
+        ((lp * batch["adv"][:, None]).sum() + routing.aux_loss()).backward()
+        routing.set()
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+
+
 def test_pr2_routes_by_the_prediction_and_the_trainer_replays_it(tiny):
     model, tok, task = tiny
     predictors = torch.nn.ModuleList(torch.nn.Linear(64, 4) for _ in range(2))
