@@ -41,6 +41,8 @@ def configs() -> dict:
         "ar-chained": (ar_world_model, dict(chained=True), "python worldmodels/ar_world_model.py --chained"),
         "diffusion": (diffusion_world_model, dict(), "python worldmodels/diffusion_world_model.py"),
         "live": (live, dict(mode="live"), "python worldmodels/live.py"),
+        "diffusion-forcing": (diffusion_world_model, dict(diffusion_forcing=True, ctx_sigma_eval=0.1),
+                              "python worldmodels/diffusion_world_model.py --diffusion-forcing --ctx-sigma-eval 0.1"),
         "policy-eval": (policy_eval, dict(), "python worldmodels/policy_eval.py"),
         "policy-eval-no-consistency": (policy_eval, dict(consistency=0.0),
                                        "python worldmodels/policy_eval.py --consistency 0"),
@@ -77,7 +79,7 @@ def run(names: list[str], seeds: list[int], out_root: Path) -> None:
 
 MODEL_CHANGE = "c3b6284"  # the commit where the agent-cell error became strict (exactly one agent drawn)
 GATE_CHANGE = "f62910b"  # the commit where the action began to enter multiplicatively (--action-gate by default)
-MODELS = ("ar", "ar-chained", "diffusion", "live")
+MODELS = ("ar", "ar-chained", "diffusion", "live", "diffusion-forcing")
 PE_NAMES = ("policy-eval", "policy-eval-no-consistency", "policy-eval-g-trained", "policy-eval-ungated")
 
 
@@ -125,7 +127,7 @@ def report() -> None:
     data, meta, used = collect_rows()
     if not data:
         raise SystemExit(f"no rows in {RESULTS / CSV}: run the benchmark first")
-    order = [n for n in ("ar", "ar-chained", "diffusion", "live") if n in data]
+    order = [n for n in MODELS if n in data]
     lines = ["Pixel MSE (frames in [0, 1]) and agent-cell error rate (fraction of rollouts whose agent is in the "
              "wrong cell) at horizon h, rolled out from ground truth with the true actions; training horizon 8, "
              "so h = 16 and 32 are 2x and 4x beyond it. Mean ± std over the seeds counted in the last column "
@@ -143,7 +145,9 @@ def report() -> None:
         lines.append("| copy x_0 | " + fmt(d.get("copy_err_h1", [])) + " | | | " + fmt(d.get("copy_err_h32", []))
                      + " |" + " |" * (len(HORIZONS) + 2))
     pairs = [("teacher forcing", "ar", "chained training (Memory Forcing)", "ar-chained"),
-             ("the denoiser without the cycle loss", "diffusion", "with it (LIVE)", "live")]
+             ("the denoiser without the cycle loss", "diffusion", "with it (LIVE)", "live"),
+             ("the denoiser with clean context", "diffusion", "with per-frame context noise (diffusion forcing)",
+              "diffusion-forcing")]
     for a_name, a, b_name, b in pairs:
         if a in data and b in data:
             da, db = data[a], data[b]
