@@ -486,10 +486,21 @@ def generate(model, tok, prompts: list[list[int]], group_size: int = 1, max_new_
 
 
 # ---- per-token log-probs ----
+# The byte budget of one chunk of fp32 [positions x vocab] logits (MiB) wherever a script computes anything from the
+# full next-token distribution; the environment variable LOGPROB_CHUNK_MB changes it (tests use a small one).
+LOGPROB_CHUNK_MB = float(os.environ.get("LOGPROB_CHUNK_MB", "256"))
+
+
+def chunk_positions(vocab: int, chunk_mb: float | None = None) -> int:
+    """Positions per chunk: as many rows of fp32 [vocab] logits as fit `chunk_mb` MiB (LOGPROB_CHUNK_MB by default)."""
+    return max(1, int((LOGPROB_CHUNK_MB if chunk_mb is None else chunk_mb) * 2**20) // (4 * vocab))
+
+
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                   chunk_mb: float = 256, with_entropy: bool = False, fused_fn=None):
+                   chunk_mb: float | None = None, with_entropy: bool = False, fused_fn=None):
     """log pi(y_t | x, y_<t) for every completion token, [B, C] (and the entropy when asked). The decoder runs
-    once; the lm_head + log-softmax run over chunks of positions whose fp32 logits take about `chunk_mb` MiB, and
+    once; the lm_head + log-softmax run over chunks of positions whose fp32 logits take about `chunk_mb` MiB
+    (LOGPROB_CHUNK_MB by default), and
     under a gradient each chunk is recomputed in the backward (activation checkpointing), so at most one chunk of
     [positions x vocab] logits is ever alive, in the forward or the backward. `fused_fn(hidden, weight, targets,
     temperature)` -> (logprob, entropy), a kernel, replaces the chunked loop when given."""
@@ -510,7 +521,7 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
                 ent = -(logp.exp() * logp).sum(-1).detach() if with_entropy else hc.new_zeros(0)
                 return logp.gather(-1, tc[:, None]).squeeze(-1), ent  # the entropy is a statistic: no graph
 
-            step = max(1, int(chunk_mb * 2**20) // (4 * head.weight.shape[0]))
+            step = chunk_positions(head.weight.shape[0], chunk_mb)
             grad = torch.is_grad_enabled() and h.requires_grad
             parts = [torch.utils.checkpoint.checkpoint(chunk_logprobs, h[s:s + step], targets[s:s + step],
                                                        use_reentrant=False) if grad else
