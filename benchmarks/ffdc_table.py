@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np
 
-from benchmarks._results import RESULTS, by_config_seed, mean_std
+from benchmarks._results import RESULTS, mean_std, read_rows
 
 CSV, MD, PNG = "ffdc.csv", RESULTS / "ffdc.md", RESULTS / "ffdc.png"
 CONFIGS = {
@@ -74,8 +74,17 @@ def welch(a: list[float], b: list[float]) -> str:
     return f"{np.mean(a) - np.mean(b):+.2f} [{lo:+.2f}, {hi:+.2f}]"
 
 
+def by_script() -> tuple[dict, dict]:
+    """script -> seed -> metric -> value (a later row wins) and script -> its last row (provenance)."""
+    by, meta = {}, {}
+    for r in read_rows(CSV):
+        by.setdefault(r["script"], {}).setdefault(r["seed"], {})[r["metric"]] = float(r["value"])
+        meta[r["script"]] = r
+    return by, meta
+
+
 def report() -> None:
-    by, meta = by_config_seed(CSV)
+    by, meta = by_script()
     if "ffdc" not in by:
         raise SystemExit(f"no rows in {RESULTS / CSV}: run the benchmark first")
     d = by["ffdc"]
@@ -116,8 +125,9 @@ def report() -> None:
     if "ffdc-single-horizon" in by:
         e = by["ffdc-single-horizon"]
         me = lambda key, digits=2: mean_std(vals(e, key), digits=digits)  # noqa: E731
+        seeds = f"{len(e)} seed" + ("s" if len(e) > 1 else "")
         lines += ["", f"Mixture-of-Horizon Training (windows of 1, 2, 4 and 8 steps in every batch, the default) against "
-                  f"the same WAM trained on single steps (`--horizons 1`, {len(e)} seeds): imagined frame off at the "
+                  f"the same WAM trained on single steps (`--horizons 1`, {seeds}): imagined frame off at the "
                   f"eighth chunk step without perturbation {ms('pred_dev_h8', 3)} vs {me('pred_dev_h8', 3)}; gated "
                   "execution, model calls per episode at rate " + ", ".join(
                       f"{r}: {ms(f'gated_r{r}_calls')} vs {me(f'gated_r{r}_calls')}" for r in rates)

@@ -1,7 +1,7 @@
 """FFDC: verifier-gated adaptive action chunks for a world action model, on a gridworld with perturbations.
 
 Parent: none. Borrows: the action-gated forward model of policy_eval.py (`gated_planes` in _envs.py) and the
-chained (detached, soft) feedback of ar_world_model.py's `chained_loss`.
+detached chained feedback (`--feedback snap`) of ar_world_model.py's `chained_loss`.
 
 Paper. "When to Trust Imagination: Adaptive Action Execution for World Action Models" (arXiv:2605.06222). A
 world action model (WAM) predicts a chunk of future actions together with the frames they should produce. A
@@ -25,17 +25,17 @@ At test time the world perturbs each step with probability `rate`: the agent sli
 replaces the commanded one) or the goal moves to a free neighbouring cell (`PerturbedWorld`).
 
 Equations (function that implements each):
-  (1) chunk prediction   a_j = argmax pi(xhat_{j-1}), xhat_j = sigmoid f(xhat_{j-1}, a_j), xhat_0 = x_t,
+  (1) chunk prediction   a_j = argmax pi(xhat_{j-1}), xhat_j = snap(sigmoid f(xhat_{j-1}, a_j)), xhat_0 = x_t,
                          j = 1..H: one model call                                       `WorldActionModel.chunk`
   (2) Mixture-of-Horizon L = 1/|S| sum_{H in S} 1/H sum_{j<H} [CE(pi(xhat_j), a*_{t+j})
-                         + BCE(f(xhat_j, a_{t+j}), x_{t+j+1})], xhat_0 = x_t, xhat_{j+1} = sg[sigmoid f(..)],
+                         + BCE(f(xhat_j, a_{t+j}), x_{t+j+1})], xhat_0 = x_t, xhat_{j+1} = sg[snap(sigmoid f)],
                          each H in S on its own share of the batch (a* the expert's action)        `moh_loss`
   (3) deviation label    d_j = 1[agent or goal cell decoded from xhat_j != the one in x_{t+j}]    `deviated`
   (4) verifier           v(xhat_j, x_{t+j}) = sigmoid(max over cells of conv([xhat, x, xhat - x])),
                          trained by BCE on d_j; replan when v > `verifier_threshold`           `Verifier`
       fixed threshold    replan when mean (xhat_j - x_{t+j})^2 > tau, tau = 1 / (3 F^2)     `fixed_verifier`
   (5) gated execution    call the WAM when the chunk is used up or the verifier flagged the last step;
-                         model calls per episode; success: the goal within distance + slack steps                       `execute`
+                         model calls per episode; success: the goal within distance + slack steps  `execute`
 
 Deviations:
 - RoboTwin's video-diffusion WAM, language instruction and causal-attention verifier are replaced by a small conv
@@ -46,19 +46,30 @@ Deviations:
 - The verifier's label is a rule (the decoded agent or goal cell of the prediction differs from reality); the
   paper trains on executable vs failed and action-perturbed segments. The label also fires when the WAM itself
   drifted without any perturbation, which is when its remaining actions were computed from a wrong state.
-- Mixture-of-Horizon Training here is chained training on windows of lengths 1, 2, 4, 8 in every batch.
+- Mixture-of-Horizon Training here is chained training on windows of 1, 2, 4 and 8 steps in every batch, each
+  length on an equal share of the batch's transitions, after a warm-up on single steps (`--chain-warmup`).
+- Imagined frames are snapped to the pixel values {0, .5, 1} before they are fed forward (`--feedback snap`,
+  the default; `soft` feeds probabilities): the paper's WAM samples sharp frames, and a snapped frame is one
+  the policy head has seen in training.
 - Maps have no interior walls by default (`--wall-density 0`): the policy head then only needs the direction
   to the goal; with walls it would have to plan around them, which a small conv net does not learn in a CPU
-  minute. The border walls and two non-goal objects remain.
+  minute. The border walls and two non-goal objects remain. The policy head reads the frame through a spatial
+  softmax (the expected position of each of 16 feature maps); mean-pooled conv features did not learn at all in
+  400 steps (action loss stuck at ln 5).
 
 Commands:
-  python worldmodels/ffdc.py                                  # ~2 min on 1 CPU thread
+  python worldmodels/ffdc.py                                  # ~1 min of one CPU core
   python worldmodels/ffdc.py --horizons 1                     # WAM trained on single steps only (no MoH)
   python worldmodels/ffdc.py --perturb slip --rates 0 0.1 0.3
   python worldmodels/ffdc.py --device cuda --steps 3000 --channels 64 --episodes 2000   # one GPU, larger
-Expected result (benchmarks/results/ffdc.md, 3 seeds; `python benchmarks/ffdc_table.py`): see the table there;
-at seed 0 gated execution needs far fewer model calls than 2-step chunks at every perturbation rate, with the
-success of 2-step chunks, while 8-step open-loop chunks lose success as the rate grows.
+Expected result (seed 0; 3 seeds in benchmarks/results/ffdc.md from `python benchmarks/ffdc_table.py`): model
+calls per episode at perturbation rates 0 / 0.1 / 0.2 / 0.3: 2-step chunks 2.81 / 3.07 / 3.24 / 3.36, gated by
+the learned verifier 1.16 / 1.67 / 2.21 / 2.72, 8-step chunks 1.13 / 1.21 / 1.24 / 1.25; success 0.98 / 0.89 /
+0.75 / 0.60 with 2-step chunks, 0.98 / 0.92 / 0.77 / 0.65 gated, 0.96 / 0.68 / 0.49 / 0.38 with 8-step chunks.
+Gating keeps (here slightly beats) the success of short chunks with 59% fewer calls without perturbation and
+19% fewer at rate 0.3, while open-loop 8-step chunks fall to 0.38 at rate 0.3. A call rolls
+the chunk out step by step, so in network evaluations gating costs more than 2-step chunks (about 9-22 per episode
+vs 6-7): the saving is the paper's, in forward passes of a model that predicts a chunk in one pass.
 """
 from __future__ import annotations
 
@@ -143,7 +154,8 @@ def check_args(args: Args) -> EnvConfig:
     bad = [m for m in args.modes if m not in MODES]
     if bad or not args.modes:
         raise ValueError(f"--modes must be among {MODES}, got {args.modes}")
-    if min(args.steps, args.train_traj, args.episodes, args.verifier_steps, args.verifier_episodes) < 1 or args.slack < 0:
+    counts = (args.steps, args.train_traj, args.episodes, args.verifier_steps, args.verifier_episodes)
+    if min(counts) < 1 or args.slack < 0:
         raise ValueError("--steps, --train-traj, --episodes, --verifier-steps and --verifier-episodes must be >= 1, "
                          "--slack >= 0")
     if not 0.0 <= args.train_eps <= 1.0 or not 0.0 < args.verifier_threshold < 1.0:
