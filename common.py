@@ -3,7 +3,7 @@ seam, per-token log-probs, masked reductions, evaluation and summaries, the trac
 the FSDP2 sharding of a run with several processes.
 
 Plumbing only: advantages, losses and rollout structures stay in the scripts, and a helper lives here only
-when at least three scripts need it as is. Budget: 700 lines (a test enforces it).
+when at least three scripts need it as is. Budget: 820 lines (a test enforces it).
 """
 from __future__ import annotations
 
@@ -216,6 +216,43 @@ class SumsTask:
         return float(correct), {"format": float(fmt), "partial": float(partial), "correct": float(correct)}
 
 
+class WordProblemTask:
+    """GSM8K-style word problems, generated: one or two steps of +, - or x on small numbers, written as text for a
+    real pretrained chat model ('Mia has 12 pens. She buys 7 more ... How many pens does Mia have now?'). The reward
+    reads the last number of the response, as GSM8K graders do. Held out: a hash of (template, numbers) is 0 mod 10."""
+
+    TEMPLATES = (  # (text, answer from the numbers a, b, c)
+        ("{n} has {a} {x}. {p} buys {b} more. How many {x} does {n} have now?", lambda a, b, c: a + b),
+        ("{n} has {a} {x} and gives {b} of them to a friend. How many {x} does {n} have left?", lambda a, b, c: a - b),
+        ("{n} buys {a} boxes with {b} {x} in each box. How many {x} does {n} buy?", lambda a, b, c: a * b),
+        ("{n} has {a} {x}, buys {b} more and then gives away {c}. How many {x} does {n} have?",
+         lambda a, b, c: a + b - c),
+        ("{n} packs {a} bags of {b} {x} and finds {c} more. How many {x} are there in all?", lambda a, b, c: a * b + c),
+    )
+    NAMES, ITEMS = (("Mia", "She"), ("Tom", "He"), ("Ava", "She"), ("Leo", "He")), ("pens", "apples", "stamps", "cards")
+
+    def __init__(self):
+        self.kind, self.name = "words", "words"
+
+    def sample(self, split: str, n: int, rng: np.random.Generator) -> list[Example]:
+        out = []
+        while len(out) < n:
+            k, (name, pron), item = rng.integers(len(self.TEMPLATES)), self.NAMES[rng.integers(4)], rng.choice(self.ITEMS)
+            text, fn = self.TEMPLATES[k]
+            a, b = int(rng.integers(2, 20)), int(rng.integers(2, 10))
+            c = int(rng.integers(1, min(a, 10))) if "{c}" in text else 0  # the split hashes only what the text shows
+            if a <= b and k == 1 or ArithmeticTask.is_held_out(100 * int(k), a, b, c) != (split == "test"):
+                continue
+            prompt = text.format(n=name, p=pron, x=item, a=a, b=b, c=c) + " Give the answer as a number at the end."
+            out.append(Example(prompt, str(fn(a, b, c))))
+        return out
+
+    def verify(self, response: str, answer: str) -> tuple[float, dict]:
+        nums = re.findall(r"-?\d+(?:\.\d+)?", response.replace(",", ""))
+        correct = bool(nums) and float(nums[-1]) == float(answer)
+        return float(correct), {"format": float(bool(nums)), "correct": float(correct)}
+
+
 class DatasetTask:
     """Prompt/answer records (a local JSONL file or GSM8K via `datasets`), checked with math-verify."""
 
@@ -277,18 +314,20 @@ def load_gsm8k() -> DatasetTask:
 
 
 def make_task(name: str, digits: int = 2):
-    """'add', 'addsteps', 'sums<N>' (N operands, 2..16), 'sumsmix' (heavy-tailed N), 'sums' (= sums5), 'jsonl:PATH'
-    or 'gsm8k'. `digits` only applies to the arithmetic tasks (tiny-sums is made for 'sums' with digits=1)."""
+    """'add', 'addsteps', 'sums<N>' (N operands, 2..16), 'sumsmix' (heavy-tailed N), 'sums' (= sums5), 'words' (word
+    problems for a pretrained chat model), 'jsonl:PATH' or 'gsm8k'. `digits` only applies to the arithmetic tasks (tiny-sums is made for 'sums' with digits=1)."""
     if name in ("add", "addsteps"):
         return ArithmeticTask(name, digits)
     if re.fullmatch(r"sums(\d+|mix)?", name):
         ops = name[4:] or "5"
         return SumsTask(ops if ops == "mix" else int(ops), digits)
+    if name == "words":
+        return WordProblemTask()
     if name.startswith("jsonl:"):
         return load_jsonl_task(name[len("jsonl:"):])
     if name == "gsm8k":
         return load_gsm8k()
-    raise SystemExit(f"unknown task {name!r}: choose add, addsteps, sums, sums<N>, sumsmix, jsonl:PATH or gsm8k")
+    raise SystemExit(f"unknown task {name!r}: choose add, addsteps, sums, sums<N>, sumsmix, words, jsonl:PATH or gsm8k")
 
 
 # ---- models and tokenizers ----

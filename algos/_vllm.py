@@ -38,11 +38,17 @@ class VLLMEngine:
         self.llm = LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                        seed=seed, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                        distributed_executor_backend="external_launcher", max_num_batched_tokens=4096)
+        try:  # the model's own EOS ids (chat models often have several): the trainer's mask ends on the same set
+            from transformers import GenerationConfig
+
+            self.generation_config = GenerationConfig.from_pretrained(model_path)
+        except OSError:
+            self.generation_config = None
 
     def generate(self, tok, prompts, group_size, max_new_tokens, temperature, top_p, greedy) -> common.Rollout:
         from vllm import SamplingParams
 
-        sp = SamplingParams(n=group_size, max_tokens=max_new_tokens, logprobs=0,
+        sp = SamplingParams(n=group_size, max_tokens=max_new_tokens, logprobs=0, stop_token_ids=common.eos_ids(tok, self),
                             temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         comps = [list(c.token_ids) for o in outs for c in o.outputs]
@@ -59,5 +65,7 @@ class VLLMEngine:
     def sync_weights(self, model) -> None:
         """Load the trainer's current weights into vLLM's model (call after each optimiser step)."""
         runner_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        runner_model.load_weights(weights=[(n, p.detach()) for n, p in model.named_parameters()])
+        # a sharded model gathers each parameter in turn (every rank calls this after each optimiser step)
+        runner_model.load_weights(weights=[(n, (p.full_tensor() if hasattr(p, "full_tensor") else p).detach())
+                                           for n, p in model.named_parameters()])
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights

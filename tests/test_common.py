@@ -222,7 +222,7 @@ def test_behaviour_logprobs_equal_trainer_logprobs(tiny, temperature):
     torch.manual_seed(1)
     ro = common.generate(model, tok, prompts, group_size=3, max_new_tokens=6, temperature=temperature)
     lp, ent = common.token_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask,
-                                    temperature=temperature, chunk_tokens=5, with_entropy=True)
+                                    temperature=temperature, chunk_mb=5 * 4 * 99 / 2**20, with_entropy=True)
     assert torch.allclose(lp, ro.logprobs, atol=1e-4)
     assert (ent >= 0).all() and (ent[ro.completion_mask == 0] == 0).all()
 
@@ -248,7 +248,7 @@ def test_token_logprobs_matches_full_forward_and_fused_hook(tiny):
     p_ids, p_mask = common.left_pad(common.encode_prompts(tok, ["1+2=", "33+44="]), tok.pad_token_id)
     c_ids = torch.tensor([[5, 6, tok.eos_token_id], [7, tok.eos_token_id, tok.pad_token_id]])
     c_mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    lp = common.token_logprobs(model, p_ids, p_mask, c_ids, c_mask, chunk_tokens=2)
+    lp = common.token_logprobs(model, p_ids, p_mask, c_ids, c_mask, chunk_mb=2 * 4 * 99 / 2**20)  # 2 positions
     for i in range(2):  # unpadded, one sequence at a time, full logits
         seq = torch.cat([p_ids[i][p_mask[i] == 1], c_ids[i][c_mask[i] == 1]])
         logits = model(seq[None]).logits[0].log_softmax(-1)
@@ -528,3 +528,123 @@ def test_bf16_sampler_is_a_refreshed_unregistered_copy():
     trainer = common.token_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
     m = ro.completion_mask.bool()
     assert (trainer - ro.logprobs)[m].abs().mean() < 0.03  # both bf16 matmuls on the same rounded weights
+
+
+# ---- real inputs: tasks for a pretrained model, EOS sets, context limits, bad files ----
+def test_word_problems_split_and_last_number_verifier():
+    task = common.make_task("words")
+    a, b = task.sample("train", 200, np.random.default_rng(0)), task.sample("test", 200, np.random.default_rng(0))
+    assert [e.prompt for e in a] == [e.prompt for e in task.sample("train", 200, np.random.default_rng(0))]
+    assert not {e.prompt for e in a} & {e.prompt for e in b}  # the held-out split never reaches training
+    assert all(int(e.answer) >= 0 for e in a + b) and len({e.answer for e in a}) > 20
+    ex = next(e for e in a if "buys" in e.prompt and "more." in e.prompt)
+    assert task.verify(f"First 3 + 4, so the answer is {ex.answer}.", ex.answer)[0] == 1.0  # the last number counts
+    assert task.verify(f"{ex.answer} ... or maybe {int(ex.answer) + 1}", ex.answer)[0] == 0.0
+    assert task.verify("no idea", ex.answer) == (0.0, {"format": 0.0, "correct": 0.0})
+
+
+def test_jsonl_fields_must_be_strings_and_text_utf8(tmp_path):
+    good = json.dumps({"prompt": "q", "answer": "1"})
+    (tmp_path / "ints.jsonl").write_text(f"{good}\n" + json.dumps({"prompt": 53, "answer": 2}) + "\n")
+    with pytest.raises(SystemExit, match=r"ints\.jsonl: line 2: 'prompt', 'answer' .* must be strings"):
+        common.make_task(f"jsonl:{tmp_path / 'ints.jsonl'}")
+    (tmp_path / "latin1.jsonl").write_bytes(good.encode() + b"\n" + '{"prompt": "caf\u00e9", "answer": "1"}'.encode("latin-1"))
+    with pytest.raises(SystemExit, match=r"latin1\.jsonl: not UTF-8"):
+        common.make_task(f"jsonl:{tmp_path / 'latin1.jsonl'}")
+
+
+def test_eos_ids_union_of_tokenizer_and_generation_config(tiny):
+    model, tok = tiny
+    assert common.eos_ids(tok) == common.eos_ids(tok, model) == [tok.eos_token_id]
+    gc = type("GC", (), {"eos_token_id": [tok.eos_token_id, 7]})()
+    chat = type("M", (), {"generation_config": gc})()
+    assert common.eos_ids(tok, chat) == sorted({tok.eos_token_id, 7})
+    ids = torch.tensor([[5, 7, 9, 2]])  # the mask ends at the first id of the set, whichever it is
+    assert common._completion_mask(ids, [2, 7]).tolist() == [[1, 1, 0, 0]]
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error(tiny):
+    model, tok = tiny
+    limit = model.config.max_position_embeddings
+    with pytest.raises(SystemExit, match=f"exceeds the model's context of {limit}"):
+        common.generate(model, tok, [[5] * (limit - 3)], 1, 8)
+
+
+def test_decoder_hidden_is_the_decoders_output(tiny):
+    model, tok = tiny
+    ids, mask = common.left_pad(common.encode_prompts(tok, ["1+2=", "33+44="]), tok.pad_token_id)
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, output_hidden_states=True)
+    h = common.decoder_hidden(model, ids, mask, pos)
+    assert torch.allclose(model.lm_head(h), out.logits, atol=1e-5)
+
+
+def test_token_logprobs_recomputes_chunks_in_the_backward(tiny):
+    """Under a gradient no chunk's [positions x vocab] log-softmax is kept for the backward: the saved tensors are
+    the chunk inputs only, and the gradient equals the one-chunk graph's."""
+    model, tok = tiny
+    p_ids, p_mask = common.left_pad(common.encode_prompts(tok, ["1+2=", "33+44="] * 4), tok.pad_token_id)
+    c_ids, c_mask = torch.randint(3, 20, (8, 6)), torch.ones(8, 6, dtype=torch.long)
+    V = model.config.vocab_size
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    grads = []
+    for mb in (2 * 4 * V / 2**20, 1e6):  # 2-position chunks, then one chunk
+        model.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            saved.clear()
+            lp = common.token_logprobs(model, p_ids, p_mask, c_ids, c_mask, chunk_mb=mb)
+        if mb < 1:
+            assert not [n for n in saved if n % V == 0 and n >= 2 * V]  # no [chunk x vocab] tensor saved
+        lp.sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-4) for a, b in zip(*grads))  # gradients up to ~100
+
+
+def test_one_process_is_not_sharded(tiny):
+    model, _ = tiny
+    one = type("Accel", (), {"num_processes": 1})()
+    assert common.shard(model, one) is model and not common.is_sharded(model)
+    assert common.shard(None, one) is None
+    common.sync_sampler(model)  # no copy to refresh: a no-op
+    assert common.sampler_is_trainer(model)  # CPU: generate decodes with the trainer's own forward
+
+
+def test_sharded_checkpoint_roundtrip_in_one_process(tmp_path, tiny):
+    """save_checkpoint / load_checkpoint of an FSDP2 model (torch.distributed.checkpoint, via common._dcp) in a
+    one-rank gloo group; the two-process case is tests/test_sharding.py."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _, tok = tiny
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        models = []
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            m = common.load_model("tiny-0.6m", "cpu")[0]
+            for p in m.parameters():
+                p.data.add_(torch.randn_like(p) * 0.01)
+            fully_shard(m, mesh=mesh)
+            models.append(m)
+        opt = torch.optim.AdamW(models[0].parameters())
+        models[0](torch.tensor([[1, 5, 6]])).logits.sum().backward()
+        opt.step()
+        common.save_checkpoint(tmp_path / "ck", models[0], tok, opt, {"step": 3})
+        assert (tmp_path / "ck" / ".metadata").exists()
+        opt2 = torch.optim.AdamW(models[1].parameters())
+        assert common.load_checkpoint(tmp_path / "ck", models[1], opt2) == {"step": 3}
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(a.full_tensor(), b.full_tensor())
+        assert all(torch.equal(opt.state_dict()["state"][0][k].full_tensor(), opt2.state_dict()["state"][0][k].full_tensor())
+                   for k in ("exp_avg", "exp_avg_sq"))
+        with pytest.raises(SystemExit, match="several processes"):
+            common.load_checkpoint(tmp_path / "ck", common.load_model("tiny-0.6m", "cpu")[0])
+    finally:
+        dist.destroy_process_group()

@@ -76,6 +76,7 @@ def test_generate_returns_a_rollout(fake_vllm):
     prompts_sent, sp = fake_vllm.instances[0].calls[0]
     assert [p["prompt_token_ids"] for p in prompts_sent] == prompts  # token ids, not text
     assert (sp.n, sp.max_tokens, sp.temperature, sp.logprobs) == (3, 4, 0.7, 0)
+    assert sp.stop_token_ids == common.eos_ids(tok)  # the ids the trainer's mask ends on
     assert ro.completion_ids.shape == ro.logprobs.shape == ro.completion_mask.shape == (6, 4)
     assert ro.prompt_ids.shape == (6, 3) and ro.prompt_mask[3:].sum(1).tolist() == [2, 2, 2]  # left-padded, group-major
     lengths = ro.completion_mask.sum(1).tolist()
