@@ -1,22 +1,23 @@
 """A small multi-turn text environment that ships with the repository: a key-value store the policy must query.
 
-Each episode hides a store of `n_keys` letter keys holding `digits`-digit values and asks for the sum of two of
-them. The prompt names the two keys only (`b+d?`); the values reach the policy through the environment's answers,
+Each episode hides a store of `n_keys` letter keys holding `digits`-digit values and asks for the sum of `n_query`
+of them. The prompt names the keys only (`b+d+a?`); the values reach the policy through the environment's answers,
 so it has to act, read what the environment says, and act again:
 
-    b+d?  #b  =4;  #d  =7;  !11            (prompt, action, observation, action, observation, final action)
+    b+d+a?  #b  =4;  #d  =7;  #a  =2;  !13        (prompt, then action / observation turns, then the answer)
 
 Actions (one per turn, each ended by EOS in token space):
-    #k    look key k up              -> observation `=V;` (the value, zero-padded to `digits` digits)
-    !N    answer N (digits only)     -> the episode ends; reward 1 if N is the sum, else 0
+    #k    look key k up              -> observation `=V;` (the value)
+    !N  or  !X+Y=N                   -> the episode ends; reward 1 if N is the sum, else 0 (X+Y= is an optional
+                                        scratchpad, not checked; the expert answers `!N`)
     anything else, or a key that is not in the store -> the error observation `err;` (never an exception)
 Limits, each ending the episode with reward LIMIT_REWARD = 0 and the observation `end;`:
     the turn limit   `max_turns` actions without an answer
     the context limit the transcript (prompt + actions + observations, in characters) would pass `max_context`
 
-`reset(seed)` is deterministic in the seed. The held-out split is decided like the arithmetic tasks': an episode
-is held out when a hash of the two queried values is 0 mod 10 (`common.ArithmeticTask.is_held_out`), so training
-never adds a held-out pair. The state is the transcript, so exact stepwise values are defined for any policy, and
+`reset(seed)` is deterministic in the seed. An episode (its store and its query) is held out when a hash of it is
+0 mod 10, so training never plays a held-out episode (the prompt does not show the values, so a split on the
+values alone would test nothing the policy sees). The state is the transcript, so exact stepwise values are defined for any policy, and
 `expert_action` gives the shortest solution (the SFT traces).
 
 Shared by algos/sft.py (traces, per-turn accuracy of the shipped `tiny-toolenv`), algos/multiturn_grpo.py,
@@ -26,6 +27,7 @@ algos/echo.py and algos/hgpo.py: the environment, the turn-by-turn episode runne
 from __future__ import annotations
 
 import copy
+import hashlib
 import re
 import string
 from dataclasses import dataclass, field
@@ -43,27 +45,26 @@ END_OBS = "end;"
 class LookupEnv:
     """gymnasium-like: `reset(seed) -> observation` (the prompt), `step(action_text) -> (observation, reward, done)`."""
 
-    def __init__(self, n_keys: int = 4, digits: int = 1, max_turns: int = 4, max_context: int = 32):
-        if not 2 <= n_keys <= 26 or not 1 <= digits <= 4 or max_turns < 1 or max_context < 8:
-            raise ValueError(f"LookupEnv needs 2 <= n_keys <= 26, 1 <= digits <= 4, max_turns >= 1, max_context >= 8;"
-                             f" got {n_keys}, {digits}, {max_turns}, {max_context}")
+    def __init__(self, n_keys: int = 4, digits: int = 1, max_turns: int = 5, max_context: int = 40, n_query: int = 3):
+        if not 2 <= n_query <= n_keys <= 26 or not 1 <= digits <= 4 or max_turns < 1 or max_context < 8:
+            raise ValueError(f"LookupEnv needs 2 <= n_query <= n_keys <= 26, 1 <= digits <= 4, max_turns >= 1, "
+                             f"max_context >= 8; got {n_query}, {n_keys}, {digits}, {max_turns}, {max_context}")
         self.n_keys, self.digits, self.max_turns, self.max_context = n_keys, digits, max_turns, max_context
-        self.name = f"lookup{n_keys}d{digits}"
+        self.n_query, self.name = n_query, f"lookup{n_query}of{n_keys}d{digits}"
         self.done, self.transcript = True, ""
 
     @staticmethod
-    def episode(seed: int, n_keys: int = 4, digits: int = 1) -> tuple[dict, tuple[str, str]]:
+    def episode(seed: int, n_keys: int = 4, digits: int = 1, n_query: int = 3) -> tuple[dict, tuple]:
         """(store, queried keys) of episode `seed`: a pure function of its arguments."""
         rng = np.random.default_rng([7919, int(seed)])
         keys = rng.choice(list(string.ascii_lowercase[:8 if n_keys <= 8 else 26]), n_keys, replace=False)
         values = rng.integers(0, 10 ** digits, size=n_keys)
         store = {str(k): int(v) for k, v in zip(keys, values)}
-        x, y = (str(k) for k in rng.choice(keys, 2, replace=False))
-        return store, (x, y)
+        return store, tuple(str(k) for k in rng.choice(keys, n_query, replace=False))
 
     def is_held_out(self, seed: int) -> bool:
-        store, (x, y) = self.episode(seed, self.n_keys, self.digits)
-        return common.ArithmeticTask.is_held_out(store[x], store[y])
+        store, query = self.episode(seed, self.n_keys, self.digits, self.n_query)
+        return int(hashlib.md5(repr((sorted(store.items()), query)).encode()).hexdigest(), 16) % 10 == 0
 
     def seeds(self, split: str, n: int, rng: np.random.Generator) -> list[int]:
         """n episode seeds of 'train' or 'test' drawn with `rng`."""
@@ -76,10 +77,10 @@ class LookupEnv:
 
     def reset(self, seed: int) -> str:
         self.seed = int(seed)
-        self.store, self.query = self.episode(seed, self.n_keys, self.digits)
-        self.answer = self.store[self.query[0]] + self.store[self.query[1]]
+        self.store, self.query = self.episode(seed, self.n_keys, self.digits, self.n_query)
+        self.answer = sum(self.store[k] for k in self.query)
         self.turns, self.done, self.reward = 0, False, 0.0
-        self.transcript = f"{self.query[0]}+{self.query[1]}?"
+        self.transcript = "+".join(self.query) + "?"
         return self.transcript
 
     def step(self, action: str) -> tuple[str, float, bool]:
@@ -90,9 +91,9 @@ class LookupEnv:
         a = action.strip()
         obs, reward, done = ERROR_OBS, 0.0, False
         if re.fullmatch(r"#[a-z]", a) and a[1] in self.store:
-            obs = f"={self.store[a[1]]:0{self.digits}d};"
-        elif re.fullmatch(r"!\d{1,6}", a):
-            obs, reward, done = "", float(int(a[1:]) == self.answer), True
+            obs = f"={self.store[a[1]]};"
+        elif re.fullmatch(r"!(\d{1,6}\+\d{1,6}=)?\d{1,6}", a):
+            obs, reward, done = "", float(int(a.rsplit("=", 1)[-1].lstrip("!")) == self.answer), True
         if not done and (self.turns >= self.max_turns or len(self.transcript) + len(obs) > self.max_context):
             obs, reward, done = END_OBS, LIMIT_REWARD, True
         self.transcript += obs
@@ -100,7 +101,7 @@ class LookupEnv:
         return obs, reward, done
 
     def expert_action(self) -> str:
-        """The shortest solution's next action: look up the queried keys in order, then answer their sum."""
+        """The shortest solution's next action: look up the queried keys in order, then answer their sum `!N`."""
         for k in self.query:
             if f"#{k}" not in self.transcript:
                 return f"#{k}"

@@ -44,6 +44,7 @@ import tyro
 from tqdm import tqdm
 
 import common
+from algos._toolenv import TraceTask
 
 # Architectures for the shipped tiny models (LlamaForCausalLM, character vocabulary of 99 tokens).
 NEW_MODELS = {
@@ -72,7 +73,8 @@ class Args:
     model: str = "tiny-0.6m"
     """tiny-*, new-small, new-large, new-moe, smollm2-135m, a Hugging Face id or a local path"""
     tasks: list[str] = field(default_factory=lambda: ["add"])
-    """tasks to train on, mixed uniformly: add, addsteps, sums<N> (N operands), sumsmix, jsonl:PATH, gsm8k"""
+    """tasks to train on, mixed uniformly: add, addsteps, sums<N> (N operands), sumsmix, jsonl:PATH, gsm8k, toolenv
+    (expert multi-turn traces of algos/_toolenv.py: actions trained on, the environment's observations masked)"""
     digits: int = 2
     """operand digits of the arithmetic tasks"""
     device: str = "auto"
@@ -119,20 +121,57 @@ def build_batch(tok, examples: list[common.Example]):
     """Right-padded [B, T] ids with a loss mask that is 1 only on response tokens (and the final EOS)."""
     prompts = common.encode_prompts(tok, [e.prompt for e in examples])
     responses = [tok(e.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for e in examples]
+    weights = [[1] * len(r) for r in responses]
+    for i, e in enumerate(examples):
+        if getattr(e, "turns", None):  # multi-turn trace: each action + EOS trained on, each observation masked
+            enc = lambda s: tok(s, add_special_tokens=False)["input_ids"] if s else []  # noqa: E731
+            parts = [(enc(a) + [tok.eos_token_id], enc(o)) for a, o in e.turns]
+            responses[i] = [t for a, o in parts for t in a + o]
+            weights[i] = [w for a, o in parts for w in [1] * len(a) + [0] * len(o)]
     width = max(len(p) + len(r) for p, r in zip(prompts, responses))
     ids = torch.full((len(examples), width), tok.pad_token_id, dtype=torch.long)
     attn, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         ids[i, :len(p) + len(r)] = torch.tensor(p + r)
         attn[i, :len(p) + len(r)] = 1
-        loss_mask[i, len(p):len(p) + len(r)] = 1
+        loss_mask[i, len(p):len(p) + len(r)] = torch.tensor(weights[i])
     return ids, attn, loss_mask
 
 
-def sft_loss(logits: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Token-mean negative log-likelihood of the response tokens; logits [B, T, V] predict ids shifted by one."""
-    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return -common.masked_mean(logp, loss_mask[:, 1:])
+def decoder_forward(model, ids: torch.Tensor, attn: torch.Tensor):
+    """The decoder's last hidden states [B, T, H] and, for a mixture of experts, its load-balancing loss (else None),
+    without the [B, T, V] logits: the model's own forward keeps one logit (logits_to_keep=1) and a hook reads the
+    decoder's output. Under the model's autocast (bf16 matmuls under --dtype bf16)."""
+    out = {}
+    hook = model.get_decoder().register_forward_hook(lambda m, a, o: out.__setitem__("h", o.last_hidden_state))
+    moe = {"output_router_logits": True} if hasattr(model.config, "router_aux_loss_coef") else {}
+    try:
+        with common.autocast(model):
+            res = model(input_ids=ids, attention_mask=attn, logits_to_keep=1, **moe)
+    finally:
+        hook.remove()
+    return out["h"], getattr(res, "aux_loss", None)
+
+
+def sft_loss(model, h: torch.Tensor, ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Token-mean negative log-likelihood of the response tokens from the decoder's last hidden states h [B, T, H]
+    (position t predicts ids[:, t + 1]). The lm_head and the fp32 log-softmax run chunk by chunk over positions
+    (about common.LOGPROB_CHUNK_MB MiB of logits each), each chunk recomputed in the backward (activation
+    checkpointing), so the [B, T, V] logits never exist."""
+    head, H = model.get_output_embeddings(), h.shape[-1]
+    h, targets, mask = h[:, :-1].reshape(-1, H), ids[:, 1:].reshape(-1), loss_mask[:, 1:].reshape(-1).float()
+
+    def chunk_nll(hc, tc, mc):
+        with common.autocast(model):
+            logits = head(hc)
+        return (torch.log_softmax(logits.float(), -1).gather(-1, tc[:, None]).squeeze(-1) * mc).sum()
+
+    step = common.chunk_positions(head.weight.shape[0])
+    grad = torch.is_grad_enabled() and h.requires_grad
+    total = sum(torch.utils.checkpoint.checkpoint(chunk_nll, h[s:s + step], targets[s:s + step], mask[s:s + step],
+                                                  use_reentrant=False) if grad else
+                chunk_nll(h[s:s + step], targets[s:s + step], mask[s:s + step]) for s in range(0, len(targets), step))
+    return -(total / mask.sum().clamp(min=1))
 
 
 def build_char_tokenizer():
@@ -174,7 +213,10 @@ def lr_at(step: int, args: Args) -> float:
 def eval_all(model, tok, tasks, eval_sets, args, pass_k: int = 0) -> dict:
     out = {}
     for t in tasks:
-        res = common.evaluate(model, tok, t, eval_sets[t.name], args.max_new_tokens, pass_k=pass_k)
+        if hasattr(t, "evaluate"):  # an environment evaluates itself (episode success, per-turn accuracy)
+            res = t.evaluate(model, tok, eval_sets[t.name], args.max_new_tokens, pass_k=pass_k)
+        else:
+            res = common.evaluate(model, tok, t, eval_sets[t.name], args.max_new_tokens, pass_k=pass_k)
         out.update({f"eval/{t.name}_{k}": v for k, v in res.items()})  # acc (greedy) and pass@k
     return out
 
@@ -185,7 +227,7 @@ def main(args: Args) -> dict:
     torch.set_num_threads(args.threads)
     common.set_seed(args.seed)
     device = common.get_device(args.device)
-    tasks = [common.make_task(name, args.digits) for name in args.tasks]
+    tasks = [TraceTask() if name == "toolenv" else common.make_task(name, args.digits) for name in args.tasks]
     if args.model in NEW_MODELS or args.model in NEW_MOE_MODELS:
         model, tok = new_model(args.model, args.seed)
         model.to(device)
@@ -206,12 +248,10 @@ def main(args: Args) -> dict:
     for step in bar:
         examples = [ex for t in tasks for ex in t.sample("train", args.batch_size // len(tasks), rng)]
         ids, attn, loss_mask = (x.to(device) for x in build_batch(tok, examples))
-        with common.autocast(model):  # bf16 matmuls under --dtype bf16; sft_loss is fp32
-            moe = {"output_router_logits": True} if hasattr(model.config, "router_aux_loss_coef") else {}
-            out = model(input_ids=ids, attention_mask=attn, **moe)
-        loss = sft_loss(out.logits, ids, loss_mask)
-        if getattr(out, "aux_loss", None) is not None:  # a mixture of experts: + coef * load-balancing loss
-            loss = loss + model.config.router_aux_loss_coef * out.aux_loss.float()
+        h, aux_loss = decoder_forward(model, ids, attn)  # bf16 matmuls under --dtype bf16; sft_loss is fp32
+        loss = sft_loss(model, h, ids, loss_mask)
+        if aux_loss is not None:  # a mixture of experts: + coef * load-balancing loss
+            loss = loss + model.config.router_aux_loss_coef * aux_loss.float()
         if not torch.isfinite(loss):
             raise SystemExit(f"non-finite loss at step {step}: lower --lr")
         opt.zero_grad(set_to_none=True)

@@ -22,22 +22,23 @@ def test_same_seed_same_episode_and_seeds_differ():
     acts = ["#a", "#b", "xx", "#c"]
     assert play_texts(env, 123, acts) == play_texts(LookupEnv(), 123, acts)
     assert len({LookupEnv().reset(s) + str(LookupEnv.episode(s)) for s in range(50)}) > 40
-    store, (x, y) = LookupEnv.episode(7)
-    assert len(store) == 4 and x != y and {x, y} <= set(store)
+    store, query = LookupEnv.episode(7)
+    assert len(store) == 4 and len(set(query)) == 3 and set(query) <= set(store)
 
 
-def test_expert_solves_every_episode_in_three_turns():
+def test_expert_solves_every_episode_in_four_turns():
     task = TraceTask()
     for e in task.sample("train", 30, np.random.default_rng(0)):
-        store, (x, y) = LookupEnv.episode(e.seed)
-        assert [a for a, _ in e.turns] == [f"#{x}", f"#{y}", f"!{store[x] + store[y]}"]
-        assert e.turns[0][1] == f"={store[x]};" and e.solution == "".join(a + o for a, o in e.turns)
+        store, q = LookupEnv.episode(e.seed)
+        assert [a for a, _ in e.turns] == [f"#{k}" for k in q] + [f"!{sum(store[k] for k in q)}"]
+        assert e.turns[0][1] == f"={store[q[0]]};" and e.solution == "".join(a + o for a, o in e.turns)
         env = LookupEnv()
         env.reset(e.seed)
         assert [env.step(a) for a, _ in e.turns][-1] == ("", 1.0, True)
 
 
-@pytest.mark.parametrize("action", ["", "#", "#ab", "?a", "!", "!x1", "a", "#A", "!-3", "#z ", "\u00e9", "!1234567"])
+@pytest.mark.parametrize("action", ["", "#", "#ab", "?a", "!", "!x1", "a", "#A", "!-3", "#z ", "\u00e9", "!1234567", "!1+=3", "!1+2=",
+                                    "!=3"])
 def test_every_malformed_action_gets_the_error_observation(action):
     env = LookupEnv()
     env.reset(5)
@@ -53,6 +54,10 @@ def test_wrong_answer_ends_with_zero_and_right_answer_with_one():
     assert env.step(f"!{env.answer + 1}") == ("", 0.0, True)
     env.reset(11)
     assert env.step(f"!{env.answer}") == ("", 1.0, True)
+    env.reset(11)
+    assert env.step(f"!1+2={env.answer}") == ("", 1.0, True)  # the scratchpad is not checked, the sum is
+    env.reset(11)
+    assert env.step(f"!1+2={env.answer}0") == ("", 0.0, True)
     with pytest.raises(RuntimeError):
         env.step("#a")
 
@@ -66,21 +71,27 @@ def test_turn_limit_ends_with_the_stated_reward():
 
 
 def test_context_limit_ends_with_the_stated_reward():
-    env = LookupEnv(max_turns=10, max_context=16)
+    env = LookupEnv(max_turns=10, max_context=18)
     prompt = env.reset(3)
-    assert len(prompt) == 4
-    assert env.step("#q#q") == (ERROR_OBS, 0.0, False)  # 4 + 4 + 4 = 12 characters
-    assert env.step("#q") == (END_OBS, LIMIT_REWARD, True)  # 12 + 2 + 4 > 16
+    assert len(prompt) == 6
+    assert env.step("#q#q") == (ERROR_OBS, 0.0, False)  # 6 + 4 + 4 = 14 characters
+    assert env.step("#q") == (END_OBS, LIMIT_REWARD, True)  # 14 + 2 + 4 > 18
+    env = LookupEnv(max_turns=10, max_context=19)
+    env.reset(3)
+    key = next(iter(env.store))
+    assert env.step(f"#{key}")[2] is False and env.step(f"#{key}")[0] == f"={env.store[key]};"  # 6 + 5 + 5
+    assert env.step(f"#{key}") == (END_OBS, LIMIT_REWARD, True)  # a lookup whose answer would not fit
     with pytest.raises(ValueError):
         LookupEnv(max_context=2)
 
 
-def test_held_out_split_is_disjoint_and_follows_the_value_pair():
+def test_held_out_split_is_disjoint():
     env = LookupEnv()
-    test = env.seeds("test", 40, np.random.default_rng(0))
-    train = env.seeds("train", 40, np.random.default_rng(0))
-    pair = lambda s: tuple(sorted(LookupEnv.episode(s)[0][k] for k in LookupEnv.episode(s)[1]))  # noqa: E731
-    assert not {pair(s) for s in test} & {pair(s) for s in train}
+    test = env.seeds("test", 200, np.random.default_rng(0))
+    train = env.seeds("train", 2000, np.random.default_rng(0))
+    episode = lambda s: repr((sorted(LookupEnv.episode(s)[0].items()), LookupEnv.episode(s)[1]))  # noqa: E731
+    assert not {episode(s) for s in test} & {episode(s) for s in train}
+    assert 0.05 < np.mean([env.is_held_out(s) for s in range(2000)]) < 0.15
 
 
 def test_play_appends_observations_and_records_masks():
@@ -98,4 +109,4 @@ def test_play_appends_observations_and_records_masks():
         assert obs_text == "".join(e.observations)
         assert all(lp == 0.0 for lp, k in zip(e.logprobs, e.kind) if k == 2)
         assert all(lp < 0.0 for lp, k in zip(e.logprobs, e.kind) if k == 1)
-        assert e.env.transcript == e.env.transcript[:4] + "".join(a + o for a, o in zip(e.actions, e.observations))
+        assert e.env.transcript == e.env.transcript[:6] + "".join(a + o for a, o in zip(e.actions, e.observations))

@@ -1,0 +1,703 @@
+"""HGPO and LoGo: stepwise advantages for multi-turn agents, against flat stepwise groups.
+
+Papers: "Hierarchy-of-Groups Policy Optimization for Long-Horizon Agentic Tasks" (HGPO; code in verl-agent's
+recipe/hgpo; arXiv id not given in the abstract this implementation follows), and Memory-R2's LoGo-GRPO ("Memory-R2",
+local and global group-relative optimisation for memory-augmented agents; arXiv id not given either). In stepwise
+group-based RL every step (turn) of a rollout is trained with its own group-relative advantage. Steps of one flat
+group (same episode, same turn) can have different histories, which biases their advantages; HGPO puts each step
+into several groups by how much history they share and combines the group-relative advantages with weights;
+LoGo adds local re-rollouts from one shared intermediate state (a depth-1 tree), a fair group for those steps.
+
+Equations (step (i, t): episode i of a seed group, turn t, history h_it = (a_i1, o_i1, ..., a_i,t-1, o_i,t-1);
+the return of every step is the episode's final reward R_i):
+  flat stepwise      A_it = (R_i - mean_{G_0} R) / std_{G_0} R,  G_0 = steps of the seed group at turn t
+                                                                      hgpo_step_advantages(levels="flat")
+  HGPO               G_k(i, t) = steps of G_0 whose last k (action, observation) pairs equal h_it's (k = 0..t;
+                     G_t = the steps in the same state); A_k = the group-relative advantage in G_k;
+                     A_it = sum_k w_k A_k / sum_k w_k over levels with |G_k| >= 2,  w_k = (k + 1)^alpha
+                                                                      hgpo_step_advantages(levels="all")
+  LoGo               global: multi-turn GRPO's A_i on every step; local: K re-rollouts from the state at the start
+                     of turn --logo-turn of one episode per seed group; A_local = group-relative advantage among
+                     the K re-rollouts and their source; a step's signal = global + local (its source's steps),
+                     local only (the re-rolled turns)                 local_rerollouts, logo_step_advantages
+  per-token          the step's advantage on the action tokens of its turn     token_advantages
+  loss               multi-turn GRPO's clipped surrogate with a per-token advantage [B, C]    clipped_pg_loss
+  exact reference    A*(s_t, a_t) = V(s_t+1) - V(s_t) (the environment is deterministic, so Q(s, a) = V of the
+                     next state; V(terminal) = its reward), each V a Monte Carlo mean of --mse-rollouts episodes
+                     from the exact state, with its own variance reported   true_step_advantages, advantage_mse
+
+Parent: algos/multiturn_grpo.py; changed: Args, check_args, clipped_pg_loss, rollout, main.
+
+Deviations:
+- HGPO's adaptive weights are w_k = (k + 1)^alpha over the levels whose group has at least two steps (deeper, more
+  consistent groups weigh more); the abstract does not give the paper's formula. Level k matches the last k
+  (action, observation) pairs; level 0 is the flat group of the same turn.
+- LoGo re-rolls one state per seed group (turn --logo-turn of the first episode still running there), not every
+  memory operation; its extra sampled turns are counted, and --turn-budget stops a run at a number of sampled turns
+  so that arms compare at equal sampled turns. For the advantage error LoGo's estimate of a step is its local
+  advantage where it has one, the global one elsewhere.
+- The "exact" stepwise values are Monte Carlo estimates from the exact state (the environment is small and
+  deterministic; the policy is a language model whose action distribution cannot be enumerated); their own
+  variance is reported beside every error and is common to all arms.
+- The environment is algos/_toolenv.py's key-value lookup (three turns), not ALFWorld or WebShop.
+
+Commands:
+  python algos/hgpo.py                                   # HGPO, tiny default, 2-core CPU, ~5 minutes
+  python algos/hgpo.py --advantage flat                  # flat stepwise groups
+  python algos/hgpo.py --advantage logo --logo-k 4       # Memory-R2's LoGo (local re-rollouts)
+  python algos/hgpo.py --advantage trajectory            # multi-turn GRPO's trajectory-level advantage
+Expected: held-out success of tiny-toolenv rises by 10+ points in under 5 minutes on 2 cores (seed 0); the mean
+squared error of stepwise advantages against the exact values, flat vs HGPO vs LoGo, and success at equal sampled
+turns: 3-seed figures in benchmarks/results/multiturn.md (rows in benchmarks/results/multiturn.csv).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+from algos import _toolenv
+from algos._vllm import VLLMEngine
+
+
+@dataclass
+class Args:
+    # bookkeeping
+    exp_name: str = "hgpo"
+    """name of the run (the output folder is out_dir/exp_name)"""
+    seed: int = 0
+    """random seed: episodes and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
+    track: bool = False
+    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
+    out_dir: str = "runs"
+    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
+    # model and environment
+    model: str = "tiny-toolenv"
+    """tiny-toolenv (SFT'd on the environment's traces), a Hugging Face id or a local path"""
+    n_keys: int = 4
+    """keys in each episode's hidden store"""
+    n_query: int = 3
+    """keys whose values the answer sums (each needs a lookup turn)"""
+    value_digits: int = 1
+    """digits of the stored values (the answer is the sum of two of them)"""
+    max_turns: int = 5
+    """turn limit: an episode with this many actions and no answer ends with reward 0"""
+    max_context: int = 40
+    """context limit in characters of the transcript (prompt, actions, observations); passing it ends with reward 0"""
+    device: str = "auto"
+    """auto (CUDA if present), cpu or cuda"""
+    threads: int = 2
+    """torch CPU threads per process"""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+    # rollout
+    engine: Literal["hf", "vllm"] = "hf"
+    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
+    vllm_gpu_memory: float = 0.3
+    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
+    prompts_per_step: int = 16
+    """distinct episodes (seeds) per rollout batch (per process)"""
+    group_size: int = 8
+    """episodes per seed (G)"""
+    max_new_tokens: int = 6
+    """generation budget per action (turn)"""
+    temperature: float = 0.7
+    """sampling temperature (the trainer scores with the same temperature); below 1 so that more sampled episodes
+    get their lookups right and reach the answer turn (at 1.0 the tiny policy solves about 20% of them)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    # objective
+    advantage: Literal["hgpo", "flat", "logo", "trajectory"] = "hgpo"
+    """stepwise advantage: HGPO's hierarchy of groups, flat stepwise groups, LoGo's local re-rollouts plus the
+    global group, or multi-turn GRPO's trajectory-level advantage"""
+    hgpo_alpha: float = 1.0
+    """HGPO's level weights w_k = (k + 1)^alpha (0 = equal weights)"""
+    logo_turn: int = 1
+    """LoGo: re-roll from the state at the start of this turn (0-based; 1 = after the first action and observation)"""
+    logo_k: int = 4
+    """LoGo: re-rollouts per seed group"""
+    turn_budget: int = 0
+    """stop once this many turns have been sampled (all arms at equal sampled turns; 0 = run --steps)"""
+    mse_rollouts: int = 32
+    """Monte Carlo episodes per state for the exact stepwise values of advantage_mse (benchmarks)"""
+    adv_std_norm: bool = True
+    """divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
+    clip_eps_low: float = 0.2
+    """lower clip range: ratio >= 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """upper clip range: ratio <= 1 + eps_high (DAPO's clip-higher uses 0.28)"""
+    kl_coef: float = 0.0
+    """weight of the k3 KL to the frozen initial policy (0 = no reference model)"""
+    loss_agg: Literal["seq-mean", "token-mean", "const"] = "seq-mean"
+    """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
+    agg_const: int = 0
+    """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    # optimisation
+    steps: int = 60
+    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
+    ppo_epochs: int = 1
+    """passes over each rollout batch"""
+    minibatches: int = 1
+    """optimiser steps per pass; the rollout batch is split into this many"""
+    micro_batch_size: int = 256
+    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
+    lr: float = 2e-4
+    """peak learning rate (AdamW)"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
+    warmup_steps: int = 0
+    """linear warm-up (optimiser steps)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    grad_checkpointing: bool = False
+    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
+    off by default (the tiny CPU default needs no memory and steps 25% slower with it); on for real models on a GPU"""
+    sampler_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
+    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
+    # eval and checkpoints
+    eval_every: int = 20
+    """rollout batches between held-out evaluations"""
+    eval_examples: int = 300
+    """held-out episodes for greedy success and per-turn accuracy"""
+    env_ce_examples: int = 64
+    """held-out episodes (sampled once from the initial policy) whose observation tokens give eval/env_ce"""
+    save_every: int = 0
+    """rollout batches between checkpoints (0 = only at the end)"""
+    resume: str = ""
+    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
+
+
+def check_args(args: Args) -> None:
+    """Fail early, naming the flag, instead of deep inside torch."""
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size must be at least 2 for a group baseline, got {args.group_size}")
+    if args.prompts_per_step < 1 or args.steps < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--prompts-per-step, --steps and --max-new-tokens must be positive")
+    batch = args.prompts_per_step * args.group_size
+    if batch % args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} must divide the rollout batch "
+                         f"(prompts_per_step * group_size = {batch})")
+    if args.micro_batch_size < 1:
+        raise SystemExit("--micro-batch-size must be positive")
+    if not (0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0):
+        raise SystemExit("clip ranges need 0 <= eps_low < 1 and eps_high >= 0")
+    if args.temperature <= 0:
+        raise SystemExit("--temperature must be > 0 (greedy decoding is used for eval only)")
+    if args.engine == "vllm" and not torch.cuda.is_available():
+        raise SystemExit("--engine vllm needs a CUDA GPU; use --engine hf on CPU")
+    if args.max_turns < 1 or args.max_context < 8 or not 1 <= args.value_digits <= 4 or \
+            not 2 <= args.n_query <= args.n_keys <= 26:
+        raise SystemExit("--max-turns >= 1, --max-context >= 8, --value-digits in 1..4, 2 <= --n-query <= --n-keys <= 26")
+    if args.logo_k < 1 or not 0 <= args.logo_turn < args.max_turns:
+        raise SystemExit("--logo-k must be >= 1 and --logo-turn in 0 .. max_turns - 1")
+
+
+# ---- the idea: advantage, clipped surrogate, KL, aggregation ----
+def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True, eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std_g r + eps); rewards [B] group-major -> advantages [B]."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(1, keepdim=True)
+    if std_norm:
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def clipped_pg_loss(logp, old_logp, adv, eps_low: float, eps_high: float):
+    """Per-token PPO-clip loss -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); logp [B, C], adv [B] or [B, C].
+
+    Returns (loss [B, C], clipped [B, C] as float: where the clipped branch was the active one).
+    """
+    ratio = torch.exp(logp - old_logp)
+    a = adv.unsqueeze(1) if adv.dim() == 1 else adv  # per-token [B, C] stepwise advantages
+    unclipped, clipped = ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def k3_kl(logp, ref_logp):
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, const: int):
+    """This micro-batch's share of the step loss; summing the shares over micro-batches gives J.
+
+    token_loss, mask: [b, C]; n_seqs, n_tokens: counted over the whole optimiser step (all ranks).
+    """
+    per_seq_sum = (token_loss * mask).sum(1)
+    if mode == "seq-mean":
+        return (per_seq_sum / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if mode == "token-mean":
+        return per_seq_sum.sum() / max(n_tokens, 1)
+    if mode == "const":
+        return per_seq_sum.sum() / (n_seqs * const)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def agg_const(args: Args) -> int:
+    """The constant k of --loss-agg const (default: the generation budget, as Dr. GRPO)."""
+    return args.agg_const or args.max_new_tokens
+
+
+def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """This micro-batch's share of J: clipped surrogate + kl_coef * k3 KL, aggregated over the step.
+
+    logp [b, C] (with grad); mb holds old, ref (or None), adv [b], mask [b, C]. Returns (loss, per-token stats).
+    """
+    tok_loss, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    if mb.get("is_weight") is not None:  # the sampler is not the trainer: truncated importance weight per token
+        tok_loss = tok_loss * mb["is_weight"]
+    stats = {"clipfrac": clipped}
+    if mb["ref"] is not None:
+        kl = k3_kl(logp, mb["ref"])
+        tok_loss, stats["kl"] = tok_loss + args.kl_coef * kl, kl
+    return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
+
+
+def truncated_is_weight(old_logp, sampler_logp, cap: float):
+    """w_t = min(pi_old(o_t) / pi_sampler(o_t), C): corrects the update for samples drawn by another computation
+    than the trainer's (truncated importance sampling, as verl's rollout correction); no gradient."""
+    return torch.exp(old_logp - sampler_logp).clamp(max=cap).detach()
+
+
+def env_token_ce(model, batch: dict, args: Args) -> float:
+    """CE_env = -mean log pi(o_t | context) over the observation tokens of a packed batch (no gradient), under the
+    model's own distribution (temperature 1, whatever the sampling temperature)."""
+    with torch.no_grad():
+        logp = common.token_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                     batch["completion_mask"], 1.0)
+    return -common.masked_mean(logp, batch["obs_mask"].float()).item()
+
+
+# ---- the idea: stepwise advantages (flat groups, hierarchy of groups, local re-rollouts) ----
+def steps_of(eps: list) -> list[tuple[int, int, tuple]]:
+    """Every step (episode i, turn t, history) of a rollout; history = ((a_1, o_1), ..., (a_{t-1}, o_{t-1}))."""
+    return [(i, t, tuple(zip(e.actions[:t], e.observations[:t]))) for i, e in enumerate(eps) for t in range(len(e.actions))]
+
+
+def _centred(r: torch.Tensor, std_norm: bool, eps: float = 1e-6) -> torch.Tensor:
+    """(r - mean r) / (std r + eps) over one group (r - mean r without the std; a group of one gives 0)."""
+    if len(r) < 2:
+        return torch.zeros_like(r)
+    a = r - r.mean()
+    return a / (r.std() + eps) if std_norm else a
+
+
+def hgpo_step_advantages(rewards, groups: list[int], steps: list, std_norm: bool, alpha: float, levels: str):
+    """Stepwise advantages of HGPO (levels='all') or of flat stepwise groups (levels='flat'), one per step.
+
+    A step (i, t, h) belongs, for each k = 0..t, to the group G_k of steps of the same episode seed (groups[i]) at
+    the same turn t whose last k (action, observation) pairs equal its own: G_0 is the flat group, G_t holds the
+    steps that share the whole history (the same state). A_k = (R_i - mean_{G_k} R) / std_{G_k} R; HGPO combines
+    A = sum_k w_k A_k / sum_k w_k over the levels with |G_k| >= 2, w_k = (k + 1)^alpha. rewards [B] -> [n_steps].
+    """
+    out = torch.zeros(len(steps))
+    index: dict = {}
+    for s, (i, t, h) in enumerate(steps):
+        for k in range(t + 1 if levels == "all" else 1):
+            index.setdefault((groups[i], t, k, h[t - k:]), []).append(s)
+    for s, (i, t, h) in enumerate(steps):
+        num = den = 0.0
+        for k in range(t + 1 if levels == "all" else 1):
+            members = index[(groups[i], t, k, h[t - k:])]
+            if len(members) < 2:
+                continue
+            r = rewards[[steps[m][0] for m in members]]
+            w = (k + 1) ** alpha
+            num += w * _centred(r, std_norm)[members.index(s)].item()
+            den += w
+        out[s] = num / den if den else 0.0
+    return out
+
+
+def token_advantages(batch: dict, steps: list, step_adv: torch.Tensor) -> torch.Tensor:
+    """Per-token advantages [B, C]: the advantage of step (i, t) on the action tokens of turn t of row i."""
+    adv = torch.zeros_like(batch["logprobs"])
+    for (i, t, _), a in zip(steps, step_adv.tolist()):
+        adv[i][batch["turn"][i] == t] = a
+    return adv * batch["action_mask"]
+
+
+def local_rerollouts(model, tok, env, eps: list, prompts: list, seeds: list, args: Args, engine=None):
+    """LoGo's local groups: for each seed group, the state at the start of turn --logo-turn of its first episode
+    still running there, re-rolled --logo-k times (a depth-1 tree). Returns (episodes, prompts, group id, branch
+    turn): each re-rolled episode carries the branch's prefix, so its transcript is complete."""
+    branches = []
+    for g in range(len(seeds)):
+        rows = [g * args.group_size + j for j in range(args.group_size)]
+        src = next((i for i in rows if len(eps[i].actions) > args.logo_turn), None)
+        if src is not None:
+            branches.append((g, src))
+    envs, ctx, meta = [], [], []
+    for g, src in branches:
+        e, cut = eps[src], [j for j, t in enumerate(eps[src].turn) if t < args.logo_turn]
+        n = len(cut)
+        for _ in range(args.logo_k):
+            env_copy = env.clone()
+            env_copy.reset(seeds[g])
+            for a in e.actions[:args.logo_turn]:  # replay the prefix: the environment is deterministic
+                env_copy.step(a)
+            envs.append(env_copy)
+            ctx.append(prompts[src] + e.ids[:n])
+            meta.append((g, src, n))
+    new = _toolenv.play(model, tok, envs, ctx, args.max_new_tokens, args.temperature, engine=engine,
+                        first_turn=args.logo_turn) if envs else []
+    out = []
+    for ep, (g, src, n) in zip(new, meta):
+        e = eps[src]
+        for name in ("ids", "kind", "logprobs", "turn"):
+            setattr(ep, name, getattr(e, name)[:n] + getattr(ep, name))
+        ep.actions, ep.observations = e.actions[:args.logo_turn] + ep.actions, e.observations[:args.logo_turn] + \
+            ep.observations
+        out.append(ep)
+    return out, [prompts[src] for _, src, _ in meta], [g for g, _, _ in meta], [src for _, src, _ in meta]
+
+
+def logo_step_advantages(rewards, groups: list[int], steps: list, sources: dict, std_norm: bool, logo_turn: int,
+                         group_size: int):
+    """LoGo: global A_i = trajectory-level group advantage on every step of the G original episodes, plus the local
+    advantage (R - mean over the re-rolled episodes and their source, sharing one state) on turns >= logo_turn of
+    those episodes; re-rolled episodes are trained on their own turns only. sources: row -> source row (the
+    re-rolled rows and the source itself); rewards [B'] over all rows, the first n_orig rows being the originals."""
+    n_orig = len(groups) - sum(1 for r, s in sources.items() if r != s)
+    glob = torch.cat([_centred(rewards[g:g + group_size], std_norm) for g in range(0, n_orig, group_size)])
+    local_groups: dict = {}
+    for r, s in sources.items():
+        local_groups.setdefault(s, []).append(r)
+    local = torch.zeros(len(rewards))
+    for s, rows in local_groups.items():
+        local[rows] = _centred(rewards[rows], std_norm)
+    out = torch.zeros(len(steps))
+    for k, (i, t, _) in enumerate(steps):
+        if i < n_orig:
+            out[k] = glob[i] + (local[i] if i in local_groups and t >= logo_turn else 0.0)
+        elif t >= logo_turn:
+            out[k] = local[i]
+    return out
+
+
+# ---- rollout and update ----
+def make_env(args: Args) -> _toolenv.LookupEnv:
+    return _toolenv.LookupEnv(args.n_keys, args.value_digits, args.max_turns, args.max_context, args.n_query)
+
+
+def pack_episodes(eps: list, prompts: list[list[int]], tok, device) -> dict:
+    """Finished episodes -> tensors: prompt [B, P] left-padded; completion [B, C] right-padded (actions and
+    observations); completion_mask (attention: every real token), action_mask (the policy loss), obs_mask, turn
+    (the turn of each token, -1 on padding) and behaviour log-probs (0 off actions)."""
+    prompt_ids, prompt_mask = common.left_pad(prompts, tok.pad_token_id)
+    C = max(1, max(len(e.ids) for e in eps))
+    pad = lambda rows, v: torch.tensor([r + [v] * (C - len(r)) for r in rows])  # noqa: E731
+    kind = pad([e.kind for e in eps], 0)
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+             "completion_ids": pad([e.ids for e in eps], tok.pad_token_id), "completion_mask": (kind > 0).long(),
+             "action_mask": (kind == 1).long(), "obs_mask": (kind == 2).long(), "turn": pad([e.turn for e in eps], -1),
+             "logprobs": pad([e.logprobs for e in eps], 0.0).float(),
+             "rewards": torch.tensor([e.reward for e in eps], dtype=torch.float32)}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def rollout(model, tok, env, args: Args, rng, device, engine=None) -> dict:
+    """G episodes of each of prompts_per_step training seeds (plus LoGo's re-rollouts), played turn by turn;
+    per-token stepwise advantages of --advantage."""
+    seeds = env.seeds("train", args.prompts_per_step, rng)
+    envs = [env.clone() for _ in seeds for _ in range(args.group_size)]
+    prompts = common.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))])
+    eps = _toolenv.play(model, tok, envs, prompts, args.max_new_tokens, args.temperature, engine=engine)
+    groups, n_orig, sources = [g for g in range(len(seeds)) for _ in range(args.group_size)], len(eps), {}
+    if args.advantage == "logo":
+        extra, extra_prompts, extra_groups, extra_src = local_rerollouts(model, tok, env, eps, prompts, seeds, args,
+                                                                         engine)
+        sources = {**{s: s for s in extra_src}, **{n_orig + j: s for j, s in enumerate(extra_src)}}
+        eps, prompts, groups = eps + extra, prompts + extra_prompts, groups + extra_groups
+    batch = pack_episodes(eps, prompts, tok, device)
+    steps, rewards = steps_of(eps), batch["rewards"].cpu()
+    if args.advantage == "logo":
+        step_adv = logo_step_advantages(rewards, groups, steps, sources, args.adv_std_norm, args.logo_turn,
+                                        args.group_size)
+        batch["action_mask"][n_orig:] *= (batch["turn"][n_orig:] >= args.logo_turn).long()  # own turns only
+    elif args.advantage == "trajectory":
+        traj = group_advantages(rewards, args.group_size, args.adv_std_norm)
+        step_adv = torch.tensor([traj[i].item() for i, _, _ in steps])
+    else:
+        step_adv = hgpo_step_advantages(rewards, groups, steps, args.adv_std_norm, args.hgpo_alpha,
+                                        "all" if args.advantage == "hgpo" else "flat")
+    batch.update(adv=token_advantages(batch, steps, step_adv.to(device)), episodes=eps, n_orig=n_orig,
+                 sampled_turns=sum(len(e.actions) for e in eps[:n_orig]) +
+                 sum(len(e.actions) - args.logo_turn for e in eps[n_orig:]),
+                 finish_reasons=["stop" if e.env.reward or e.observations[-1] == "" else "length" for e in eps])
+    return batch
+
+
+def lr_factor(step: int, total: int, args: Args) -> float:
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return 1.0
+    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
+    """NaN guard, clip, scheduled lr, step; returns the gradient norm. With several processes FSDP2 has already
+    summed the gradients over ranks (the loss used step-global normalisers) and the norm is the global one; the
+    full sampler copy of a sharded model is gathered again after the step."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
+    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
+        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
+                         "intact. Lower --lr or check the rewards.")
+    for group in opt.param_groups:
+        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
+    opt.step()
+    common.sync_sampler(model)
+    return grad_norm
+
+
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+    """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
+
+    As grpo.py's update, with the policy loss on action tokens only (mb["mask"] = action_mask, and the token counts
+    are action tokens; the observation tokens are attended to through completion_mask); mb also carries the
+    observation mask and the step's count of observation tokens (n_obs) for losses on them (algos/echo.py), and the
+    training batch's environment-token cross-entropy is logged (loss/env_ce).
+    """
+    B = batch["completion_ids"].shape[0]
+    micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
+    logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
+        batch["completion_mask"][idx], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+    on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
+    with torch.no_grad():
+        old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
+        ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
+    correct = args.sampler_is_cap > 0 and (args.engine == "vllm" or not common.sampler_is_trainer(model))
+    sums = {"pg": 0.0, "entropy": 0.0, "env_ce": 0.0}  # this rank's share of each step mean, summed over ranks below
+    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
+    gap = {"sum": 0.0 if on_policy else common.masked_sum((old - batch["logprobs"]).abs(),
+                                                          batch["action_mask"].float()).item(),
+           "tokens": float(batch["action_mask"].sum()), "is_w": 0.0, "is_cut": 0.0}
+    n_opt, grad_norm = 0, 0.0
+    for _ in range(args.ppo_epochs):
+        for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
+            counts = torch.tensor([len(mb_idx), int(batch["action_mask"][mb_idx].sum()),
+                                   int(batch["obs_mask"][mb_idx].sum())], dtype=torch.float64,
+                                  device=batch["adv"].device)
+            n_seqs, n_tokens, n_obs = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1
+                                                        else counts))
+            opt.zero_grad(set_to_none=True)
+            for idx in micro(mb_idx):
+                logp, ent = logprobs_of(model, idx, True)
+                mb = {"adv": batch["adv"][idx], "mask": batch["action_mask"][idx].float(),
+                      "obs_mask": batch["obs_mask"][idx].float(), "n_obs": n_obs,
+                      "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx]}
+                mb["is_weight"] = truncated_is_weight(mb["old"], batch["logprobs"][idx], args.sampler_is_cap) \
+                    if correct else None
+                loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
+                loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
+                sums["pg"] += loss.item()
+                sums["env_ce"] -= common.masked_sum(logp.detach(), mb["obs_mask"]).item() / max(n_obs, 1)
+                for k, v in {**token_stats, "entropy": ent}.items():
+                    sums[k] = sums.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
+                if on_policy:  # the only forward on the sampler's weights
+                    gap["sum"] += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(), mb["mask"]).item()
+                if correct and n_opt == 0:
+                    gap["is_w"] += common.masked_sum(mb["is_weight"], mb["mask"]).item()
+                    gap["is_cut"] += common.masked_sum((mb["is_weight"] >= args.sampler_is_cap).float(),
+                                                       mb["mask"]).item()
+            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
+            grad_norm += optimizer_step(model, opt, args, accel, opt_step)
+            n_opt += 1
+    keys = sorted(sums) + [f"gap_{k}" for k in gap]
+    tot = torch.tensor([*(sums[k] for k in sorted(sums)), *gap.values()], dtype=torch.float64,
+                       device=batch["adv"].device)
+    tot = dict(zip(keys, (accel.reduce(tot, "sum") if accel.num_processes > 1 else tot).tolist()))
+    out = {**{f"loss/{k}": tot[k] / n_opt for k in sums}, "loss/grad_norm": grad_norm / n_opt,
+           "rollout/logprob_mismatch": tot["gap_sum"] / max(tot["gap_tokens"], 1)}
+    if correct:
+        out.update({"rollout/is_weight_mean": tot["gap_is_w"] / max(tot["gap_tokens"], 1),
+                    "rollout/is_truncated_frac": tot["gap_is_cut"] / max(tot["gap_tokens"], 1)})
+    return out
+
+
+# ---- eval ----
+def held_out_ce_batch(model, tok, env, args: Args, device) -> dict:
+    """A fixed set of held-out rollouts of the initial policy (temperature 1): its observation tokens are where
+    eval/env_ce is measured, on trajectories the trained policy did not generate."""
+    seeds = env.seeds("test", args.env_ce_examples, np.random.default_rng(54321))
+    envs = [env.clone() for _ in seeds]
+    prompts = common.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)])
+    with torch.random.fork_rng():
+        torch.manual_seed(54321)
+        eps = _toolenv.play(model, tok, envs, prompts, args.max_new_tokens, args.temperature)
+    return pack_episodes(eps, prompts, tok, device)
+
+
+def evaluate(model, tok, env, seeds: list[int], ce_batch: dict, args: Args, engine=None) -> dict:
+    """eval/acc (greedy held-out success), eval/tool_use, eval/turn<k>_acc (teacher-forced), eval/env_ce."""
+    res = _toolenv.evaluate(model, tok, env, seeds, args.max_new_tokens, engine=engine)
+    out = {"eval/acc": res.pop("success"), **{f"eval/{k}": v for k, v in res.items()}}
+    return {**out, "eval/env_ce": env_token_ce(model, ce_batch, args)}
+
+
+# ---- the error of stepwise advantages against exact values ----
+def true_step_advantages(model, tok, env, eps: list, prompts: list, seed_of_row: list, steps: list, args: Args):
+    """A*(s_t, a_t) = V(s_t+1) - V(s_t) for every step: each non-terminal V(s) a Monte Carlo mean of --mse-rollouts
+    episodes played from the exact state s, V of a terminal state its reward. Returns (A* [n_steps], the variance of
+    each A* from the Monte Carlo error)."""
+    key = lambda i, t: (seed_of_row[i], tuple(zip(eps[i].actions[:t], eps[i].observations[:t])))  # noqa: E731
+    states: dict = {}
+    for i, t, _ in steps:
+        states.setdefault(key(i, t), (i, t))
+    envs, ctx, owner = [], [], []
+    for k, (i, t) in states.items():
+        e, n = eps[i], sum(1 for u in eps[i].turn if u < t)
+        for _ in range(args.mse_rollouts):
+            replay = env.clone()
+            replay.reset(seed_of_row[i])
+            for a in e.actions[:t]:
+                replay.step(a)
+            envs.append(replay)
+            ctx.append(prompts[i] + e.ids[:n])
+            owner.append(k)
+    returns: dict = {}
+    for s in range(0, len(envs), 1024):
+        for k, ep in zip(owner[s:s + 1024], _toolenv.play(model, tok, envs[s:s + 1024], ctx[s:s + 1024],
+                                                           args.max_new_tokens, args.temperature)):
+            returns.setdefault(k, []).append(ep.reward)
+    value = {k: (float(np.mean(r)), float(np.var(r, ddof=1) / len(r))) for k, r in returns.items()}
+    truth, var = torch.zeros(len(steps)), torch.zeros(len(steps))
+    for j, (i, t, _) in enumerate(steps):
+        v_next = (eps[i].reward, 0.0) if t + 1 == len(eps[i].actions) else value[key(i, t + 1)]
+        truth[j], var[j] = v_next[0] - value[key(i, t)][0], v_next[1] + value[key(i, t)][1]
+    return truth, var
+
+
+@torch.no_grad()
+def advantage_mse(model, tok, env, args: Args, rng) -> dict:
+    """On one rollout batch of the current policy: the mean squared error against the exact values of the stepwise
+    advantages of flat groups, HGPO, LoGo (local where a step has a local group, global elsewhere) and the
+    trajectory-level advantage, all without the std division (the exact values are on the reward's scale), and
+    the Monte Carlo variance of the reference (a floor common to every arm)."""
+    seeds = env.seeds("train", args.prompts_per_step, rng)
+    envs = [env.clone() for _ in seeds for _ in range(args.group_size)]
+    prompts = common.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))])
+    eps = _toolenv.play(model, tok, envs, prompts, args.max_new_tokens, args.temperature)
+    groups = [g for g in range(len(seeds)) for _ in range(args.group_size)]
+    steps, rewards = steps_of(eps), torch.tensor([e.reward for e in eps])
+    truth, var = true_step_advantages(model, tok, env, eps, prompts, [seeds[g] for g in groups], steps, args)
+    est = {"flat": hgpo_step_advantages(rewards, groups, steps, False, args.hgpo_alpha, "flat"),
+           "hgpo": hgpo_step_advantages(rewards, groups, steps, False, args.hgpo_alpha, "all")}
+    traj = group_advantages(rewards, args.group_size, False)
+    est["trajectory"] = torch.tensor([traj[i].item() for i, _, _ in steps])
+    extra, _, _, sources = local_rerollouts(model, tok, env, eps, prompts, seeds, args)
+    local = {}
+    for s in sorted(set(sources)):
+        r = torch.tensor([eps[s].reward] + [x.reward for x, src in zip(extra, sources) if src == s])
+        local[s] = _centred(r, False)[0].item()
+    est["logo"] = torch.tensor([local[i] if i in local and t >= args.logo_turn else traj[i].item()
+                                for i, t, _ in steps])
+    out = {f"mse_{k}": float(((v - truth) ** 2).mean()) for k, v in est.items()}
+    return {**out, "mse_reference_var": float(var.mean()), "n_steps": len(steps),
+            "sampled_turns": sum(len(e.actions) for e in eps),
+            "logo_extra_turns": sum(len(e.actions) - args.logo_turn for e in extra)}
+
+
+# ---- main ----
+def main(args: Args) -> dict:
+    check_args(args)
+    from accelerate import Accelerator
+
+    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
+    rank, is_main = accel.process_index, accel.is_main_process
+    torch.set_num_threads(args.threads)
+    common.set_seed(args.seed)
+    env = make_env(args)
+    eval_seeds = env.seeds("test", args.eval_examples, np.random.default_rng(12345))
+    model, tok = common.load_model(args.model, accel.device, args.dtype)
+    model.train()
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    model, ref_model = common.shard(model, accel), common.shard(ref_model, accel, sampler=False)  # >1 process
+    engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
+        if args.engine == "vllm" else None
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    ce_batch = held_out_ce_batch(model, tok, env, args, accel.device)  # before any update (and any resume)
+
+    run_dir = Path(args.out_dir) / args.exp_name
+    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
+    if args.resume and engine is not None:
+        engine.sync_weights(model)
+    start_step, history = state.get("step", 0), state.get("history", [])
+    sampled_turns = state.get("sampled_turns", 0)
+    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
+    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
+    evaluate_now = lambda: evaluate(model, tok, env, eval_seeds, ce_batch, args, engine)  # noqa: E731
+
+    def log(metrics: dict, step: int):
+        history.append({"step": step, **metrics})
+        if tracker is not None:
+            tracker.log(metrics, step)
+
+    if start_step == 0 and is_main:
+        log(evaluate_now(), 0)
+    bar = tqdm(range(start_step + 1, args.steps + 1), desc=f"hgpo ({args.advantage})", dynamic_ncols=True,
+               disable=not is_main, initial=start_step, total=args.steps)
+    for step in bar:
+        # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
+        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
+        rng = np.random.default_rng([args.seed, step, rank])
+        with timer("gen"):
+            batch = rollout(model, tok, env, args, rng, accel.device, engine)
+        with timer("train"):
+            stats = update(model, opt, batch, grpo_loss, args, step, accel, ref_model)
+        if engine is not None:
+            with timer("sync"):
+                engine.sync_weights(model)
+        t = timer.pop()
+        gen_tokens, gen_time = gen_tokens + int(batch["action_mask"].sum()), gen_time + t["gen"]
+        n, sampled_turns = batch["n_orig"], sampled_turns + batch["sampled_turns"]
+        metrics = {**common.rollout_metrics(batch["rewards"][:n], batch["action_mask"][:n],
+                                            batch["finish_reasons"][:n], args.group_size, t["gen"]), **stats,
+                   "perf/lr": opt.param_groups[0]["lr"], "rollout/sampled_turns": sampled_turns,
+                   "rollout/turns": float(np.mean([len(e.actions) for e in batch["episodes"][:n]])),
+                   **{f"perf/{k}_s": v for k, v in t.items()}}
+        last = step == args.steps or bool(args.turn_budget and sampled_turns >= args.turn_budget)
+        if is_main and (step % args.eval_every == 0 or last):
+            metrics.update(evaluate_now())
+        log(metrics, step)
+        if is_main:
+            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
+                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
+        if args.save_every and step % args.save_every == 0 or last:  # every rank: shards
+            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
+                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
+                                    "gen_tokens": gen_tokens, "gen_time": gen_time, "sampled_turns": sampled_turns})
+        if last:
+            break
+    if not is_main:
+        return {}
+    summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start), "sampled_turns": sampled_turns}
+    common.save_curve(history, run_dir / "curve.png", f"{args.advantage} stepwise advantages on {env.name} ({args.model})")
+    return tracker.finish(summary)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

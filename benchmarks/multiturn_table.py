@@ -1,0 +1,127 @@
+"""Multi-turn agents on the key-value lookup environment: multi-turn GRPO, ECHO, and stepwise advantages (flat
+groups, HGPO, LoGo) at equal sampled turns, plus the error of stepwise advantages against exact values.
+
+    python benchmarks/multiturn_table.py                  # 3 seeds x 5 runs (2 to 4 min each on 2 cores) + table
+    python benchmarks/multiturn_table.py --report-only    # rebuilds the table from the CSV
+
+Runs (every one from the shipped tiny-toolenv, 16 seeds x 8 episodes per rollout batch, lr 2e-4, temperature
+0.7, one thread):
+  multiturn_grpo   python algos/multiturn_grpo.py          trajectory-level advantages, the default 60 rollout batches
+  echo             python algos/echo.py                    the same plus 0.1 x the environment-token cross-entropy
+  flat / hgpo / logo   python algos/hgpo.py --advantage ... --turn-budget TURNS --steps 200: stepwise advantages,
+                   every arm stopped at the same number of sampled turns (LoGo's re-rolled turns count)
+  advantage error  hgpo.advantage_mse on one rollout batch of the initial policy (16 seeds x 8 episodes, exact values
+                   from 32 Monte Carlo episodes per state): mean squared error of each arm's stepwise advantage
+
+The claims: ECHO ("Environment Cross-entropy Hybrid Objective"): environment-token cross-entropy falls sharply with
+ECHO and barely moves with GRPO, and pass@1 rises; HGPO ("Hierarchy-of-Groups Policy Optimization for Long-Horizon
+Agentic Tasks"): hierarchical groups estimate stepwise advantages with less bias and succeed more at equal compute;
+Memory-R2's LoGo-GRPO: local re-rollouts from a shared state give fairer groups.
+
+Writes benchmarks/results/multiturn.csv (rows through benchmarks/_results.py) and multiturn.md.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._results import RESULTS, append_rows, mean_std, read_rows  # noqa: E402
+
+CSV, NAME = "multiturn.csv", "multiturn"
+TURNS = 15000  # sampled-turn budget of the stepwise arms (about 30 rollout batches; the default 60 sample ~30,000)
+STEPWISE = ("flat", "hgpo", "logo")
+
+
+def run(seeds, parts) -> None:
+    import numpy as np
+    import torch
+
+    import common
+    from algos import echo, hgpo, multiturn_grpo
+
+    for seed in seeds:
+        if "train" in parts:
+            s = multiturn_grpo.main(multiturn_grpo.Args(seed=seed, threads=1, out_dir=f"runs/bench_multiturn/s{seed}"))
+            append_rows(CSV, "multiturn", "algos/multiturn_grpo.py", "default", seed, s,
+                        f"python algos/multiturn_grpo.py --threads 1 --seed {seed}")
+            s = echo.main(echo.Args(seed=seed, threads=1, out_dir=f"runs/bench_multiturn/s{seed}"))
+            append_rows(CSV, "multiturn", "algos/echo.py", "default", seed, s,
+                        f"python algos/echo.py --threads 1 --seed {seed}")
+        if "stepwise" in parts:
+            for arm in STEPWISE:
+                s = hgpo.main(hgpo.Args(advantage=arm, turn_budget=TURNS, steps=200, seed=seed, threads=1,
+                                        exp_name=f"hgpo_{arm}", out_dir=f"runs/bench_multiturn/s{seed}"))
+                append_rows(CSV, "multiturn", "algos/hgpo.py", f"{arm} | turns={TURNS}", seed, s,
+                            f"python algos/hgpo.py --advantage {arm} --turn-budget {TURNS} --steps 200 "
+                            f"--threads 1 --seed {seed}")
+        if "mse" in parts:
+            args = hgpo.Args(seed=seed, threads=1)
+            torch.set_num_threads(1)
+            common.set_seed(seed)
+            model, tok = common.load_model(args.model)
+            res = hgpo.advantage_mse(model, tok, hgpo.make_env(args), args, np.random.default_rng([seed, 999]))
+            append_rows(CSV, "multiturn", "algos/hgpo.py", "advantage error | initial policy", seed, res,
+                        f"python benchmarks/multiturn_table.py --parts mse --seeds {seed}")
+
+
+def report() -> None:
+    by, meta = defaultdict(dict), {}
+    for r in read_rows(CSV):
+        by[(r["script"], r["config"])].setdefault(r["seed"], {})[r["metric"]] = float(r["value"])
+        meta[(r["script"], r["config"])] = r
+    if not by:
+        raise SystemExit(f"no rows in benchmarks/results/{CSV}; run without --report-only first")
+
+    def col(key, metric, scale=100.0, digits=1):
+        runs = by.get(key, {})
+        return mean_std([r[metric] for r in runs.values() if metric in r], scale, digits) if runs else "-"
+
+    lines = ["| run | held-out success start | end | turn-1 / turn-3 accuracy end | held-out env-token CE start "
+             "| end | sampled turns | wall s | seeds |", "|---|---|---|---|---|---|---|---|---|"]
+    keys = [("algos/multiturn_grpo.py", "default"), ("algos/echo.py", "default")] + \
+        [("algos/hgpo.py", f"{a} | turns={TURNS}") for a in STEPWISE]
+    for key in keys:
+        if key not in by:
+            continue
+        label = f"`{key[0]}`" + ("" if key[1] == "default" else f" {key[1].split(' |')[0]}")
+        lines.append(f"| {label} | {col(key, 'eval_acc_start')} | {col(key, 'eval_acc_end')} | "
+                     f"{col(key, 'eval_turn1_acc_end')} / {col(key, 'eval_turn3_acc_end')} | "
+                     f"{col(key, 'eval_env_ce_start', 1, 2)} | {col(key, 'eval_env_ce_end', 1, 2)} | "
+                     f"{col(key, 'sampled_turns', 1, 0) if key[0] == 'algos/hgpo.py' else '-'} | "
+                     f"{col(key, 'wall_s', 1, 0)} | {len(by[key])} |")
+    mse = ("algos/hgpo.py", "advantage error | initial policy")
+    if mse in by:
+        lines += ["", "| stepwise advantage (no std division) | mean squared error against the exact values | seeds |",
+                  "|---|---|---|"]
+        for arm, label in (("trajectory", "trajectory-level (multi-turn GRPO)"), ("flat", "flat stepwise groups"),
+                           ("hgpo", "HGPO (hierarchy of groups, w_k = k + 1)"), ("logo", "LoGo (local re-rollouts)")):
+            lines.append(f"| {label} | {col(mse, f'mse_{arm}', 1, 4)} | {len(by[mse])} |")
+        lines.append(f"| (the exact values' own Monte Carlo variance, common to every arm) | "
+                     f"{col(mse, 'mse_reference_var', 1, 4)} | {len(by[mse])} |")
+        lines.append(f"| (steps per batch; LoGo's extra sampled turns) | {col(mse, 'n_steps', 1, 0)}; "
+                     f"{col(mse, 'logo_extra_turns', 1, 0)} | {len(by[mse])} |")
+    row = next(iter(meta.values()))
+    lines += ["", "Mean ± std over seeds. Environment: `algos/_toolenv.py` (the sum of 3 of 4 hidden one-digit values, "
+              "turn limit 5, context limit 40 characters); policy `tiny-toolenv`; 300 held-out episodes, greedy. Env-token CE: "
+              "cross-entropy (nats per token) of the observation tokens of 64 fixed held-out rollouts of the initial "
+              f"policy. Stepwise arms stop at {TURNS:,} sampled turns. Hardware: {row['hardware']} (shared, one "
+              f"thread); {row['versions']}; commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; command: "
+              "`python benchmarks/multiturn_table.py`."]
+    (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--parts", nargs="+", default=["mse", "train", "stepwise"], choices=["mse", "train", "stepwise"])
+    a = ap.parse_args()
+    if not a.report_only:
+        run(a.seeds, a.parts)
+    report()
