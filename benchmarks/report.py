@@ -305,7 +305,7 @@ HEADLINE = [
 
 # groups of the claims table; a group joins HEADLINE once its benchmark has figures worth a headline line
 GROUPS = [g for g, *_ in HEADLINE] + ["Tree rollouts", "Partial and asynchronous rollouts", "FP8 rollouts",
-                                      "Multi-turn agents"]
+                                      "Multi-turn agents", "MoE routing replay"]
 
 
 def headline_table() -> str:
