@@ -746,21 +746,25 @@ def sync_sampler(model) -> None:
 
 
 # ---- checkpoints ----
-def save_checkpoint(path: str | Path, model, tok, optimizer=None, state: dict | None = None) -> None:
-    """Model in HF format (safetensors), optimizer tensors in safetensors, counters in JSON. No pickle. A sharded
-    model (every rank calls) saves its shards with torch.distributed.checkpoint; otherwise only rank 0 writes."""
+def save_checkpoint(path: str | Path, model, tok, optimizer=None, state: dict | None = None, extra=None) -> None:
+    """Model in HF format (safetensors), optimizer tensors in safetensors, counters in JSON, `extra` modules (a dict,
+    e.g. a critic) as <name>.safetensors. No pickle. A sharded model (every rank calls) saves its shards and the
+    extra modules' with torch.distributed.checkpoint; otherwise only rank 0 writes."""
     from safetensors.torch import save_file
 
     path, rank = Path(path), torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     tmp = path.with_name(path.name + ".tmp")
     if is_sharded(model):
-        _dcp(model, optimizer, tmp, save=True)
+        _dcp(model, optimizer, tmp, True, extra)
     if rank != 0:
         return torch.distributed.barrier() if is_sharded(model) else None
     if is_sharded(model):
         model.config.save_pretrained(tmp)
     else:
         model.save_pretrained(tmp)
+        for name, module in (extra or {}).items():
+            save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()},
+                      tmp / f"{name}.safetensors")
     tok.save_pretrained(tmp)
     if optimizer is not None and not is_sharded(model):
         sd = optimizer.state_dict()
@@ -777,23 +781,24 @@ def save_checkpoint(path: str | Path, model, tok, optimizer=None, state: dict | 
         torch.distributed.barrier()  # no rank reads or rewrites the folder before it is complete
 
 
-def _dcp(model, optimizer, path: Path, save: bool) -> None:
+def _dcp(model, optimizer, path: Path, save: bool, extra=None) -> None:
     """Save or load a sharded model's (and optimizer's) state with torch.distributed.checkpoint: each rank its own
     shard, resharded on load if the world size changed."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+    root = torch.nn.ModuleDict({"policy": model, **extra}) if extra else model  # one optimizer may span them all
+    msd, osd = get_state_dict(root, optimizer if optimizer is not None else [])
     state = {"model": msd, **({"optim": osd} if optimizer is not None else {})}
     if save:
         return dcp.save(state, checkpoint_id=str(path))
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
+    set_state_dict(root, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}))
     sync_sampler(model)
 
 
-def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
+def load_checkpoint(path: str | Path, model, optimizer=None, extra=None) -> dict:
     """Restore weights (and optimizer) saved by save_checkpoint; returns the saved trainer state."""
     from safetensors.torch import load_file
 
@@ -802,8 +807,9 @@ def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
         raise SystemExit(f"{path} is not a checkpoint (no trainer_state.json)")
     if is_sharded(model) or (path / ".metadata").exists():
         if not is_sharded(model):
-            raise SystemExit(f"{path} holds the shards of a run with several processes: resume it with as many")
-        _dcp(model, optimizer, path, save=False)
+            raise SystemExit(f"{path} holds the shards of a run with several processes: resume it under torchrun "
+                             "(any number of processes: the shards are redistributed)")
+        _dcp(model, optimizer, path, False, extra)
         return json.loads((path / "trainer_state.json").read_text())
     weights = {}
     for shard in sorted(path.glob("model*.safetensors")):  # one file, or shards of a large model
@@ -813,6 +819,8 @@ def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
     if set(missing) - tied or unexpected:
         raise SystemExit(f"{path}: checkpoint does not fit the model (missing {sorted(set(missing) - tied)[:3]}, "
                          f"unexpected {unexpected[:3]})")
+    for name, module in (extra or {}).items():
+        module.load_state_dict(load_file(path / f"{name}.safetensors"))
     if optimizer is not None and (path / "optimizer.safetensors").exists():
         flat, state = load_file(path / "optimizer.safetensors"), {}
         for key, v in flat.items():

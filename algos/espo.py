@@ -44,7 +44,10 @@ Deviations:
   beyond what a wrong answer costs; the stopping token is kept and carries the terminal reward.
 - A row whose regret crosses on the EOS token is not stopped: it ended on its own and is verified as usual.
 - Hugging Face generate only (--engine vllm is refused): the rule needs the logits of every decode step during
-  sampling. Batched decoding runs until the last row of the batch ends, so the tokens saved here are tokens not
+  sampling; a logits processor reads each step's log-probs and regret (no [B, C, V] scores are kept). Sampling
+  runs as common.generate's (processors, EOS ids, the trainer's autocast), so --stop-k inf is ppo.py exactly in
+  fp32 and in bf16 on CPU; on CUDA common.generate decodes with a bf16 weight copy and a static cache, and this
+  sampler with the fp32 weights under bf16 autocast, so there the two agree up to bf16 rounding. Batched decoding runs until the last row of the batch ends, so the tokens saved here are tokens not
   generated, trained on or scored, not decode time (continuous batching, as in vLLM, would turn them into time).
 - Default task: the long-response task (tiny-sums on 5 one-digit operands with running totals, ~33 tokens) instead
   of 2-digit addition, whose 3-token answers leave little to stop; 25 rollout batches instead of ppo.py's 100, so
@@ -375,26 +378,48 @@ def stop_index(z, eligible, threshold: float):
     return torch.where(over.any(1), over.float().argmax(1), torch.full_like(over[:, 0], -1, dtype=torch.long))
 
 
-class RegretStopper:
-    """A stopping criterion for Hugging Face generate: after each sampled token, update z and end the rows that
-    cross the threshold (not on EOS: a row that ends on its own is verified as usual). stop_at[b] = the index of the
-    stopping token, -1 if the row was not stopped."""
+class SampledLogprobs:
+    """A logits processor, last in the list (after temperature and top-p): the log-softmax of the scores the sampler
+    draws from at the current decode step only, [B, V] (O(B V) memory, never the [B, C, V] scores of every step)."""
+    logp = None
 
-    def __init__(self, n: int, threshold: float, alpha: float, eos_id: int, device):
-        self.threshold, self.alpha, self.eos_id, self.t = threshold, alpha, eos_id, 0
+    def __call__(self, input_ids, scores):
+        self.logp = torch.log_softmax(scores.float(), -1)
+        return scores
+
+
+class RegretStopper:
+    """A stopping criterion for Hugging Face generate: after each sampled token, read its log-prob and regret from
+    `sampled` (the step's SampledLogprobs), update z and end the rows that cross the threshold (not on EOS: a row
+    that ends on its own is verified as usual). stop_at[b] = the index of the stopping token, -1 if the row was not
+    stopped; logprobs() and regret() [B, C] are the per-step columns."""
+
+    def __init__(self, n: int, threshold: float, alpha: float, eos_ids, device, sampled: SampledLogprobs):
+        self.threshold, self.alpha, self.t, self.sampled = threshold, alpha, 0, sampled
+        self.eos = torch.tensor(sorted(eos_ids), device=device).view(-1)
         self.z = torch.zeros(n, device=device)
         self.alive = torch.ones(n, dtype=torch.bool, device=device)
         self.stop_at = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.lp_cols, self.g_cols = [], []
 
     def __call__(self, input_ids, scores, **kwargs):
-        tokens = input_ids[:, -1]
-        g = token_regret(torch.log_softmax(scores[-1].float(), -1), tokens)  # scores: the processed logits so far
+        tokens, logp = input_ids[:, -1], self.sampled.logp
+        g = token_regret(logp, tokens)
+        self.lp_cols.append(logp.gather(-1, tokens[:, None]).squeeze(-1))
+        self.g_cols.append(g)
         self.z = self.alpha * self.z + (1 - self.alpha) * g
-        stop = self.alive & (tokens != self.eos_id) & (self.z > self.threshold)
+        ended = torch.isin(tokens, self.eos)
+        stop = self.alive & ~ended & (self.z > self.threshold)
         self.stop_at[stop] = self.t
-        self.alive &= ~stop & (tokens != self.eos_id)
+        self.alive &= ~stop & ~ended
         self.t += 1
         return stop
+
+    def logprobs(self) -> torch.Tensor:
+        return torch.stack(self.lp_cols, 1)
+
+    def regret(self) -> torch.Tensor:
+        return torch.stack(self.g_cols, 1)
 
 
 class RegretStats:
@@ -420,29 +445,37 @@ class RegretStats:
 @torch.no_grad()
 def generate_with_stops(model, tok, prompts: list[list[int]], group_size: int, max_new_tokens: int,
                         temperature: float, top_p: float, threshold: float, alpha: float):
-    """common.generate's sampling (Hugging Face) with RegretStopper in the loop.
+    """common.generate's sampling (Hugging Face, the same processors, EOS ids, model copy and autocast) with
+    RegretStopper in the loop; the log-probs and regrets are read step by step (SampledLogprobs), so no [B, C, V]
+    tensor of scores is kept.
 
     Returns (common.Rollout with the completion mask cut after each stop, regret g [B, C], stop_at [B]).
     """
-    from transformers import GenerationConfig, StoppingCriteriaList
+    from transformers import (GenerationConfig, LogitsProcessorList, StoppingCriteriaList, TemperatureLogitsWarper,
+                              TopPLogitsWarper)
 
-    device = next(model.parameters()).device
+    sampler = model.__dict__.get("_sampler", model)  # a sharded model samples with its full copy (common.shard)
+    device = next(sampler.parameters()).device
     ids, mask = common.left_pad([p for p in prompts for _ in range(group_size)], tok.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
-    gc = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                          return_dict_in_generate=True, output_scores=True, do_sample=True, temperature=temperature,
-                          top_p=top_p, top_k=0)
-    stopper = RegretStopper(len(ids), threshold, alpha, tok.eos_token_id, device)
-    own, model.generation_config = model.generation_config, gc
+    eos = common.eos_ids(tok, model)
+    # temperature and top-p as our own processors, so that the recorder sees what the sampler draws from
+    warpers = [TemperatureLogitsWarper(temperature)] * (temperature != 1.0) + [TopPLogitsWarper(top_p)] * (top_p < 1.0)
+    gc = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=eos,
+                          do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
+    sampled = SampledLogprobs()
+    stopper = RegretStopper(len(ids), threshold, alpha, eos, device, sampled)
+    own, sampler.generation_config = sampler.generation_config, gc
     try:
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc,
-                             stopping_criteria=StoppingCriteriaList([stopper]))
+        with common.autocast(sampler):  # the trainer's autocast and dtype
+            seqs = sampler.generate(input_ids=ids, attention_mask=mask, generation_config=gc,
+                                    logits_processor=LogitsProcessorList(warpers + [sampled]),
+                                    stopping_criteria=StoppingCriteriaList([stopper]))
     finally:
-        model.generation_config = own
-    comp = out.sequences[:, ids.shape[1]:]
-    logp = torch.log_softmax(torch.stack(out.scores, 1).float(), -1)  # [B, C, V] what the sampler drew from
-    regret, logprobs = token_regret(logp, comp), logp.gather(-1, comp.unsqueeze(-1)).squeeze(-1)
-    is_eos = comp == tok.eos_token_id
+        sampler.generation_config = own
+    comp = seqs[:, ids.shape[1]:]
+    regret, logprobs = stopper.regret(), stopper.logprobs()
+    is_eos = torch.isin(comp, torch.tensor(eos, device=device))
     last = torch.where(stopper.stop_at >= 0, stopper.stop_at, comp.shape[1])  # keep o_0..o_T of a stopped row
     cmask = (((is_eos.cumsum(1) - is_eos.long()) == 0) & (torch.arange(comp.shape[1], device=device) <= last[:, None]))
     comp = torch.where(cmask, comp, torch.full_like(comp, tok.pad_token_id))
@@ -597,18 +630,6 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
     return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, **before}
 
 
-def save_critic(path: Path, critic: Critic) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().cpu().contiguous() for k, v in critic.state_dict().items()}, path / "critic.safetensors")
-
-
-def load_critic(path: Path, critic: Critic) -> None:
-    from safetensors.torch import load_file
-
-    critic.load_state_dict(load_file(path / "critic.safetensors"))
-
-
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
@@ -634,9 +655,7 @@ def main(args: Args) -> dict:
                              {"params": list(critic.parameters()), "lr": args.vf_lr}], weight_decay=args.weight_decay)
 
     run_dir = Path(args.out_dir) / args.exp_name
-    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
-    if args.resume:
-        load_critic(Path(args.resume), critic)
+    state = common.load_checkpoint(args.resume, model, opt, {"critic": critic}) if args.resume else {}
     z_stats.mean, z_stats.var, z_stats.batches = state.get("regret_stats", (0.0, 0.0, 0))
     start_step, history = state.get("step", 0), state.get("history", [])
     gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
@@ -680,8 +699,7 @@ def main(args: Args) -> dict:
             common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
                                    {"step": step, "history": history, "wall_s": time.time() - t_start,
                                     "gen_tokens": gen_tokens, "gen_time": gen_time,
-                                    "regret_stats": [z_stats.mean, z_stats.var, z_stats.batches]})
-            save_critic(run_dir / "checkpoint", critic)
+                                    "regret_stats": [z_stats.mean, z_stats.var, z_stats.batches]}, {"critic": critic})
     if not is_main:
         return {}
     summary = common.summarize(history, gen_tokens, gen_time, time.time() - t_start)

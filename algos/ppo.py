@@ -428,18 +428,6 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
     return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, **before}
 
 
-def save_critic(path: Path, critic: Critic) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().cpu().contiguous() for k, v in critic.state_dict().items()}, path / "critic.safetensors")
-
-
-def load_critic(path: Path, critic: Critic) -> None:
-    from safetensors.torch import load_file
-
-    critic.load_state_dict(load_file(path / "critic.safetensors"))
-
-
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
@@ -466,9 +454,7 @@ def main(args: Args) -> dict:
                              {"params": list(critic.parameters()), "lr": args.vf_lr}], weight_decay=args.weight_decay)
 
     run_dir = Path(args.out_dir) / args.exp_name
-    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
-    if args.resume:
-        load_critic(Path(args.resume), critic)
+    state = common.load_checkpoint(args.resume, model, opt, {"critic": critic}) if args.resume else {}
     if args.resume and engine is not None:
         engine.sync_weights(model)
     start_step, history = state.get("step", 0), state.get("history", [])
@@ -509,11 +495,10 @@ def main(args: Args) -> dict:
         if is_main:
             bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", ev=f"{metrics['value/explained_var']:.2f}",
                             acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
-        if is_main and (args.save_every and step % args.save_every == 0 or step == args.steps):
+        if args.save_every and step % args.save_every == 0 or step == args.steps:  # every rank: shards
             common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
                                    {"step": step, "history": history, "wall_s": time.time() - t_start,
-                                    "gen_tokens": gen_tokens, "gen_time": gen_time})
-            save_critic(run_dir / "checkpoint", critic)
+                                    "gen_tokens": gen_tokens, "gen_time": gen_time}, {"critic": critic})
     if not is_main:
         return {}
     summary = common.summarize(history, gen_tokens, gen_time, time.time() - t_start)
