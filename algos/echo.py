@@ -1,7 +1,8 @@
 """ECHO: Environment Cross-entropy Hybrid Objective, on top of multi-turn GRPO.
 
-Paper: "ECHO: Environment Cross-entropy Hybrid Objective" (CLI agents trained to predict the terminal's answers to
-their own commands; arXiv id not given in the abstract this implementation follows). The policy-gradient loss of
+Paper: Shrivastava et al., "ECHO: Terminal Agents Learn World Models for Free", arXiv:2605.24517 (ECHO = Environment
+Cross-entropy Hybrid Objective: CLI agents trained to predict the terminal's answers to their own commands). The
+policy-gradient loss of
 GRPO on the action tokens, plus a cross-entropy on the environment-observation tokens that followed the policy's
 own actions in the same rollout: the same forward pass, no extra rollouts, and failed rollouts give dense signal.
 
@@ -20,8 +21,8 @@ Deviations:
   part of each observation is predictable from the action (`=` and `;` after a lookup, `err;` after a malformed
   action, `end;` at a limit) and the stored value's digit is not, so CE_env has a floor near log(10) / 3 = 0.77
   nats per token of a lookup's answer.
-- The paper's weighting of the auxiliary term is not given in the abstract; lambda = 0.1 by default (a token-mean
-  CE beside a sequence-mean policy loss).
+- lambda = 0.1 by default (a token-mean CE beside a sequence-mean policy loss), chosen for this scale, not the
+  paper's value; the paper also leaves warning tokens out of O, which this environment does not emit.
 - Everything else as algos/multiturn_grpo.py (trajectory-level group advantages, no KL by default).
 
 Commands:

@@ -1,8 +1,8 @@
 """HGPO and LoGo: stepwise advantages for multi-turn agents, against flat stepwise groups.
 
-Papers: "Hierarchy-of-Groups Policy Optimization for Long-Horizon Agentic Tasks" (HGPO; code in verl-agent's
-recipe/hgpo; arXiv id not given in the abstract this implementation follows), and Memory-R2's LoGo-GRPO ("Memory-R2",
-local and global group-relative optimisation for memory-augmented agents; arXiv id not given either). In stepwise
+Papers: He et al., "Hierarchy-of-Groups Policy Optimization for Long-Horizon Agentic Tasks", arXiv:2602.22817 (HGPO;
+code in verl-agent's recipe/hgpo), and Yan et al., "Memory-R2: Fair Credit Assignment for Long-Horizon
+Memory-Augmented LLM Agents", arXiv:2605.21768 (LoGo-GRPO, local and global group-relative optimisation). In stepwise
 group-based RL every step (turn) of a rollout is trained with its own group-relative advantage. Steps of one flat
 group (same episode, same turn) can have different histories, which biases their advantages; HGPO puts each step
 into several groups by how much history they share and combines the group-relative advantages with weights;

@@ -2,9 +2,9 @@
 
 Every agent-RL framework (TRL, verl, OpenRLHF, slime, AReaL, ROLL, prime-rl) trains policies this way; this is the
 smallest version of it. Papers: GRPO from Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in
-Open Language Models", arXiv:2402.03300, applied to whole trajectories as in agentic GRPO (e.g. the baselines of
-"Hierarchy-of-Groups Policy Optimization for Long-Horizon Agentic Tasks" and of ECHO, "Environment Cross-entropy
-Hybrid Objective"; algos/hgpo.py and algos/echo.py build on this file).
+Open Language Models", arXiv:2402.03300, applied to whole trajectories as in agentic GRPO (the baselines of
+"Hierarchy-of-Groups Policy Optimization for Long-Horizon Agentic Tasks", arXiv:2602.22817, and of "ECHO: Terminal
+Agents Learn World Models for Free", arXiv:2605.24517; algos/hgpo.py and algos/echo.py build on this file).
 
 The environment is algos/_toolenv.py's LookupEnv: the prompt names three keys of a hidden key-value store (`b+d+a?`),
 the policy looks them up (`#b` -> `=4;`, ...) and answers their sum (`!13`). A rollout runs turn by turn (_toolenv.play):

@@ -13,10 +13,11 @@ Runs (every one from the shipped tiny-toolenv, 16 seeds x 8 episodes per rollout
   advantage error  hgpo.advantage_mse on one rollout batch of the initial policy (16 seeds x 8 episodes, exact values
                    from 32 Monte Carlo episodes per state): mean squared error of each arm's stepwise advantage
 
-The claims: ECHO ("Environment Cross-entropy Hybrid Objective"): environment-token cross-entropy falls sharply with
-ECHO and barely moves with GRPO, and pass@1 rises; HGPO ("Hierarchy-of-Groups Policy Optimization for Long-Horizon
-Agentic Tasks"): hierarchical groups estimate stepwise advantages with less bias and succeed more at equal compute;
-Memory-R2's LoGo-GRPO: local re-rollouts from a shared state give fairer groups.
+The claims: ECHO ("ECHO: Terminal Agents Learn World Models for Free", arXiv:2605.24517): environment-token
+cross-entropy falls sharply with ECHO and barely moves with GRPO, and pass@1 rises; HGPO ("Hierarchy-of-Groups Policy
+Optimization for Long-Horizon Agentic Tasks", arXiv:2602.22817): hierarchical groups estimate stepwise advantages with
+less bias and succeed more at equal compute; LoGo-GRPO ("Memory-R2: Fair Credit Assignment for Long-Horizon
+Memory-Augmented LLM Agents", arXiv:2605.21768): local re-rollouts from a shared state give fairer groups.
 
 Writes benchmarks/results/multiturn.csv (rows through benchmarks/_results.py) and multiturn.md.
 """
