@@ -37,7 +37,8 @@ Equations (each implemented by the function named on the right; --correction pic
                     [e^-c, e^c], at least [1 - 0.3, 1 + 0.5]                       m2po_clip_level, m2po_clip_range
   vcpo              sequence weight W_i = min(exp(sum_t (prox - mu)), --is-cap); ESS/B = (sum W)^2 / (B sum W^2);
                     lr x sqrt(min(1, ESS/B)); baseline b = sum_g W^2 |g|^2 R / sum_g W^2 |g|^2 per group;
-                    loss W_i * PPO-clip around prox with A_i = (R_i - b) / std   seq_is_weights, ess_ratio,
+                    loss W_i * PPO-clip around prox with A_i = (R_i - b) / std (|g|^2 from the logits' softmax
+                    chunk by chunk over positions: no [B, C, V] tensor)  seq_is_weights, ess_ratio,
                                                                         opob_advantages, seq_score_sq_norm
   ppo-ewma          decoupled with prox = a bias-corrected EWMA of the weights (decay --ewma-decay)     EWMA
   double-sided      -m_t e^{logp-mu} A with m_t = 1 only while e^{logp-mu} is in [1-eps, 1+eps], whatever
@@ -432,15 +433,23 @@ def opob_advantages(rewards, w, score_sq, group_size: int, std_norm: bool = True
 
 
 @torch.no_grad()
-def seq_score_sq_norm(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0):
-    """|d log pi(o_i) / d logits|^2 = sum_t (1 - 2 p(y_t) + sum_v p_v^2) over the completion tokens; -> [B]."""
+def seq_score_sq_norm(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
+                      chunk_mb: float = 256):
+    """|d log pi(o_i) / d logits|^2 = sum_t (1 - 2 p(y_t) + sum_v p_v^2) over the completion tokens; -> [B]. One
+    decoder forward under the training autocast, then the lm_head and softmax over chunks of positions whose fp32
+    logits take about chunk_mb MiB (as common.token_logprobs): no [B, C, V] tensor is built."""
     ids = torch.cat([prompt_ids, completion_ids], 1)
     mask = torch.cat([prompt_mask, completion_mask], 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
-    p = torch.softmax(model.get_output_embeddings()(hidden[:, prompt_ids.shape[1] - 1:-1]).float() / temperature, -1)
-    py = p.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-    return ((1 - 2 * py + p.pow(2).sum(-1)) * completion_mask).sum(1)
+    P, (B, C), head = prompt_ids.shape[1], completion_ids.shape, model.get_output_embeddings()
+    step, tgt, per_tok = max(1, int(chunk_mb * 2**20) // (4 * head.weight.shape[0])), completion_ids.reshape(-1), []
+    with common.autocast(model):
+        h = common.decoder_hidden(model, ids, mask, pos)[:, P - 1:-1].reshape(B * C, -1)
+        for s in range(0, B * C, step):
+            p = torch.softmax(head(h[s:s + step]).float() / temperature, -1)
+            py = p.gather(-1, tgt[s:s + step, None]).squeeze(-1)
+            per_tok.append(1 - 2 * py + p.pow(2).sum(-1))
+    return (torch.cat(per_tok).view(B, C) * completion_mask).sum(1)
 
 
 class EWMA:

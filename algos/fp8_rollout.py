@@ -20,9 +20,11 @@ Numerics of mu (--rollout-dtype fp8; FP8Engine, FP8Linear, KVScales, all through
   KV cache    (--kv-fp8 e4m3|e5m2) K and V after RoPE: s_k = |K|max / 200, s_v = |V|max / 100 per layer (or per
               head), calibrated at the first forward after a sync and frozen until the next; clamp, then cast
                                                                                       KVScales, qdq_static
-  Embeddings, norms, attention arithmetic and lm_head stay fp32. --rollout-dtype bf16 runs the whole copy in
-  bf16 and fp32 runs it unchanged (the plumbing floor). Shapes that are not multiples of 128 are zero-padded
-  to the block (the kernel's reference does it), so every block size stays 128 as on the GPU.
+  Embeddings, norms, attention arithmetic and lm_head stay at the trainer's precision: mu samples under the
+  trainer's autocast (common.autocast; bf16 under --dtype bf16), and the fp8 matmuls run outside it (fp32 block
+  sums, as the kernel). --rollout-dtype bf16 runs the whole copy in bf16 and fp32 runs it unchanged (the plumbing
+  floor: mu is then the trainer's own computation, 0 mismatch in fp32 and bf16 alike). Shapes that are not
+  multiples of 128 are zero-padded to the block (the kernel's reference does it), so every block size stays 128.
 Corrections (--correction; rho_t = pi_old(y_t) / mu(y_t), log-ratio clamped to +-20; weights detached, applied to
 each token's clipped surrogate; a masked token keeps its place in the normaliser)      correction_weights
   token-tis   w_t = min(rho_t, C)                                               C = --tis-cap
@@ -40,8 +42,9 @@ samples) and only those are trained on                                          
 Metrics (mismatch_metrics, before the update, on the rollout's own tokens): mean and max |log pi_train - log mu|,
 k1 = mean(log mu - log pi), k3 = mean(r - 1 - log r) with r = pi / mu, the exact KL(mu || pi_train) summed
 over the vocabulary, per position bucket, for the fp32 trainer (kl_fp8) and the unified trainer (kl_unified);
-std of the sequence log-ratio; truncated / masked fractions and the ESS of the weights; at eval steps, the
-first position where shared-Gumbel decodes of mu and pi_train diverge                    first_divergence
+std of the sequence log-ratio; truncated / masked fractions and the ESS of the weights (the trainer's side chunk
+by chunk over positions, no [B, C, V] tensor: trainer_token_stats); at eval steps, the first position where
+shared-Gumbel decodes of mu and pi_train diverge                                         first_divergence
 
 Deviations:
 - FP8 is simulated: fake-quantised fp8 operands with fp32 accumulation per 128-wide K block (what the Triton
@@ -372,8 +375,12 @@ class FP8Linear(torch.nn.Linear):
         self.wq, self.ws = quantize_weight(self.weight.detach().bfloat16().float())
 
     def forward(self, x):
-        if self.mode == "off":
+        if self.mode == "off":  # the trainer's own precision (bf16 under --dtype bf16's autocast)
             return super().forward(x)
+        with torch.autocast(x.device.type, enabled=False):  # the fp8 simulation fixes its own dtypes: fp32 sums
+            return self._fp8_forward(x)
+
+    def _fp8_forward(self, x):
         x2 = x.reshape(-1, x.shape[-1])
         wq, ws = (self.wq, self.ws) if self.mode == "w8a8" else quantize_weight(self.weight.detach().bfloat16().float())
         xq, xs = quantize_act(x2.detach().float())
@@ -470,8 +477,9 @@ def sample(model, tok, prompts: list[list[int]], group_size: int, max_new_tokens
     lps, cmask = torch.zeros(B, max_new_tokens, device=device), torch.zeros_like(comp)
     full, alive, cache = [], torch.ones(B, dtype=torch.bool, device=device), DynamicCache(config=model.config)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                   logits_to_keep=1).logits[:, -1]
+    with common.autocast(model):  # the trainer's autocast and dtype: mu differs from pi_train by its numerics only
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                       logits_to_keep=1).logits[:, -1]
     for t in range(max_new_tokens):
         logp = torch.log_softmax(logits.float() / temperature, -1)
         g = noise[:, t] if keep else -torch.log(-torch.log(torch.rand_like(logp).clamp(1e-20, 1 - 1e-7)))
@@ -485,8 +493,9 @@ def sample(model, tok, prompts: list[list[int]], group_size: int, max_new_tokens
         if not alive.any() or t == max_new_tokens - 1:
             break
         mask, pos = torch.cat([mask, cmask[:, t:t + 1]], 1), pos[:, -1:] + 1
-        logits = model(input_ids=comp[:, t:t + 1], attention_mask=mask, position_ids=pos, cache=cache,
-                       use_cache=True).logits[:, -1]
+        with common.autocast(model):
+            logits = model(input_ids=comp[:, t:t + 1], attention_mask=mask, position_ids=pos, cache=cache,
+                           use_cache=True).logits[:, -1]
     C = t + 1
     comp, cmask, lps = comp[:, :C], cmask[:, :C], lps[:, :C]
     finish = ["stop" if s else "length" for s in ((comp == tok.eos_token_id) & cmask.bool()).any(1).tolist()]
@@ -572,26 +581,38 @@ def corrected_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
 
 
 # ---- mismatch metrics ----
-def full_logprobs(model, batch: dict, temperature: float):
-    """log softmax(z / T) of the trainer at every completion position, [B, C, V] (the same forward as
-    common.token_logprobs, keeping the whole distribution)."""
+def trainer_token_stats(model, batch: dict, temperature: float, mu_full=None, chunk_mb: float = 256):
+    """log pi_train(y_t) [B, C] at the rollout's tokens and, given mu's full distribution mu_full [B, C, V], the exact
+    KL(mu || pi_train) per token [B, C] (float64, each side renormalised: >= 0 up to 1e-16, where fp32 would show
+    +-1e-9 noise). One decoder forward under the training autocast (common.decoder_hidden, as
+    common.token_logprobs), then the lm_head and log-softmax over chunks of positions whose fp32 logits take about
+    chunk_mb MiB: no [B, C, V] tensor of the trainer is ever built."""
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    P = batch["prompt_ids"].shape[1]
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, P - 1:-1]
-    return torch.log_softmax(logits.float() / temperature, -1)
+    P, (B, C) = batch["prompt_ids"].shape[1], batch["completion_ids"].shape
+    head, tgt = model.get_output_embeddings(), batch["completion_ids"].reshape(-1)
+    mu = None if mu_full is None else mu_full.reshape(B * C, -1)
+    step = max(1, int(chunk_mb * 2**20) // (4 * head.weight.shape[0]))
+    lp, kl = [], []
+    with common.autocast(model):
+        h = common.decoder_hidden(model, ids, mask, pos)[:, P - 1:-1].reshape(B * C, -1)
+        for s in range(0, B * C, step):
+            logp = torch.log_softmax(head(h[s:s + step]).float() / temperature, -1)
+            lp.append(logp.gather(-1, tgt[s:s + step, None]).squeeze(-1))
+            if mu is not None:
+                a, b = mu[s:s + step].double().log_softmax(-1), logp.double().log_softmax(-1)
+                kl.append((a.exp() * (a - b)).sum(-1).float())
+    return torch.cat(lp).view(B, C), None if mu is None else torch.cat(kl).view(B, C)
 
 
-def kl_estimates(mu_tok, pi_tok, mask, mu_full=None, pi_full=None) -> dict:
-    """Per-token KL(mu || pi) from the sampled tokens (k1, k3) and, given the full distributions, exactly.
-
-    Returns masked means and the per-token tensors ([B, C]) so callers can bucket or take standard errors."""
+def kl_estimates(mu_tok, pi_tok, mask, exact=None) -> dict:
+    """Per-token KL(mu || pi) from the sampled tokens (k1, k3) and, given the exact per-token KL (trainer_token_stats),
+    exactly. Returns masked means and the per-token tensors ([B, C]) so callers can bucket or take standard errors."""
     d = (pi_tok - mu_tok) * mask  # log r, r = pi / mu
     per = {"k1": -d, "k3": (torch.exp(d) - 1 - d) * mask}
-    if mu_full is not None:  # in float64, each side renormalised: >= 0 up to 1e-16 (fp32 would show +-1e-9 noise)
-        a, b = mu_full.double().log_softmax(-1), pi_full.double().log_softmax(-1)
-        per["exact"] = ((a.exp() * (a - b)).sum(-1) * mask).float()
+    if exact is not None:
+        per["exact"] = exact * mask
     n = mask.sum().clamp(min=1)
     return {k: (v.sum() / n).item() for k, v in per.items()}, per
 
@@ -613,9 +634,9 @@ def mismatch_metrics(model, batch: dict, engine: FP8Engine, args: Args) -> dict:
     out, per_used = {}, None
     for name, (mode, kv) in trainers.items():
         with precision(model, mode, kv):
-            pi_full = full_logprobs(model, batch, args.temperature)
-        pi_tok = pi_full.gather(-1, batch["completion_ids"][..., None]).squeeze(-1) * mask
-        means, per = kl_estimates(mu_tok, pi_tok, mask, mu_full, None if mu_full is None else pi_full)
+            pi_tok, exact = trainer_token_stats(model, batch, args.temperature, mu_full)
+        pi_tok = pi_tok * mask
+        means, per = kl_estimates(mu_tok, pi_tok, mask, exact)
         out[f"mismatch/kl_{name}"] = means.get("exact", means["k3"])
         if (name == "unified") == args.unified:  # the trainer this run actually uses
             per_used, tok_used = per, pi_tok

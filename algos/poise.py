@@ -194,7 +194,7 @@ def check_args(args: Args) -> None:
 # ---- the idea: a value probe on the policy's internal states, cross-rollout baselines ----
 @torch.no_grad()
 def probe_features(model, batch: dict, max_new_tokens: int, temperature: float = 1.0,
-                   prompt_only: bool = False) -> torch.Tensor:
+                   prompt_only: bool = False, chunk_mb: float = 256) -> torch.Tensor:
     """f_i [B, 2H + 4] (or [B, H] with prompt_only) from one forward of the sampled sequences.
 
     The prompt's last token's final hidden state (left padding puts it at column P - 1), the response's mean final
@@ -205,15 +205,21 @@ def probe_features(model, batch: dict, max_new_tokens: int, temperature: float =
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state.float()
-    P = batch["prompt_ids"].shape[1]
-    if prompt_only:
-        return hidden[:, P - 1]
-    h = hidden[:, P - 1:-1]  # [B, C, H]: the states that predict each response token
+    head, ents = model.get_output_embeddings(), []
+    with common.autocast(model):  # the training autocast; the lm_head + log-softmax over chunks of positions
+        hidden = common.decoder_hidden(model, ids, mask, pos)
+        P = batch["prompt_ids"].shape[1]
+        if prompt_only:
+            return hidden[:, P - 1].float()
+        h = hidden[:, P - 1:-1]  # [B, C, H]: the states that predict each response token
+        flat, step = h.reshape(-1, h.shape[-1]), max(1, int(chunk_mb * 2**20) // (4 * head.weight.shape[0]))
+        for s in range(0, flat.shape[0], step):  # about chunk_mb MiB of fp32 logits each: no [B, C, V] tensor
+            logp = torch.log_softmax(head(flat[s:s + step]).float() / temperature, -1)
+            ents.append(-(logp.exp() * logp).sum(-1))
+    hidden, h = hidden.float(), h.float()
     m = batch["completion_mask"].float()
     n = m.sum(1).clamp(min=1)
-    logp = torch.log_softmax(model.get_output_embeddings()(h).float() / temperature, -1)
-    ent = -(logp.exp() * logp).sum(-1)  # [B, C]
+    ent = torch.cat(ents).view(m.shape)  # [B, C]
     ent_mean = (ent * m).sum(1) / n
     ent_std = (((ent - ent_mean[:, None]) ** 2 * m).sum(1) / n).sqrt()
     stats = torch.stack([ent_mean, (ent * m).max(1).values, ent_std, m.sum(1) / max_new_tokens], 1)

@@ -59,7 +59,10 @@ Deviations from the papers:
   row is cut at its own budget (max_new_tokens - prefix length). Tokens cut that way are not counted as sampled
   (an engine with per-request budgets, such as vLLM, does not produce them).
 - Entropy scores and LATR candidates need the full next-token distribution, which common.generate does not return:
-  one no-grad forward over each new segment computes them (next_token_stats); the NLL and random scores need none.
+  one no-grad forward over each new segment computes them, chunk by chunk over positions (next_token_stats); the NLL
+  and random scores need none. A forced candidate that is EOS ends its branch (the child is its prefix + EOS).
+- --train shared hands the tree mask to attention as an additive float mask (0 / -inf, tree_attention_mask), which
+  eager and SDPA both apply; flash-attention kernels take no 4-D mask and are refused with a message.
 - LATR's similarity is an edit distance over the lookahead window; here the share of equal tokens position by
   position. Forced tokens and pruning make the leaves off-policy: rollout/forced_frac and rollout/pruned_frac say
   how much; the loss treats them as samples of pi.
@@ -354,17 +357,27 @@ def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
 
 # ---- the idea: growing the trees ----
 @torch.no_grad()
-def next_token_stats(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float, k: int):
-    """Entropy [B, C] and the k most likely tokens (probs, ids [B, C, k]) of the distribution each token was drawn from."""
+def next_token_stats(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float, k: int,
+                     chunk_mb: float = 256):
+    """Entropy [B, C] and the k most likely tokens (probs, ids [B, C, k]) of the distribution each token was drawn
+    from. One decoder forward under the training autocast, then the lm_head and log-softmax over chunks of positions
+    whose fp32 logits take about chunk_mb MiB (as common.token_logprobs): no [B, C, V] tensor is built."""
     dev = next(model.parameters()).device
     ids = torch.cat([prompt_ids, completion_ids], 1).to(dev)
     mask = torch.cat([prompt_mask, completion_mask], 1).to(dev)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
-    logits = model.get_output_embeddings()(hidden[:, prompt_ids.shape[1] - 1:-1]).float() / temperature
-    logp = torch.log_softmax(logits, -1)
-    top = logp.topk(min(k, logp.shape[-1]), -1)
-    return -(logp.exp() * logp).sum(-1), top.values.exp(), top.indices
+    P, (B, C), head = prompt_ids.shape[1], completion_ids.shape, model.get_output_embeddings()
+    step = max(1, int(chunk_mb * 2**20) // (4 * head.weight.shape[0]))
+    ent, probs, top_ids = [], [], []
+    with common.autocast(model):
+        h = common.decoder_hidden(model, ids, mask, pos)[:, P - 1:-1].reshape(B * C, -1)
+        for s in range(0, B * C, step):
+            logp = torch.log_softmax(head(h[s:s + step]).float() / temperature, -1)
+            top = logp.topk(min(k, logp.shape[-1]), -1)
+            ent.append(-(logp.exp() * logp).sum(-1))
+            probs.append(top.values.exp())
+            top_ids.append(top.indices)
+    return torch.cat(ent).view(B, C), torch.cat(probs).view(B, C, -1), torch.cat(top_ids).view(B, C, -1)
 
 
 def sample_segments(model, tok, prompts, groups, prefixes, budgets, args: Args, engine=None, stats=False) -> list[dict]:
@@ -462,13 +475,14 @@ def allocate_branches(success: list[float], budget: int, caps: list[int]) -> lis
 
 
 def grow_trees(sample_fn, prompt_lens: list[int], args: Args, rng, protect_from,
-               reward_fn=None) -> tuple[list[list[dict]], dict]:
+               reward_fn=None, eos_ids=()) -> tuple[list[list[dict]], dict]:
     """M chains per prompt, then L rounds of N branch points x T continuations per tree (one sample_fn call per
     round; --lookahead adds a window call and a replacement call). G = M (1 + L N T) leaves per prompt.
 
     sample_fn(groups, prefixes, budgets) -> segments (see sample_segments); protect_from(tokens) -> first index of
     the final answer; prompt_lens: tokens per prompt (for the prefill count); reward_fn(group, tokens) -> reward,
-    needed by --allocation pq only.
+    needed by --allocation pq only; eos_ids: the ids that end a completion (a forced EOS ends its branch: the
+    child is its prefix and the EOS, finished, and nothing is sampled after it).
     A leaf (parents before children): tokens, logprobs, [entropy, alts], finished, parent (-1 for a
     chain), pos (where its own segment starts), tree (its chain), depth, protect. Counts: sampled tokens (= sum of
     segment lengths, plus pruned windows), prefill tokens, branched / forced / fallback / pruned rows.
@@ -482,8 +496,13 @@ def grow_trees(sample_fn, prompt_lens: list[int], args: Args, rng, protect_from,
         return ([] if j < 0 else trees[g][j]["tokens"][:p]) + ([forced[0]] if forced else [])
 
     def sample(reqs, prefixes, budgets):
-        counts["prefill"] += sum(prompt_lens[r[0]] + len(pre) for r, pre in zip(reqs, prefixes))
-        segs = sample_fn([r[0] for r in reqs], prefixes, budgets)
+        live = [i for i, r in enumerate(reqs) if not (r[3] and r[3][0] in eos_ids)]  # a forced EOS samples nothing
+        counts["prefill"] += sum(prompt_lens[reqs[i][0]] + len(prefixes[i]) for i in live)
+        segs = [{"tokens": [], "logprobs": [], "entropy": [], "alts": [], "finished": True} for _ in reqs]
+        if live:
+            for i, seg in zip(live, sample_fn([reqs[i][0] for i in live], [prefixes[i] for i in live],
+                                              [budgets[i] for i in live])):
+                segs[i] = seg
         counts["sampled"] += sum(len(s["tokens"]) for s in segs)
         return segs
 
@@ -747,15 +766,44 @@ def pack_trees(trees: list[list[dict]], prompts: list[list[int]], adv: torch.Ten
     return {k: v.to(device) for k, v in pk.items()}
 
 
-def packed_logprobs(model, pk: dict, idx, temperature: float = 1.0, with_entropy: bool = False):
-    """log pi of every tree token [b, Q] (and the entropy) from one forward over the packed trees idx."""
-    hidden = model.get_decoder()(input_ids=pk["ids"][idx], attention_mask=pk["attn"][idx][:, None],
-                                 position_ids=pk["pos"][idx]).last_hidden_state
-    h = hidden.gather(1, pk["tgt_pos"][idx].unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-    logp = torch.log_softmax(model.get_output_embeddings()(h).float() / temperature, -1)
-    mask = pk["mask"][idx]
-    lp = logp.gather(-1, pk["tgt"][idx].unsqueeze(-1)).squeeze(-1) * mask
-    return (lp, -(logp.exp() * logp).sum(-1) * mask) if with_entropy else lp
+def tree_attention_mask(model, attn):
+    """The boolean tree mask [b, S, S] as an additive float mask [b, 1, S, S]: 0 where a token may attend, -inf
+    elsewhere, in the model's dtype. Eager attention adds the mask to the scores (a boolean one would add 0 / 1 and
+    mask nothing) and SDPA takes either; flash-attention kernels take no 4-D mask, so anything but eager or SDPA is
+    refused by name."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in ("eager", "sdpa"):
+        raise SystemExit(f"--train shared passes a 4-D tree attention mask, which needs eager or sdpa attention; the "
+                         f"model uses {impl!r}: load it with attn_implementation='sdpa' or use --train leaf")
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(attn.shape, dtype=dtype, device=attn.device).masked_fill(~attn, float("-inf"))[:, None]
+
+
+def packed_logprobs(model, pk: dict, idx, temperature: float = 1.0, with_entropy: bool = False,
+                    chunk_mb: float = 256):
+    """log pi of every tree token [b, Q] (and the entropy, a statistic without a graph) from one forward over the
+    packed trees idx under the training autocast, with the additive tree mask (tree_attention_mask). The lm_head and
+    log-softmax run over chunks of tree tokens of about chunk_mb MiB of fp32 logits, each recomputed in the backward
+    (activation checkpointing, as common.token_logprobs): at most one chunk of [tokens x vocab] is alive."""
+    attn, head = tree_attention_mask(model, pk["attn"][idx]), model.get_output_embeddings()
+    tgt, mask = pk["tgt"][idx], pk["mask"][idx]
+    b, Q = tgt.shape
+
+    def chunk(hc, tc):
+        logp = torch.log_softmax(head(hc).float() / temperature, -1)
+        ent = -(logp.exp() * logp).sum(-1).detach() if with_entropy else hc.new_zeros(0)
+        return logp.gather(-1, tc[:, None]).squeeze(-1), ent
+
+    with common.autocast(model):
+        hidden = model.get_decoder()(input_ids=pk["ids"][idx], attention_mask=attn,
+                                     position_ids=pk["pos"][idx]).last_hidden_state
+        h = hidden.gather(1, pk["tgt_pos"][idx].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])).reshape(b * Q, -1)
+        step, t = max(1, int(chunk_mb * 2**20) // (4 * head.weight.shape[0])), tgt.reshape(-1)
+        grad = torch.is_grad_enabled() and h.requires_grad
+        parts = [torch.utils.checkpoint.checkpoint(chunk, h[s:s + step], t[s:s + step], use_reentrant=False) if grad
+                 else chunk(h[s:s + step], t[s:s + step]) for s in range(0, b * Q, step)]
+    lp = torch.cat([p[0] for p in parts]).view(b, Q) * mask
+    return (lp, torch.cat([p[1] for p in parts]).view(b, Q) * mask) if with_entropy else lp
 
 
 def shared_token_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
@@ -787,7 +835,8 @@ def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
     pieces = token_pieces(tok)
     reward = lambda g, toks: task.verify(tok.decode(toks, skip_special_tokens=True), examples[g].answer)[0]  # noqa: E731
     trees, counts = grow_trees(sample, [len(p) for p in prompts], args, rng,
-                               lambda toks: answer_start(toks, pieces, args.answer_marker), reward)
+                               lambda toks: answer_start(toks, pieces, args.answer_marker), reward,
+                               set(common.eos_ids(tok, model)))
     leaves = [leaf for tree in trees for leaf in tree]
     texts = tok.batch_decode([leaf["tokens"] for leaf in leaves], skip_special_tokens=True)
     answers = [e.answer for e in examples for _ in range(args.group_size)]

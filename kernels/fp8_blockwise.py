@@ -13,7 +13,8 @@ Public functions:
         positive int forced on every device (1 = no split); see "Split-K" below
 
 Each has an `_ref` twin in pure torch. Triton kernels run when the tensors are on CUDA (there the matmul
-feeds real fp8 operands to the tensor cores: Hopper or newer) or on CPU with TRITON_INTERPRET=1 (the tests).
+feeds real fp8 operands to the tensor cores: compute capability 8.9 or newer, Ada / Hopper; an older GPU is refused
+with a message naming the requirement, _check_fp8_device) or on CPU with TRITON_INTERPRET=1 (the tests).
 
 Maths:
     scale = max(amax(tile), 1e-12) * fp32(1/448)    (448 = largest e4m3 value; one scale per tile/block)
@@ -276,12 +277,30 @@ def _splitk_reduce_kernel(P, Y, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, 
 
 
 # ---- public functions ----
+FP8_MIN_CAPABILITY = (8, 9)  # fp8 (e4m3) tensor cores and conversions: Ada (8.9), Hopper (9.0) and newer
+
+
+def _check_fp8_device(device) -> None:
+    """Refuse, naming the requirement, a CUDA device without FP8 tensor cores (Triton would fail deep inside its
+    compiler on the e4m3 conversions and the fp8 dot)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    cap = tuple(torch.cuda.get_device_capability(device))
+    if cap < FP8_MIN_CAPABILITY:
+        raise RuntimeError(f"kernels/fp8_blockwise.py needs FP8 tensor cores: CUDA compute capability "
+                           f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer (Ada, Hopper, Blackwell); "
+                           f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}. Use the _ref functions "
+                           f"(pure torch) on this GPU.")
+
+
 def _check2d(name, x):
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-D [rows, K], got shape {tuple(x.shape)}")
 
 
 def _quantize(x, per_row: bool):
+    _check_fp8_device(x.device)
     R, C = x.shape
     x = x if x.stride(1) == 1 else x.contiguous()
     n_cb = triton.cdiv(C, TILE)
@@ -488,6 +507,7 @@ def _tune(x, xs, wq, ws, y, a_fp8: bool, splits: list[int]):
 
 
 def _gemm(x, xs, wq, ws, out_dtype, a_fp8: bool, split_k: int | None = None):
+    _check_fp8_device(x.device)
     M, K = x.shape
     N = wq.shape[0]
     y = new_output((M, N), x.device, out_dtype)

@@ -337,3 +337,26 @@ def test_async_offpolicy_grpo_learns_from_stale_rollouts(tmp_path):
     reward = [r["rollout/reward"] for r in map(json.loads, open(tmp_path / "t" / "metrics.jsonl")) if "rollout/reward" in r]
     assert sum(reward[-10:]) / 10 >= sum(reward[:10]) / 10 + 0.025, reward
     assert s["staleness_mean"] > 3.5 and s["kl_mu_pi"] > 0
+
+
+def test_seq_score_sq_norm_in_chunks_equals_the_full_tensor_and_holds_one_chunk():
+    """Chunked over positions (3 per chunk here), the score norm equals the full [B, C, V] softmax computation it
+    replaced (1e-5), and no tensor over the vocabulary larger than one chunk is created."""
+    import common
+    from _vocab_bound import LargestVocabTensor, chunk_mb
+
+    model, tok = common.load_model("tiny-0.6m")
+    torch.manual_seed(0)
+    ro = common.generate(model, tok, common.encode_prompts(tok, ["12+34=", "5+67=", "8+9="]), 2, 8)
+    args = [ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask]
+    ids, m = torch.cat(args[:3:2], 1), torch.cat(args[1::2], 1)
+    with torch.no_grad():  # the previous computation: the whole [B, C, V] distribution at once
+        h = model.get_decoder()(input_ids=ids, attention_mask=m, position_ids=(m.cumsum(1) - 1).clamp(min=0))
+        p = torch.softmax(model.get_output_embeddings()(h.last_hidden_state[:, ro.prompt_ids.shape[1] - 1:-1]).float(), -1)
+        py = p.gather(-1, ro.completion_ids.unsqueeze(-1)).squeeze(-1)
+        want = ((1 - 2 * py + p.pow(2).sum(-1)) * ro.completion_mask).sum(1)
+    with LargestVocabTensor(model) as seen:
+        got = ao.seq_score_sq_norm(model, *args, chunk_mb=chunk_mb(model, 3))
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    B, C = ro.completion_ids.shape
+    assert seen.numel <= 3 * seen.vocab < B * C * seen.vocab, seen.numel

@@ -85,6 +85,34 @@ def test_online_stop_equals_the_rule_after_the_fact(sums_model):
     assert torch.allclose(lp, ro.logprobs, atol=1e-4)
 
 
+def test_sampler_records_step_by_step_what_the_full_scores_gave(sums_model):
+    """Without stops the sampler is common.generate (same seed: the same tokens and behaviour log-probs, exactly);
+    the regret read step by step equals the one from the full [B, C, V] log-softmax of the model on those tokens
+    (1e-5), and no tensor over the vocabulary holds more than one decode step of the batch."""
+    from _vocab_bound import LargestVocabTensor
+
+    model, tok = sums_model
+    task = common.make_task("sums", 1)
+    prompts = common.encode_prompts(tok, [e.prompt for e in task.sample("train", 6, np.random.default_rng(0))])
+    torch.manual_seed(2)
+    with LargestVocabTensor(model) as seen:
+        ro, g, stop_at = espo.generate_with_stops(model, tok, prompts, 2, 40, 0.9, 0.95, threshold=math.inf, alpha=0.5)
+    torch.manual_seed(2)
+    want = common.generate(model, tok, prompts, 2, 40, 0.9, 0.95)
+    assert torch.equal(ro.completion_ids, want.completion_ids) and torch.equal(ro.logprobs, want.logprobs)
+    assert (stop_at < 0).all()
+    ids, mask = torch.cat([ro.prompt_ids, ro.completion_ids], 1), torch.cat([ro.prompt_mask, ro.completion_mask], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+    scores = logits[:, ro.prompt_ids.shape[1] - 1:-1].float().flatten(0, 1)
+    scores = TopPLogitsWarper(0.95)(None, TemperatureLogitsWarper(0.9)(None, scores)).view(*ro.completion_ids.shape, -1)
+    full = espo.token_regret(torch.log_softmax(scores, -1), ro.completion_ids)
+    full = torch.where(ro.completion_mask.bool(), full, torch.zeros_like(full))  # (top-p gives padding -inf)
+    assert torch.allclose(g, full, atol=1e-5) and g.max() > 0.5
+    assert seen.numel <= ro.completion_ids.shape[0] * seen.vocab, seen.numel
+
+
 def test_terminal_reward_and_td_errors_at_a_stop_hand_made():
     """Row 0 is stopped at its third token (absorbing failure, r_fail = -1); row 1 ends with EOS and reward 1."""
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
@@ -152,11 +180,13 @@ SMALL_PPO = dict(model="tiny-sums", task="sums", digits=1, max_new_tokens=48, pr
                  exp_name="t", threads=1)
 
 
-def test_threshold_at_infinity_is_ppo_exactly(tmp_path):
-    """Same losses, metrics and weights as algos/ppo.py, step by step; a finite threshold (stops) differs."""
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_threshold_at_infinity_is_ppo_exactly(tmp_path, dtype):
+    """Same losses, metrics and weights as algos/ppo.py, step by step, in fp32 and under bf16 autocast (the sampler
+    runs under the trainer's autocast, as common.generate); a finite threshold (stops) differs."""
     from safetensors.torch import load_file
 
-    base = ppo.Args(**SMALL_PPO, out_dir=str(tmp_path / "ppo"))
+    base = ppo.Args(**SMALL_PPO, out_dir=str(tmp_path / "ppo"), dtype=dtype)
     ppo.main(base)
     espo.main(espo.Args(**{**asdict(base), "out_dir": str(tmp_path / "inf"), "stop_k": math.inf}))
     espo.main(espo.Args(**{**asdict(base), "out_dir": str(tmp_path / "k1"), "stop_k": 1.0}))

@@ -276,9 +276,8 @@ def test_k1_k3_match_the_exact_kl_within_three_standard_errors(tiny):
     args, engine, b = rollout_of(tiny, kv_fp8="e4m3", prompts_per_step=64)
     mask = b["completion_mask"].float()
     with f.precision(model, "off"):
-        pi_full = f.full_logprobs(model, b, 1.0)
-    pi_tok = pi_full.gather(-1, b["completion_ids"][..., None]).squeeze(-1) * mask
-    means, per = f.kl_estimates(b["logprobs"], pi_tok, mask, b["mu_full"], pi_full)
+        pi_tok, exact = f.trainer_token_stats(model, b, 1.0, b["mu_full"])
+    means, per = f.kl_estimates(b["logprobs"], pi_tok * mask, mask, exact)
     m = mask.bool()
     assert means["exact"] > 1e-3  # a real mismatch to estimate
     for k in ("k1", "k3"):
@@ -286,6 +285,53 @@ def test_k1_k3_match_the_exact_kl_within_three_standard_errors(tiny):
         se = d.std() / d.numel() ** 0.5
         assert d.mean().abs() <= 3 * se, (k, d.mean().item(), se.item())
         assert se < means["exact"] / 2  # the test can see a wrong estimator (measured: se about 1/10 of the KL)
+
+
+def test_trainer_stats_in_chunks_equal_the_full_tensor_and_hold_one_chunk(tiny):
+    """log pi_train at the sampled tokens and the exact KL(mu || pi_train), over chunks of 5 positions, equal the full
+    [B, C, V] computation they replaced (1e-5), and no tensor over the vocabulary larger than one chunk of the trainer
+    is created (mu's recorded distribution, kept up to EXACT_KL_MAX_VOCAB, is read chunk by chunk)."""
+    from _vocab_bound import LargestVocabTensor, chunk_mb
+
+    model = tiny[0]
+    _, _, b = rollout_of(tiny, kv_fp8="e4m3", prompts_per_step=4)
+    ids = torch.cat([b["prompt_ids"], b["completion_ids"]], 1)
+    mask = torch.cat([b["prompt_mask"], b["completion_mask"]], 1)
+    with torch.no_grad():  # the previous computation: the trainer's whole [B, C, V] distribution
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+        pi_full = torch.log_softmax(logits[:, b["prompt_ids"].shape[1] - 1:-1].float(), -1)
+    lp_want = pi_full.gather(-1, b["completion_ids"][..., None]).squeeze(-1)
+    a, c = b["mu_full"].double().log_softmax(-1), pi_full.double().log_softmax(-1)
+    kl_want = (a.exp() * (a - c)).sum(-1).float()
+    mu_full, b["mu_full"] = b["mu_full"], None  # (mu's own [B, C, V] is the input, not a tensor the call creates)
+    with LargestVocabTensor(model) as seen:
+        lp, _ = f.trainer_token_stats(model, b, 1.0, None, chunk_mb=chunk_mb(model, 5))
+    lp2, kl = f.trainer_token_stats(model, b, 1.0, mu_full, chunk_mb=chunk_mb(model, 5))
+    assert torch.allclose(lp, lp_want, atol=1e-5) and torch.equal(lp, lp2)
+    assert torch.allclose(kl, kl_want, atol=1e-5, rtol=1e-5) and kl_want.max() > 1e-3
+    B, C = b["completion_ids"].shape
+    assert seen.numel <= 5 * seen.vocab < B * C * seen.vocab, seen.numel
+
+
+def test_one_precision_path_under_bf16():
+    """--dtype bf16: mu samples under the trainer's autocast, so the fp32-rollout arm's behaviour log-probs equal the
+    trainer's (mean |d logp| <= 1e-5; 1e-2 when the sampler ran outside the autocast), and unified FP8 gives exactly
+    the trainer's log-probs (the fp8 simulation inside runs without autocast, as on the GPU kernel)."""
+    model, tok = common.load_model("tiny-0.6m", dtype="bf16")
+    task = common.make_task("add", 2)
+    for kw in ({"rollout_dtype": "fp32"}, {"unified": True}):
+        args = f.Args(prompts_per_step=8, group_size=4, **kw)
+        engine = f.FP8Engine(model, args)
+        torch.manual_seed(1)
+        b = f.rollout(model, tok, task, args, np.random.default_rng(0), "cpu", engine)
+        with f.precision(model, "ste" if args.unified else "off", engine.kv if args.unified else None):
+            lp = common.token_logprobs(model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"],
+                                       b["completion_mask"])
+        gap = common.masked_mean((lp - b["logprobs"]).abs(), b["completion_mask"].float()).item()
+        if args.unified:
+            assert gap == 0.0, gap
+        else:
+            assert gap <= 1e-5, gap
 
 
 def test_unified_kl_is_below_one_fiftieth_of_the_mixed_path(tiny):

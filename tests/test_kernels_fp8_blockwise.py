@@ -323,3 +323,17 @@ def test_real_fp8_path_on_gpu(shape, dtype, monkeypatch):
     xq, xs = K.quantize_act_ref(x)
     wq, ws = K.quantize_weight_ref(w)
     _check_blockwise_matmul(f"fp8 matmul {shape}", xq, xs, wq, ws)
+
+
+def test_a_gpu_without_fp8_tensor_cores_is_refused_by_name(monkeypatch):
+    """On CUDA the Triton paths first check the compute capability (8.9+: fp8 tensor cores); an A100 (8.0) gets a
+    message naming the requirement instead of a failure inside Triton's compiler. CPU tensors are not checked."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(RuntimeError, match=r"compute capability 8\.9 or newer.*A100 has 8\.0"):
+        K._check_fp8_device("cuda:0")
+    for cap in ((8, 9), (9, 0), (10, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        K._check_fp8_device("cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    K._check_fp8_device("cpu")  # the interpreter and the references need no GPU

@@ -200,3 +200,33 @@ def test_poise_learns(tmp_path):
 def test_bad_input(tmp_path, change, msg):
     with pytest.raises(SystemExit, match=msg):
         m.main(replace(SMALL, out_dir=str(tmp_path), **change))
+
+
+def test_probe_features_in_chunks_equal_the_full_tensor_and_hold_one_chunk(tiny):
+    """The entropy features accumulated chunk by chunk (3 positions per chunk here) equal the full [B, C, V]
+    log-softmax computation they replaced (1e-5), and no tensor over the vocabulary larger than one chunk exists."""
+    from _vocab_bound import LargestVocabTensor, chunk_mb
+
+    model, tok, _ = tiny
+    torch.manual_seed(0)
+    ro = common.generate(model, tok, common.encode_prompts(tok, ["12+34=", "50+7=", "3+4="]), 2, 8, 1.0)
+    batch = {k: getattr(ro, k) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():  # the previous computation
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask,
+                                     position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state.float()
+        P = batch["prompt_ids"].shape[1]
+        h, mk = hidden[:, P - 1:-1], batch["completion_mask"].float()
+        n = mk.sum(1).clamp(min=1)
+        logp = torch.log_softmax(model.get_output_embeddings()(h).float(), -1)
+        ent = -(logp.exp() * logp).sum(-1)
+        ent_mean = (ent * mk).sum(1) / n
+        ent_std = (((ent - ent_mean[:, None]) ** 2 * mk).sum(1) / n).sqrt()
+        st = torch.stack([ent_mean, (ent * mk).max(1).values, ent_std, mk.sum(1) / 8], 1)
+        want = torch.cat([hidden[:, P - 1], (h * mk[..., None]).sum(1) / n[:, None], st], 1)
+    with LargestVocabTensor(model) as seen:
+        got = m.probe_features(model, batch, 8, chunk_mb=chunk_mb(model, 3))
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    B, C = batch["completion_ids"].shape
+    assert seen.numel <= 3 * seen.vocab < B * C * seen.vocab, seen.numel

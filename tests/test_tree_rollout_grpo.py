@@ -265,11 +265,21 @@ def tiny():
     return model, tok
 
 
-@pytest.mark.parametrize("agg,per_token,kl", [("seq-mean", True, 0.0), ("token-mean", False, 0.1), ("const", True, 0.1)])
-def test_shared_token_loss_equals_the_replicated_leaf_loss(tiny, agg, per_token, kl):
+@pytest.mark.parametrize("agg,per_token,kl,attn", [("seq-mean", True, 0.0, "sdpa"), ("token-mean", False, 0.1, "sdpa"),
+                                                  ("const", True, 0.1, "sdpa"), ("seq-mean", True, 0.1, "eager")])
+def test_shared_token_loss_equals_the_replicated_leaf_loss(tiny, agg, per_token, kl, attn):
     """Every tree token once, weighted by its leaves, gives the same loss and gradient as one sequence per leaf, with
-    clipping active (old log-probs away from the current ones), from fewer forward tokens."""
+    clipping active (old log-probs away from the current ones), from fewer forward tokens; under eager attention
+    (which adds the mask to the scores) as under SDPA."""
     model, tok = tiny
+    model.set_attn_implementation(attn)
+    try:
+        _shared_equals_replicated(model, tok, agg, per_token, kl)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def _shared_equals_replicated(model, tok, agg, per_token, kl):
     args = tree_args(chains=2, rounds=2, branches=1, continuations=2, loss_agg=agg, kl_coef=kl, clip_eps_high=0.28)
     ids = [4, 5, 6, 7, 8]
     trees, _ = grow(TablePolicy(np.full((6, 5), 0.2), 6, ids=ids), 3, args, seed=1)
@@ -283,7 +293,7 @@ def test_shared_token_loss_equals_the_replicated_leaf_loss(tiny, agg, per_token,
     g = torch.Generator().manual_seed(2)
     adv = torch.randn(B, C, generator=g) * mask if per_token else torch.randn(B, generator=g)
     pk = tr.pack_trees(trees, prompts, adv, args, tok.pad_token_id, "cpu")
-    lp_shared = tr.packed_logprobs(model, pk, torch.arange(3))
+    lp_shared = tr.packed_logprobs(model, pk, torch.arange(3), chunk_mb=0.001)  # several chunks, checkpointed
     noise = torch.randn(lp_shared.shape, generator=g) * 0.3
     old_shared, ref_shared = lp_shared.detach() + noise, lp_shared.detach() - noise
     row = torch.arange(B) // args.group_size
@@ -304,6 +314,55 @@ def test_shared_token_loss_equals_the_replicated_leaf_loss(tiny, agg, per_token,
     assert float((st["clipfrac"] * pk["mask"]).sum()) > 0  # the clipped branch was active somewhere
     # fewer forward tokens: prompt + tree tokens once per tree instead of prompt + leaf per leaf
     assert pk["mask"].sum() + sum(map(len, prompts)) < mask.sum() + args.group_size * sum(map(len, prompts))
+
+
+def test_shared_training_refuses_attention_without_4d_masks(tiny):
+    model, tok = tiny
+    model.config._attn_implementation = "flash_attention_2"
+    try:
+        with pytest.raises(SystemExit, match="eager or sdpa"):
+            tr.tree_attention_mask(model, torch.ones(1, 3, 3, dtype=torch.bool))
+    finally:
+        model.config._attn_implementation = "sdpa"
+
+
+def test_next_token_stats_in_chunks_equal_the_full_tensor_and_hold_one_chunk(tiny):
+    """Entropy and top-k over chunks of 3 positions equal the full [B, C, V] computation they replaced (1e-5; the
+    same token ids), and no tensor over the vocabulary larger than one chunk is created."""
+    from _vocab_bound import LargestVocabTensor, chunk_mb
+
+    model, tok = tiny
+    torch.manual_seed(0)
+    ro = common.generate(model, tok, common.encode_prompts(tok, ["12+34=", "5+67=", "8+9="]), 2, 8)
+    args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+    ids, mask = torch.cat(args[:3:2], 1), torch.cat(args[1::2], 1)
+    with torch.no_grad():  # the previous computation
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask,
+                                     position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
+        logp = torch.log_softmax(model.get_output_embeddings()(hidden[:, ro.prompt_ids.shape[1] - 1:-1]).float(), -1)
+        top = logp.topk(4, -1)
+        want = (-(logp.exp() * logp).sum(-1), top.values.exp(), top.indices)
+    with LargestVocabTensor(model) as seen:
+        got = tr.next_token_stats(model, *args, 1.0, 4, chunk_mb=chunk_mb(model, 3))
+    assert torch.allclose(got[0], want[0], atol=1e-5) and torch.allclose(got[1], want[1], atol=1e-5)
+    assert torch.equal(got[2], want[2])
+    B, C = ro.completion_ids.shape
+    assert seen.numel <= 3 * seen.vocab < B * C * seen.vocab, seen.numel
+
+
+def test_a_forced_eos_ends_its_branch():
+    """LATR forcing: when the forced candidate is EOS (id 2 here, often the likeliest alternative), the child is its
+    prefix and the EOS, finished, and nothing is sampled after it; EOS is the last token of every leaf that has one."""
+    args = tree_args(chains=2, rounds=2, branches=2, continuations=1, branch_token="force", max_new_tokens=6)
+    trees, counts = tr.grow_trees(TablePolicy(TABLE3, 6, eos=2, seed=3), [3] * 30, args, np.random.default_rng(0),
+                                  len, eos_ids={2})
+    leaves = [leaf for tree in trees for leaf in tree]
+    forced_eos = [leaf for leaf in leaves if leaf["parent"] >= 0 and leaf["tokens"][leaf["pos"]] == 2
+                  and len(leaf["tokens"]) == leaf["pos"] + 1]
+    assert len(forced_eos) > 5 and all(leaf["finished"] for leaf in forced_eos)
+    assert all(2 not in leaf["tokens"][:-1] for leaf in leaves)
+    assert all(leaf["finished"] == (leaf["tokens"][-1:] == [2]) for leaf in leaves if len(leaf["tokens"]) < 6)
+    assert counts["sampled"] == sum(len(l["tokens"]) - l["pos"] for t in trees for l in t)  # forced tokens count once
 
 
 # ---- whole runs ----
