@@ -8,12 +8,14 @@ when at least three scripts need it as is. Budget: 820 lines (a test enforces it
 from __future__ import annotations
 
 import copy
+import ctypes
 import hashlib
 import itertools
 import json
 import os
 import random
 import re
+import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, is_dataclass
@@ -22,6 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.utils.checkpoint
+
+if sys.platform == "linux":  # glibc raises its mmap threshold after a large free; then a chunk loop's kept results
+    getattr(ctypes.CDLL(None), "mallopt", lambda *a: 0)(-3, 1 << 20)  # fragment the heap: pin M_MMAP_THRESHOLD
 
 ROOT = Path(__file__).resolve().parent
 MODELS_DIR = ROOT / "algos" / "models"  # the shipped tiny checkpoints
@@ -525,13 +530,11 @@ def generate(model, tok, prompts: list[list[int]], group_size: int = 1, max_new_
 
 
 # ---- per-token log-probs ----
-# The byte budget of one chunk of fp32 [positions x vocab] logits (MiB) wherever a script computes anything from the
-# full next-token distribution; the environment variable LOGPROB_CHUNK_MB changes it (tests use a small one).
-LOGPROB_CHUNK_MB = float(os.environ.get("LOGPROB_CHUNK_MB", "256"))
+LOGPROB_CHUNK_MB = float(os.environ.get("LOGPROB_CHUNK_MB", "256"))  # MiB of fp32 [positions x vocab] logits a chunk
 
 
 def chunk_positions(vocab: int, chunk_mb: float | None = None) -> int:
-    """Positions per chunk: as many rows of fp32 [vocab] logits as fit `chunk_mb` MiB (LOGPROB_CHUNK_MB by default)."""
+    """Positions per chunk: rows of fp32 [vocab] logits in `chunk_mb` MiB (LOGPROB_CHUNK_MB, from the environment)."""
     return max(1, int((LOGPROB_CHUNK_MB if chunk_mb is None else chunk_mb) * 2**20) // (4 * vocab))
 
 
@@ -643,8 +646,14 @@ def run_eval(model, tok, task, sets: dict, max_new_tokens: int, pass_k: int = 0,
 
 def rollout_metrics(rewards: torch.Tensor, completion_mask: torch.Tensor, finish_reasons: list[str],
                     group_size: int, gen_s: float) -> dict:
-    """The rollout/ namespace of one batch: reward, length, truncation, zero-variance groups, tokens/s."""
+    """The rollout/ namespace of one batch: reward, length, truncation, zero-variance groups, tokens/s. With several
+    processes (every rank calls it) the figures are those of all ranks' sequences together."""
     lengths = completion_mask.sum(1).float()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        parts = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, (rewards.tolist(), lengths.tolist(), list(finish_reasons)))
+        rewards, lengths = (torch.tensor([x for p in parts for x in p[i]]) for i in (0, 1))
+        finish_reasons = [f for p in parts for f in p[2]]
     out = {"rollout/reward": rewards.float().mean().item(), "rollout/length": lengths.mean().item(),
            "rollout/truncated_frac": float(np.mean([f == "length" for f in finish_reasons])),
            "rollout/tokens_per_s": lengths.sum().item() / max(gen_s, 1e-9)}

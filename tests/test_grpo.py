@@ -174,28 +174,7 @@ def test_cli_help_and_bad_flag():
     assert out.returncode != 0 and "group-size must be at least 2" in out.stderr and "Traceback" not in out.stderr
 
 
-# ---- launchers and a real model ----
-def test_accelerate_two_cpu_processes(tmp_path):
-    """Two CPU processes that really all-reduce (gloo). `accelerate launch --cpu --num_processes 2` starts only one
-    process; the torchrun path (`--multi_gpu`) with `--device cpu` starts two. Each rank samples its own prompts,
-    so the logged token count must exceed what rank 0 generated alone."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-           "1", "--mixed_precision", "no", "--dynamo_backend", "no", "algos/grpo.py", "--device", "cpu", "--steps", "2",
-           "--threads", "1", "--prompts-per-step", "8", "--eval-examples", "20", "--pass-k", "0", "--no-eval-hard",
-           "--out-dir", str(tmp_path)]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    single = grpo.main(replace(SMALL, steps=2, prompts_per_step=8, eval_examples=20, out_dir=str(tmp_path / "one"),
-                               device="cpu"))
-    assert single["gen_tokens"] > 0
-    step1 = lambda d: [json.loads(x) for x in open(tmp_path / d / "metrics.jsonl")][1]  # noqa: E731
-    two, one = step1("grpo"), step1("one/t")
-    # rank 0 drew the same prompts and samples as the single process (same seed, same weights) ...
-    assert two["rollout/reward"] == one["rollout/reward"] and two["rollout/length"] == one["rollout/length"]
-    # ... but its gradient is the all-reduced one over both ranks' samples, so the step differs
-    assert abs(two["loss/grad_norm"] - one["loss/grad_norm"]) > 1e-6
-
-
+# ---- a real model (two processes under FSDP2: tests/test_sharding.py) ----
 @pytest.mark.slow
 def test_smollm2_two_steps(tmp_path):
     pytest.importorskip("gguf")
