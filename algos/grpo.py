@@ -28,10 +28,17 @@ Deviations from the paper:
 - The std in the advantage is the unbiased sample std (as TRL); the paper does not say which.
 - pi_old: with one PPO epoch and one mini-batch the update is on-policy and pi_old = pi_theta.detach()
   (ratio 1, the same gradient as REINFORCE with a group baseline); otherwise pi_old is recomputed by the
-  trainer before the first update, as in PPO. The sampler's own log-probs are only used for the
-  rollout/logprob_mismatch metric (what vLLM or low-precision sampling would silently change).
-- Multi-GPU uses `accelerate launch` with an explicit gradient all-reduce (sum, with the normaliser
-  counted globally) instead of DDP wrapping, so the chunked log-prob path can call the decoder directly.
+  trainer before the first update, as in PPO. The sampler's own log-probs give the rollout/logprob_mismatch
+  metric, and when the sampler is not the trainer's computation (the bf16 sampler copy on CUDA, vLLM) each
+  token's loss is weighted by w_t = min(pi_old / pi_sampler, C), C = --sampler-is-cap = 2 (truncated importance
+  sampling, token level as verl's rollout correction; TRL's vLLM default masks whole sequences at a cap of 3):
+  truncated_is_weight, logged as rollout/is_weight_mean and rollout/is_truncated_frac. On CPU the sampler is the
+  trainer's own forward and the update is exactly the on-policy one.
+- Several processes (torchrun / accelerate launch) shard policy and reference with torch's FSDP2 (common.shard:
+  one unit per decoder layer; weights, gradients and AdamW state split across ranks). Gradients are summed, not
+  averaged, because the loss already divides by step-global counts: the step equals one process's on the global
+  batch (tests/test_sharding.py). Rollouts use a full copy of the weights gathered once per optimiser step
+  (2 bytes per parameter in bf16 on CUDA, 4 on CPU, on every rank: benchmarks/results/memory_plan.md counts it).
 
 Commands:
   python algos/grpo.py                                          # tiny default, 2-core CPU, ~2 minutes
@@ -39,7 +46,9 @@ Commands:
   python algos/grpo.py --model tiny-sums --task sums --digits 1 --max-new-tokens 48 --steps 100   # long responses
   python algos/grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm --device cuda \
       --max-new-tokens 512 --prompts-per-step 64 --lr 1e-6 --kl-coef 0.0          # one GPU
-  accelerate launch --num_processes 4 algos/grpo.py --model ... --device cuda         # several GPUs
+  torchrun --nproc_per_node 8 algos/grpo.py --model Qwen/Qwen2.5-7B --task gsm8k --device cuda --max-new-tokens 512 \
+      --micro-batch-size 32 --grad-checkpointing --lr 1e-6 --pass-k 0     # 8 GPUs (see benchmarks/results/memory_plan.md)
+  python algos/grpo.py --model smollm2-135m --task words --max-new-tokens 64 --lr 5e-6   # a pretrained model on CPU
   accelerate launch --multi_gpu --num_processes 2 algos/grpo.py --device cpu --threads 1   # 2 CPU processes
 Expected: held-out greedy accuracy on 2-digit addition rises by 15+ points in under 3 minutes on 2 cores;
 see benchmarks/results/grpo.md (rows in benchmarks/results/foundation.csv). On the long-response task

@@ -37,7 +37,7 @@ Deviations from the paper:
   cannot). rollout/reward logs the exact-answer reward of the trained rollouts, whatever --reward is.
 - gen_tokens and tokens_per_s count every generated token, the pivot's included; rollout/length and
   rollout/tokens_per_s are over the G trained rollouts per prompt.
-- grpo.py's other deviations hold (KL off by default, sample std, pi_old handling, accelerate all-reduce).
+- grpo.py's other deviations hold (KL off by default, sample std, pi_old handling, FSDP2 with several processes).
 
 Commands:
   python algos/mc_grpo.py                                       # tiny default: add, G=8 (9 rollouts), 2-core CPU

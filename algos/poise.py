@@ -32,7 +32,7 @@ Deviations from the paper:
   step size); the direction of the update stays unbiased. --no-adv-std-norm gives the plain r - b.
 - The probe's state is D x D with D = 2 * hidden + 4 (260 here); for hidden sizes in the thousands project the
   hidden states first (not implemented).
-- grpo.py's other deviations hold (KL off by default, pi_old handling, accelerate all-reduce).
+- grpo.py's other deviations hold (KL off by default, pi_old handling, FSDP2 with several processes).
 
 Commands:
   python algos/poise.py                                         # tiny default: add, 2 rollouts x 128 prompts
@@ -194,7 +194,7 @@ def check_args(args: Args) -> None:
 # ---- the idea: a value probe on the policy's internal states, cross-rollout baselines ----
 @torch.no_grad()
 def probe_features(model, batch: dict, max_new_tokens: int, temperature: float = 1.0,
-                   prompt_only: bool = False, chunk_mb: float = 256) -> torch.Tensor:
+                   prompt_only: bool = False, chunk_mb: float | None = None) -> torch.Tensor:
     """f_i [B, 2H + 4] (or [B, H] with prompt_only) from one forward of the sampled sequences.
 
     The prompt's last token's final hidden state (left padding puts it at column P - 1), the response's mean final
@@ -212,8 +212,8 @@ def probe_features(model, batch: dict, max_new_tokens: int, temperature: float =
         if prompt_only:
             return hidden[:, P - 1].float()
         h = hidden[:, P - 1:-1]  # [B, C, H]: the states that predict each response token
-        flat, step = h.reshape(-1, h.shape[-1]), max(1, int(chunk_mb * 2**20) // (4 * head.weight.shape[0]))
-        for s in range(0, flat.shape[0], step):  # about chunk_mb MiB of fp32 logits each: no [B, C, V] tensor
+        flat, step = h.reshape(-1, h.shape[-1]), common.chunk_positions(head.weight.shape[0], chunk_mb)
+        for s in range(0, flat.shape[0], step):  # chunk_mb MiB of fp32 logits each: no [B, C, V] tensor
             logp = torch.log_softmax(head(flat[s:s + step]).float() / temperature, -1)
             ents.append(-(logp.exp() * logp).sum(-1))
     hidden, h = hidden.float(), h.float()

@@ -71,7 +71,7 @@ Deviations from the papers:
   is even: the flag acts from --rounds 2 on. Leaves are rewarded during growth for it (the same verifier).
 - --threads defaults to 1 (grpo.py: 2): on a shared 2-core machine two 2-thread jobs oversubscribe the cores and
   this script's many small generate calls slowed from about 4 s to 20-30 s per step.
-- grpo.py's other deviations hold (KL off by default, sample std, pi_old handling, accelerate all-reduce).
+- grpo.py's other deviations hold (KL off by default, sample std, pi_old handling, FSDP2 with several processes).
 
 Commands:
   python algos/tree_rollout_grpo.py                             # long-response task (tiny-sums, sums), G = 4 x (1 + 3)
@@ -358,16 +358,17 @@ def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
 # ---- the idea: growing the trees ----
 @torch.no_grad()
 def next_token_stats(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float, k: int,
-                     chunk_mb: float = 256):
+                     chunk_mb: float | None = None):
     """Entropy [B, C] and the k most likely tokens (probs, ids [B, C, k]) of the distribution each token was drawn
     from. One decoder forward under the training autocast, then the lm_head and log-softmax over chunks of positions
-    whose fp32 logits take about chunk_mb MiB (as common.token_logprobs): no [B, C, V] tensor is built."""
+    whose fp32 logits take about chunk_mb MiB (common.LOGPROB_CHUNK_MB by default; as common.token_logprobs): no
+    [B, C, V] tensor is built."""
     dev = next(model.parameters()).device
     ids = torch.cat([prompt_ids, completion_ids], 1).to(dev)
     mask = torch.cat([prompt_mask, completion_mask], 1).to(dev)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     P, (B, C), head = prompt_ids.shape[1], completion_ids.shape, model.get_output_embeddings()
-    step = max(1, int(chunk_mb * 2**20) // (4 * head.weight.shape[0]))
+    step = common.chunk_positions(head.weight.shape[0], chunk_mb)
     ent, probs, top_ids = [], [], []
     with common.autocast(model):
         h = common.decoder_hidden(model, ids, mask, pos)[:, P - 1:-1].reshape(B * C, -1)
@@ -780,11 +781,11 @@ def tree_attention_mask(model, attn):
 
 
 def packed_logprobs(model, pk: dict, idx, temperature: float = 1.0, with_entropy: bool = False,
-                    chunk_mb: float = 256):
+                    chunk_mb: float | None = None):
     """log pi of every tree token [b, Q] (and the entropy, a statistic without a graph) from one forward over the
     packed trees idx under the training autocast, with the additive tree mask (tree_attention_mask). The lm_head and
-    log-softmax run over chunks of tree tokens of about chunk_mb MiB of fp32 logits, each recomputed in the backward
-    (activation checkpointing, as common.token_logprobs): at most one chunk of [tokens x vocab] is alive."""
+    log-softmax run over chunks of tree tokens of about chunk_mb MiB of fp32 logits (common.LOGPROB_CHUNK_MB), each
+    recomputed in the backward (activation checkpointing, as common.token_logprobs): one [tokens x vocab] chunk alive."""
     attn, head = tree_attention_mask(model, pk["attn"][idx]), model.get_output_embeddings()
     tgt, mask = pk["tgt"][idx], pk["mask"][idx]
     b, Q = tgt.shape
@@ -795,10 +796,9 @@ def packed_logprobs(model, pk: dict, idx, temperature: float = 1.0, with_entropy
         return logp.gather(-1, tc[:, None]).squeeze(-1), ent
 
     with common.autocast(model):
-        hidden = model.get_decoder()(input_ids=pk["ids"][idx], attention_mask=attn,
-                                     position_ids=pk["pos"][idx]).last_hidden_state
+        hidden = common.decoder_hidden(model, pk["ids"][idx], attn, pk["pos"][idx])
         h = hidden.gather(1, pk["tgt_pos"][idx].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])).reshape(b * Q, -1)
-        step, t = max(1, int(chunk_mb * 2**20) // (4 * head.weight.shape[0])), tgt.reshape(-1)
+        step, t = common.chunk_positions(head.weight.shape[0], chunk_mb), tgt.reshape(-1)
         grad = torch.is_grad_enabled() and h.requires_grad
         parts = [torch.utils.checkpoint.checkpoint(chunk, h[s:s + step], t[s:s + step], use_reentrant=False) if grad
                  else chunk(h[s:s + step], t[s:s + step]) for s in range(0, b * Q, step)]

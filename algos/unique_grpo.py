@@ -36,7 +36,7 @@ Deviations from the paper:
   (the paper's normalisation and sign handling are not in the abstract): a correct rare strategy gains what a
   redundant one loses, failures keep GRPO's push down, and with 0/1 rewards the advantages still sum to 0.
 - alpha (--uniqueness-power, default 1) is our choice; malformed answers form one cluster of their own.
-- grpo.py's other deviations hold (KL off by default, sample std, pi_old handling, accelerate all-reduce).
+- grpo.py's other deviations hold (KL off by default, sample std, pi_old handling, FSDP2 with several processes).
 
 Commands:
   python algos/unique_grpo.py                                   # tiny default: reach with tiny-reach, 2-core CPU
