@@ -434,15 +434,16 @@ def opob_advantages(rewards, w, score_sq, group_size: int, std_norm: bool = True
 
 @torch.no_grad()
 def seq_score_sq_norm(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                      chunk_mb: float = 256):
+                      chunk_mb: float | None = None):
     """|d log pi(o_i) / d logits|^2 = sum_t (1 - 2 p(y_t) + sum_v p_v^2) over the completion tokens; -> [B]. One
     decoder forward under the training autocast, then the lm_head and softmax over chunks of positions whose fp32
-    logits take about chunk_mb MiB (as common.token_logprobs): no [B, C, V] tensor is built."""
+    logits take about chunk_mb MiB (common.LOGPROB_CHUNK_MB by default; as common.token_logprobs): no [B, C, V]
+    tensor is built."""
     ids = torch.cat([prompt_ids, completion_ids], 1)
     mask = torch.cat([prompt_mask, completion_mask], 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     P, (B, C), head = prompt_ids.shape[1], completion_ids.shape, model.get_output_embeddings()
-    step, tgt, per_tok = max(1, int(chunk_mb * 2**20) // (4 * head.weight.shape[0])), completion_ids.reshape(-1), []
+    step, tgt, per_tok = common.chunk_positions(head.weight.shape[0], chunk_mb), completion_ids.reshape(-1), []
     with common.autocast(model):
         h = common.decoder_hidden(model, ids, mask, pos)[:, P - 1:-1].reshape(B * C, -1)
         for s in range(0, B * C, step):

@@ -47,8 +47,9 @@ Deviations:
   sampling; a logits processor reads each step's log-probs and regret (no [B, C, V] scores are kept). Sampling
   runs as common.generate's (processors, EOS ids, the trainer's autocast), so --stop-k inf is ppo.py exactly in
   fp32 and in bf16 on CPU; on CUDA common.generate decodes with a bf16 weight copy and a static cache, and this
-  sampler with the fp32 weights under bf16 autocast, so there the two agree up to bf16 rounding. Batched decoding runs until the last row of the batch ends, so the tokens saved here are tokens not
-  generated, trained on or scored, not decode time (continuous batching, as in vLLM, would turn them into time).
+  sampler with the fp32 weights under bf16 autocast, so there the two agree up to bf16 rounding. Batched decoding
+  runs until the last row of the batch ends, so the tokens saved here are tokens not generated, trained on or
+  scored, not decode time (continuous batching, as in vLLM, would turn them into time).
 - Default task: the long-response task (tiny-sums on 5 one-digit operands with running totals, ~33 tokens) instead
   of 2-digit addition, whose 3-token answers leave little to stop; 25 rollout batches instead of ppo.py's 100, so
   that it runs in under 5 minutes.

@@ -581,19 +581,19 @@ def corrected_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
 
 
 # ---- mismatch metrics ----
-def trainer_token_stats(model, batch: dict, temperature: float, mu_full=None, chunk_mb: float = 256):
+def trainer_token_stats(model, batch: dict, temperature: float, mu_full=None, chunk_mb: float | None = None):
     """log pi_train(y_t) [B, C] at the rollout's tokens and, given mu's full distribution mu_full [B, C, V], the exact
     KL(mu || pi_train) per token [B, C] (float64, each side renormalised: >= 0 up to 1e-16, where fp32 would show
     +-1e-9 noise). One decoder forward under the training autocast (common.decoder_hidden, as
     common.token_logprobs), then the lm_head and log-softmax over chunks of positions whose fp32 logits take about
-    chunk_mb MiB: no [B, C, V] tensor of the trainer is ever built."""
+    chunk_mb MiB (common.LOGPROB_CHUNK_MB by default): no [B, C, V] tensor of the trainer is ever built."""
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     P, (B, C) = batch["prompt_ids"].shape[1], batch["completion_ids"].shape
     head, tgt = model.get_output_embeddings(), batch["completion_ids"].reshape(-1)
     mu = None if mu_full is None else mu_full.reshape(B * C, -1)
-    step = max(1, int(chunk_mb * 2**20) // (4 * head.weight.shape[0]))
+    step = common.chunk_positions(head.weight.shape[0], chunk_mb)
     lp, kl = [], []
     with common.autocast(model):
         h = common.decoder_hidden(model, ids, mask, pos)[:, P - 1:-1].reshape(B * C, -1)
