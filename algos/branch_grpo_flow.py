@@ -74,9 +74,10 @@ Expected result (default, seed 0): mean reward 0.28 -> 0.94 (+0.66; the stated m
 run by the learning test, is +0.35), nfe_ratio 0.63 (12.7 rollout model calls per leaf against DanceGRPO's 20), in
 about 10 s on one thread (the first run also pretrains the flow, about 15 s, then cached). Against DanceGRPO
 (benchmarks/results/branch_flow.md, 3 seeds): final reward 0.944 vs 0.941 at 150 iterations (both saturate;
-DanceGRPO gains more per iteration, BranchGRPO more per rollout model call), iteration time 0.61x with width and
-depth pruning at 64 prompts per iteration (the paper: about 0.45x), and the uniform advantage learns a little
-faster than the depth-wise one here (0.790 vs 0.765 mean reward over training).
+DanceGRPO gains more per iteration, BranchGRPO more per rollout model call), iteration time 0.51 +- 0.22x with
+width and depth pruning and 0.35 +- 0.15x for Mix at 64 prompts per iteration, per seed on a loaded shared machine
+(the paper: about 0.45x and 4.7x faster), Mix's final reward 0.932 vs 0.941, and the uniform advantage learns a
+little faster than the depth-wise one here (0.790 vs 0.765 mean reward over training).
 """
 from __future__ import annotations
 
