@@ -529,6 +529,19 @@ def generate(model, tok, prompts: list[list[int]], group_size: int = 1, max_new_
                    tok.batch_decode(comp, skip_special_tokens=True))
 
 
+def concat_rollouts(parts: list, pad_id: int) -> Rollout:
+    """Stack rollouts of several generation rounds (prompts left-padded, completions right-padded)."""
+    P = max(r.prompt_ids.shape[1] for r in parts)
+    C = max(r.completion_ids.shape[1] for r in parts)
+    lp = lambda x, w, v: torch.nn.functional.pad(x, (w - x.shape[1], 0), value=v)  # noqa: E731
+    rp = lambda x, w, v: torch.nn.functional.pad(x, (0, w - x.shape[1]), value=v)  # noqa: E731
+    return Rollout(
+        torch.cat([lp(r.prompt_ids, P, pad_id) for r in parts]), torch.cat([lp(r.prompt_mask, P, 0) for r in parts]),
+        torch.cat([rp(r.completion_ids, C, pad_id) for r in parts]),
+        torch.cat([rp(r.completion_mask, C, 0) for r in parts]), torch.cat([rp(r.logprobs, C, 0.0) for r in parts]),
+        [f for r in parts for f in r.finish_reasons], [t for r in parts for t in r.texts])
+
+
 # ---- per-token log-probs ----
 LOGPROB_CHUNK_MB = float(os.environ.get("LOGPROB_CHUNK_MB", "256"))  # MiB of fp32 [positions x vocab] logits a chunk
 

@@ -16,7 +16,8 @@ Equations (each implemented by the function named on the right):
                     L_cache = --overlong-buffer)                                overlong_penalty
   overlong filter   truncated responses (finish_reason 'length') get zero loss weight  (--overlong-filter)  rollout
 
-Parent: algos/grpo.py; changed: Args, check_args, rollout, main.
+Parent: algos/grpo.py; changed: Args, Args.clip_eps_high, Args.exp_name, Args.loss_agg, Args.steps, check_args,
+  rollout, main.
 
 `diff algos/grpo.py algos/dapo.py` shows the four changes and little else: the loss is grpo_loss with DAPO's
 defaults (clip-higher, token-mean), and the rollout filters, refills and shapes the batch.
@@ -310,19 +311,6 @@ def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
 
 
 # ---- rollout (dynamic sampling) and update ----
-def concat_rollouts(parts: list, pad_id: int) -> common.Rollout:
-    """Stack rollouts of several generation rounds (prompts left-padded, completions right-padded)."""
-    P = max(r.prompt_ids.shape[1] for r in parts)
-    C = max(r.completion_ids.shape[1] for r in parts)
-    lp = lambda x, w, v: torch.nn.functional.pad(x, (w - x.shape[1], 0), value=v)  # noqa: E731
-    rp = lambda x, w, v: torch.nn.functional.pad(x, (0, w - x.shape[1]), value=v)  # noqa: E731
-    return common.Rollout(
-        torch.cat([lp(r.prompt_ids, P, pad_id) for r in parts]), torch.cat([lp(r.prompt_mask, P, 0) for r in parts]),
-        torch.cat([rp(r.completion_ids, C, pad_id) for r in parts]),
-        torch.cat([rp(r.completion_mask, C, 0) for r in parts]), torch.cat([rp(r.logprobs, C, 0.0) for r in parts]),
-        [f for r in parts for f in r.finish_reasons], [t for r in parts for t in r.texts])
-
-
 def select_groups(ro: common.Rollout, keep: torch.Tensor, group_size: int) -> common.Rollout:
     """The sequences of the groups where keep [n_groups] is True (group-major order preserved)."""
     rows = torch.nonzero(keep.repeat_interleave(group_size)).squeeze(1)
@@ -361,7 +349,8 @@ def rollout(model, tok, task, args: Args, rng, device, engine=None, accel=None) 
     n_each = int(counts[:, 0].min())  # equal work: every rank trains on this many groups
     keep = torch.cat(keeps)
     keep &= keep.cumsum(0) <= n_each
-    ro, rewards = concat_rollouts(parts, tok.pad_token_id) if len(parts) > 1 else parts[0], torch.cat(drawn_rewards)
+    ro = common.concat_rollouts(parts, tok.pad_token_id) if len(parts) > 1 else parts[0]
+    rewards = torch.cat(drawn_rewards)
     kept = select_groups(ro, keep, G)
     shaped = rewards.view(-1, G)[keep.to(device)].view(-1) + overlong_penalty(
         kept.completion_mask.sum(1), args.max_new_tokens, args.overlong_buffer, args.overlong_penalty_factor).to(device)

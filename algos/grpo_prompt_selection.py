@@ -36,7 +36,7 @@ Equations and choices (each implemented by the function or class named on the ri
   then GRPO unchanged      A_i = (r_i - mean) / (std + eps) per group, clipped surrogate, aggregation
                            (group_advantages, clipped_pg_loss, aggregate_loss, grpo_loss as algos/grpo.py)
 
-Parent: algos/grpo.py; changed: Args, check_args, rollout, main.
+Parent: algos/grpo.py; changed: Args, Args.exp_name, Args.steps, Args.threads, check_args, rollout, main.
 
 Training prompts: --pool-size N fixes a training set of N prompts drawn once from the task's training split
 (the papers train for epochs over a dataset; GRESO's and VADE's histories need prompts to come back); each
@@ -500,19 +500,6 @@ SELECTORS = {"uniform": Uniform, "dynamic": DynamicSampling, "pilot-commit": Pil
 
 
 # ---- rollout and update ----
-def concat_rollouts(parts: list, pad_id: int) -> common.Rollout:
-    """Stack rollouts of several generation rounds (prompts left-padded, completions right-padded)."""
-    P = max(r.prompt_ids.shape[1] for r in parts)
-    C = max(r.completion_ids.shape[1] for r in parts)
-    lp = lambda x, w, v: torch.nn.functional.pad(x, (w - x.shape[1], 0), value=v)  # noqa: E731
-    rp = lambda x, w, v: torch.nn.functional.pad(x, (0, w - x.shape[1]), value=v)  # noqa: E731
-    return common.Rollout(
-        torch.cat([lp(r.prompt_ids, P, pad_id) for r in parts]), torch.cat([lp(r.prompt_mask, P, 0) for r in parts]),
-        torch.cat([rp(r.completion_ids, C, pad_id) for r in parts]),
-        torch.cat([rp(r.completion_mask, C, 0) for r in parts]), torch.cat([rp(r.logprobs, C, 0.0) for r in parts]),
-        [f for r in parts for f in r.finish_reasons], [t for r in parts for t in r.texts])
-
-
 def select_rows(ro: common.Rollout, rows: list) -> common.Rollout:
     """The given rows of a rollout, in that order."""
     idx = torch.tensor(rows, dtype=torch.long)
@@ -554,7 +541,7 @@ def rollout(model, tok, task, args: Args, rng, device, engine=None, selector=Non
     train = train[:int(counts[:, 0].min())]
     n_inf = torch.tensor([sum(map(informative, train))], device=device)
     n_inf = int(accel.reduce(n_inf, "sum") if accel is not None and accel.num_processes > 1 else n_inf)
-    ro = concat_rollouts(parts, tok.pad_token_id) if len(parts) > 1 else parts[0]
+    ro = common.concat_rollouts(parts, tok.pad_token_id) if len(parts) > 1 else parts[0]
     kept = select_rows(ro, [r for g in train for r in g["rows"][:G]])
     rewards = torch.tensor([r for g in train for r in g["rewards"][:G]], device=device)
     batch = {k: getattr(kept, k).to(device) for k in

@@ -25,7 +25,7 @@ Equations and choices (each implemented by the function named on the right):
                      group of G + M                                                            rlep_rows,
                      A_i = (r_i - mean_g r) / (std_g r + eps) over a group of any size         ragged_group_advantages
 
-Parent: algos/grpo.py; changed: Args, check_args, rollout, update, main.
+Parent: algos/grpo.py; changed: Args, Args.exp_name, Args.steps, Args.threads, check_args, rollout, update, main.
 
 `update` changes in two lines: each micro-batch also carries the rows' behaviour log-probs and their source
 (fresh, replayed, RLEP), which replay_loss needs, and rollout/logprob_mismatch is measured on fresh rows only
@@ -364,19 +364,6 @@ def replay_pick(buffer: list, step: int, n: int, args: Args) -> list:
     return picked
 
 
-def concat_rollouts(parts: list, pad_id: int) -> common.Rollout:
-    """Stack rollouts of several generation rounds (prompts left-padded, completions right-padded)."""
-    P = max(r.prompt_ids.shape[1] for r in parts)
-    C = max(r.completion_ids.shape[1] for r in parts)
-    lp = lambda x, w, v: torch.nn.functional.pad(x, (w - x.shape[1], 0), value=v)  # noqa: E731
-    rp = lambda x, w, v: torch.nn.functional.pad(x, (0, w - x.shape[1]), value=v)  # noqa: E731
-    return common.Rollout(
-        torch.cat([lp(r.prompt_ids, P, pad_id) for r in parts]), torch.cat([lp(r.prompt_mask, P, 0) for r in parts]),
-        torch.cat([rp(r.completion_ids, C, pad_id) for r in parts]),
-        torch.cat([rp(r.completion_mask, C, 0) for r in parts]), torch.cat([rp(r.logprobs, C, 0.0) for r in parts]),
-        [f for r in parts for f in r.finish_reasons], [t for r in parts for t in r.texts])
-
-
 def rows_of(ro: common.Rollout, start: int, stop: int) -> common.Rollout:
     """Rows start..stop-1 of a rollout (one group)."""
     return common.Rollout(ro.prompt_ids[start:stop], ro.prompt_mask[start:stop], ro.completion_ids[start:stop],
@@ -433,7 +420,8 @@ def rollout(model, tok, task, args: Args, rng, device, engine=None, pool=None, b
         for j in rng.choice(len(saved), size=min(args.rlep_replay, len(saved)), replace=False) if saved else []:
             rlep.append((i, saved[j]))
     if rlep:
-        parts.append(concat_rollouts([rlep_rows(tok, examples[i].prompt, [c]) for i, c in rlep], tok.pad_token_id))
+        parts.append(common.concat_rollouts([rlep_rows(tok, examples[i].prompt, [c]) for i, c in rlep],
+                                            tok.pad_token_id))
         group_ids = torch.cat([group_ids, torch.tensor([i for i, _ in rlep], device=device)])
         rewards = torch.cat([rewards, torch.ones(len(rlep), device=device)])
     adv = ragged_group_advantages(rewards, group_ids, args.adv_std_norm) if rlep else \
@@ -443,7 +431,7 @@ def rollout(model, tok, task, args: Args, rng, device, engine=None, pool=None, b
         buffer += [{"ro": rows_of(ro, i * G, i * G + G), "rewards": rewards[i * G:i * G + G],
                     "adv": adv[i * G:i * G + G], "birth": step, "uses": 1} for i in range(len(examples))]
     parts += [g["ro"] for g in replayed]
-    both = concat_rollouts(parts, tok.pad_token_id) if len(parts) > 1 else ro
+    both = common.concat_rollouts(parts, tok.pad_token_id) if len(parts) > 1 else ro
     n_fresh, n_rlep, n_old = len(examples) * G, len(rlep), len(replayed) * G
     batch = {k: getattr(both, k).to(device) for k in
              ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}

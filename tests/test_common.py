@@ -648,3 +648,15 @@ def test_sharded_checkpoint_roundtrip_in_one_process(tmp_path, tiny):
             common.load_checkpoint(tmp_path / "ck", common.load_model("tiny-0.6m", "cpu")[0])
     finally:
         dist.destroy_process_group()
+
+
+def test_concat_rollouts_pads_prompts_left_and_completions_right():
+    a = common.Rollout(torch.tensor([[7, 8]]), torch.ones(1, 2, dtype=torch.long), torch.tensor([[5]]),
+                       torch.ones(1, 1, dtype=torch.long), torch.tensor([[-0.5]]), ["length"], ["a"])
+    b = common.Rollout(torch.tensor([[9]]), torch.ones(1, 1, dtype=torch.long), torch.tensor([[5, 6, 2]]),
+                       torch.ones(1, 3, dtype=torch.long), torch.tensor([[-1.0, -2.0, -3.0]]), ["stop"], ["b"])
+    ro = common.concat_rollouts([a, b], pad_id=0)
+    assert ro.prompt_ids.tolist() == [[7, 8], [0, 9]] and ro.prompt_mask.tolist() == [[1, 1], [0, 1]]
+    assert ro.completion_ids.tolist() == [[5, 0, 0], [5, 6, 2]] and ro.completion_mask.tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert ro.logprobs.tolist() == [[-0.5, 0.0, 0.0], [-1.0, -2.0, -3.0]]
+    assert ro.finish_reasons == ["length", "stop"] and ro.texts == ["a", "b"]

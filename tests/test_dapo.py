@@ -76,7 +76,7 @@ def test_concat_and_select_keep_log_probs():
     task = common.make_task("add")
     a = common.generate(model, tok, common.encode_prompts(tok, ["1+2=", "3+4="]), 2, 4)
     b = common.generate(model, tok, common.encode_prompts(tok, ["12+34=", "56+78="]), 2, 7)
-    both = dapo.concat_rollouts([a, b], tok.pad_token_id)
+    both = common.concat_rollouts([a, b], tok.pad_token_id)
     lp = lambda r: common.token_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids,  # noqa: E731
                                          r.completion_mask)
     with torch.no_grad():

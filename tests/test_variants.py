@@ -8,6 +8,7 @@ be an exact copy (same AST, docstrings included), so a fix to the parent cannot 
 """
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,22 @@ def parent_lines(path: Path) -> list[tuple[str, set[str]]]:
     """
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     out = []
-    for m in re.finditer(r"^Parent: (none|[\w/]+\.py)(?:;\s*changed:((?:[\w, \t]|\n(?!\s*\n))*))?", doc, re.M):
+    for m in re.finditer(r"^Parent: (none|[\w/]+\.py)(?:;\s*changed:((?:[\w, \t]|\.(?=\w)|\n(?!\s*\n))*))?", doc, re.M):
         parent = m.group(1)
         changed = {n for n in re.split(r"[\s,]+", (m.group(2) or "").strip()) if n}
         out.append((parent, changed))
+    return out
+
+
+def args_fields(path: Path) -> dict[str, str]:
+    """Each field of the script's `Args` dataclass -> the dump of its annotation, default and docstring."""
+    tree = ast.parse(path.read_text())
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args"), None)
+    body, out = (cls.body if cls else []), {}
+    for i, n in enumerate(body):
+        if isinstance(n, ast.AnnAssign):
+            doc = body[i + 1] if i + 1 < len(body) and isinstance(body[i + 1], ast.Expr) else None
+            out[n.target.id] = ast.dump(n) + (ast.dump(doc) if doc else "")
     return out
 
 
@@ -51,6 +64,7 @@ def test_unchanged_functions_are_exact_copies_of_the_parent(path):
         if parent == "none":
             continue
         theirs = top_level(ROOT / parent)
+        changed = {n for n in changed if not n.startswith("Args.")}  # fields: test_unlisted_args_fields_...
         drifted = [n for n in sorted(set(mine) & set(theirs) - changed)
                    if ast.dump(mine[n]) != ast.dump(theirs[n])]
         assert not drifted, (f"{path.name}: {drifted} differ from {parent} but are not listed as changed "
@@ -59,6 +73,76 @@ def test_unchanged_functions_are_exact_copies_of_the_parent(path):
         assert not not_in_parent, f"{path.name}: 'changed' lists {not_in_parent}, which {parent} does not define"
         unchanged = [n for n in sorted(changed & set(mine)) if ast.dump(mine[n]) == ast.dump(theirs[n])]
         assert not unchanged, f"{path.name}: 'changed' lists {unchanged}, which are identical to {parent}'s"
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_unlisted_args_fields_are_the_parents(path):
+    """A field of Args shared with the parent has the parent's type, default and docstring unless the header lists
+    it (`changed: Args.lr, ...`); a field it lists really differs. Fields the parent lacks are the variant's own."""
+    mine = args_fields(path)
+    for parent, changed in parent_lines(path):
+        theirs, listed = args_fields(ROOT / parent) if parent != "none" else {}, {n[5:] for n in changed if n.startswith("Args.")}
+        drifted = sorted(f for f in set(mine) & set(theirs) - listed if mine[f] != theirs[f])
+        assert not drifted, f"{path.name}: Args fields {drifted} differ from {parent}'s; copy them or list Args.<name>"
+        same = sorted(f for f in listed if f not in theirs or mine.get(f) == theirs[f])
+        assert not same, f"{path.name}: lists Args fields {same} that {parent} lacks or that are identical to its own"
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_kept_names_are_not_rebound(path):
+    """A kept function or class may not be replaced further down the module (`k3_kl = lambda ...` after the def)."""
+    tree = ast.parse(path.read_text())
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    rebound = sorted({t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+                      for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+                     & defined)
+    assert not rebound, f"{path.name}: module-level assignments rebind {rebound}"
+
+
+# A function two variants define identically and their parents lack belongs in one place (the parent, common.py
+# when it is plumbing for three scripts, or one variant becomes the other's parent). The two pool helpers of the
+# prompt-pool scripts stay copies: two users, below common.py's three, and neither script is the other's parent.
+SIBLING_COPIES_ALLOWED = {"draw_prompts", "make_pool"}
+
+
+def sibling_copies(scripts) -> dict[str, list[str]]:
+    """{function: [scripts]} for top-level functions defined identically in several scripts, absent from all their
+    parents."""
+    seen = {}
+    for path in scripts:
+        parents = [ROOT / p for p, _ in parent_lines(path) if p != "none"]
+        if not parents:
+            continue
+        kept = set().union(*(top_level(p) for p in parents))
+        for name, node in top_level(path).items():
+            if name not in kept and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                seen.setdefault((name, ast.dump(node)), []).append(path.name)
+    return {name: paths for (name, _), paths in seen.items() if len(paths) > 1}
+
+
+def test_no_copied_sibling_functions():
+    copies = {n: p for n, p in sibling_copies(SCRIPTS).items() if n not in SIBLING_COPIES_ALLOWED}
+    assert not copies, f"functions copied between variants but not in their parents: {copies}"
+
+
+def test_the_extended_checks_can_fail(tmp_path, monkeypatch):
+    """Drift in an Args default, a rebinding of a kept name, and a function copied between two siblings each fail."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "p.py").write_text('"""Parent: none"""\nclass Args:\n    lr: float = 1.0\n    """lr"""\n\n'
+                                   'def k3(x):\n    return x\n')
+    child = '"""Parent: p.py; changed: Args"""\nclass Args:\n    lr: float = 2.0\n    """lr"""\n\ndef k3(x):\n    return x\n'
+    (tmp_path / "c.py").write_text(child)
+    with pytest.raises(AssertionError, match=r"Args fields \['lr'\] differ"):
+        test_unlisted_args_fields_are_the_parents(tmp_path / "c.py")
+    (tmp_path / "c.py").write_text(child.replace("changed: Args", "changed: Args, Args.lr"))
+    test_unlisted_args_fields_are_the_parents(tmp_path / "c.py")  # listed: allowed
+    (tmp_path / "c.py").write_text(child + "k3 = lambda x: x + 1\n")
+    with pytest.raises(AssertionError, match=r"rebind \['k3'\]"):
+        test_kept_names_are_not_rebound(tmp_path / "c.py")
+    helper = "\ndef pool(n):\n    return list(range(n))\n"
+    for name in ("c1.py", "c2.py"):
+        (tmp_path / name).write_text(child.replace("changed: Args", "changed: Args, Args.lr") + helper)
+    assert sibling_copies([tmp_path / "c1.py", tmp_path / "c2.py"]) == {"pool": ["c1.py", "c2.py"]}
 
 
 def test_drift_is_caught(tmp_path):
