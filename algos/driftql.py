@@ -2,7 +2,7 @@
 
 Paper: "Drift Q-Learning" (DriftQL), arXiv:2606.00350. Project page: driftql.github.io.
 
-Parent: algos/td3_bc.py; changed: Args, check_args, actor_loss, main.
+Parent: none (its own design). Borrows: algos/td3_bc.py (critic_loss), exact copies.
 
 Built on TD3+BC (`--reg mse` here is TD3+BC with a noise input): `diff algos/td3_bc.py algos/driftql.py`
 shows the idea, the generator actor, the drift field and its loss, and the toy's mode diagnostics.

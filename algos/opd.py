@@ -22,7 +22,7 @@ and teacher log-probs q(.) over the vocabulary (both at the student's prefix x, 
 --schedule bridge (the bridge paper's "reward-density principle"): stage 1, --bridge-warmup steps of forward
 KL on teacher rollouts; stage 2, --steps of OPD (--loss) on student rollouts; stage 3, optional --grpo-steps
 of GRPO on the student with the verifier reward (the only stage that uses labels; group_advantages, -A_i log pi
-aggregated seq-mean by aggregate_loss). benchmarks/opd_bridge.py compares, at a fixed budget of labelled
+aggregated seq-mean in opd_loss). benchmarks/opd_bridge.py compares, at a fixed budget of labelled
 prompts, GRPO on the student vs GRPO on the teacher followed by the bridge.
 
 StableOPD ("Demystifying OPD: Length Inflation and Stabilization Strategies for Large Language Models",
@@ -32,16 +32,19 @@ rollout/repeat_frac (completions with a repeated character 3-gram). The two fixe
 constraint) and --mix-teacher-frac (that fraction of each batch's prompts is rolled out by the teacher and
 distilled with forward KL: rollout mixture distillation).
 
-Parent: algos/grpo.py; changed: Args, check_args, rollout, optimizer_step, update, main.
+Parent: none (its own design). Borrows: algos/grpo.py (group_advantages, k3_kl), exact copies.
 
 What changes from GRPO: the per-token signal is the teacher's log-probs, not a verifier's reward. rollout is
 grpo's with a second sampler: the student rolls out its share of the step's prompts and the teacher the rest,
 each share one part of the batch (rewarded by the verifier for the metrics and for the bridge's GRPO stage).
 `update` is changed because the teacher's forward must happen inside it: the divergences need the
-full-vocabulary log-probs of the student and of the teacher at every completion position ([b, C, V]), where
-grpo's update scores only the sampled tokens; each part is one micro-batch (the two samplers' completions have
-their own lengths), with one optimiser step per batch and no pi_old (the losses are on-policy). The loss_fn
-fed to it is opd_loss. optimizer_step is grpo's without the all-reduce (one process) and with OPD's learning
+full-vocabulary log-probs of the student and of the teacher at every completion position, where grpo's update
+scores only the sampled tokens. They are never held whole ([b, C, V]): chunked_loss runs both decoders once to
+their hidden states and then, chunk by chunk over positions (common.LOGPROB_CHUNK_MB MiB of fp32 logits each),
+both lm_heads, the divergence and its gradient w.r.t. the chunk's hidden states and the lm_head weight (the design
+of Liger-Kernel's fused linear JSD), before one backward through the student's decoder. Each part is one
+micro-batch (the two samplers' completions have their own lengths), with one optimiser step per batch and no
+pi_old (the losses are on-policy). The loss_fn fed to it is opd_loss (a chunk's share of J). optimizer_step is grpo's without the all-reduce (one process) and with OPD's learning
 rate (lr_at). Eval, rollout metrics, summary and curve are common.py's.
 
 Deviations:
@@ -49,8 +52,9 @@ Deviations:
   choice of future tokens (the sequence-level reverse KL would add a return over later positions). This is
   what Thinking Machines' OPD and AsyncOPD (arXiv:2606.24143) use; the sampled estimator uses per-token
   rewards with discount 0.
-- Full-vocabulary log-probs of both models are materialised for the completion tokens ([B, C, V]). Fine for
-  the 99-token tiny vocabulary; a large vocabulary wants a top-k teacher cache (algos/async_opd.py).
+- Full-vocabulary log-probs are computed chunk by chunk (chunked_loss), so memory does not grow with
+  vocabulary x length; the teacher still runs its full lm_head on every position (a top-k teacher cache, as in
+  algos/async_opd.py, would store less).
 - StableOPD's abstract names its two fixes but not their exact form; the k3 penalty and the forward-KL
   treatment of mixed-in teacher rollouts are our choices.
 - The bridge's GRPO stage is on-policy (one update per batch, ratio 1), the same gradient as algos/grpo.py
@@ -239,29 +243,90 @@ def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = Tr
     return adv.view(-1)
 
 
-def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, const: int):
-    """This micro-batch's share of the step loss; summing the shares over micro-batches gives J.
-
-    token_loss, mask: [b, C]; n_seqs, n_tokens: counted over the whole optimiser step (all ranks).
-    """
-    per_seq_sum = (token_loss * mask).sum(1)
-    if mode == "seq-mean":
-        return (per_seq_sum / mask.sum(1).clamp(min=1)).sum() / n_seqs
-    if mode == "token-mean":
-        return per_seq_sum.sum() / max(n_tokens, 1)
-    if mode == "const":
-        return per_seq_sum.sum() / (n_seqs * const)
-    raise ValueError(f"unknown loss aggregation {mode!r}")
-
-
-def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0):
-    """Full-vocabulary log-probs at every completion position, [B, C, V] (the decoder runs once)."""
+def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """The decoder's last hidden states at the positions that predict the completion tokens, [B, C, H]: the decoder
+    runs once, under the model's autocast; the lm_head runs later on chunks of positions (chunk_logprobs)."""
     ids = torch.cat([prompt_ids, completion_ids], 1)
     mask = torch.cat([prompt_mask, completion_mask], 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
-    logits = model.get_output_embeddings()(hidden[:, prompt_ids.shape[1] - 1:-1]).float() / temperature
-    return torch.log_softmax(logits, -1)
+    with common.autocast(model):
+        return common.decoder_hidden(model, ids, mask, pos)[:, prompt_ids.shape[1] - 1:-1]
+
+
+def chunk_logprobs(model, h: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Full-vocabulary log-probs [n, V] (fp32) at a chunk of n positions, from their hidden states h [n, H]."""
+    with common.autocast(model):
+        logits = model.get_output_embeddings()(h)
+    return torch.log_softmax(logits.float() / temperature, -1)
+
+
+def position_rows(mb: dict) -> dict:
+    """A part's tensors per completion position, [b*C, ...]: each [b, C, ...] tensor flattened, each per-sequence
+    [b] tensor repeated over its sequence's positions, plus seq_len (the sequence's completion length); other
+    entries (the loss kind, None, numbers) as they are. Prompt-shaped tensors are dropped."""
+    b, C = mb["completion_ids"].shape
+    rows = {k: v for k, v in mb.items() if not torch.is_tensor(v)}
+    for k, v in mb.items():
+        if torch.is_tensor(v) and v.shape[:2] == (b, C):
+            rows[k] = v.reshape(b * C, *v.shape[2:])
+        elif torch.is_tensor(v) and v.shape == (b,):
+            rows[k] = v[:, None].expand(b, C).reshape(b * C)
+    rows["seq_len"] = mb["completion_mask"].sum(1, keepdim=True).expand(b, C).reshape(b * C).float()
+    return rows
+
+
+class PrecomputedGrad(torch.autograd.Function):
+    """A loss whose gradients were computed in its forward: the value passes through, and the backward hands
+    grad_h to the hidden states h and grad_w to the lm_head weight (times the upstream gradient)."""
+
+    @staticmethod
+    def forward(ctx, value, h, weight, grad_h, grad_w):
+        ctx.save_for_backward(grad_h, grad_w)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        grad_h, grad_w = ctx.saved_tensors
+        return None, g * grad_h, g * grad_w, None, None
+
+
+def chunked_loss(model, teacher, h, t_h, mb: dict, loss_fn, n_seqs: int, n_tokens: int, args: Args):
+    """One part's loss, chunk by chunk over its b*C completion positions (the design of Liger-Kernel's fused
+    linear JSD): for each chunk of positions, whose fp32 [chunk x V] logits take about common.LOGPROB_CHUNK_MB MiB,
+    the student's and the teacher's lm_heads and log-softmaxes run on the chunk's hidden states only, loss_fn gives
+    the chunk's share of J, and its gradient w.r.t. the chunk's hidden states and the lm_head weight is taken at
+    once (torch.autograd.grad), so the chunk's logits are freed before the next. The returned loss carries the
+    accumulated gradients (PrecomputedGrad): its backward is one backward through the student's decoder.
+
+    h [b, C, H] (the student's, with grad), t_h [b, C, H_t] (the teacher's, no grad). Returns (loss, per-token
+    stats [b, C]: loss_fn's, kl/reverse, kl/forward, loss/entropy and s_tok, the student's log-prob of each token).
+    """
+    b, C, H = h.shape
+    rows, weight = position_rows(mb), model.get_output_embeddings().weight
+    h_flat, t_flat = h.detach().reshape(b * C, H), t_h.reshape(b * C, -1)
+    grad_h, grad_w, total, stats = torch.zeros_like(h_flat), torch.zeros_like(weight), 0.0, {}
+    step = common.chunk_positions(weight.shape[0])
+    for s in range(0, b * C, step):
+        hc = h_flat[s:s + step].detach().requires_grad_(True)
+        chunk = {k: v[s:s + step] if torch.is_tensor(v) else v for k, v in rows.items()}
+        with torch.no_grad():
+            chunk["teacher"] = t_logp = chunk_logprobs(teacher, t_flat[s:s + step], args.temperature)
+        with torch.enable_grad():
+            s_logp = chunk_logprobs(model, hc, args.temperature)  # [n, V], with grad
+            loss, token_stats = loss_fn(s_logp, chunk, n_seqs, n_tokens, args)
+        gh, gw = torch.autograd.grad(loss, (hc, weight), allow_unused=True)
+        grad_h[s:s + step] = gh if gh is not None else 0.0
+        grad_w += gw if gw is not None else 0.0
+        total = total + loss.detach()
+        with torch.no_grad():
+            s_logp = s_logp.detach()
+            token_stats = {**{k: v.detach() for k, v in token_stats.items()}, "kl/reverse": reverse_kl(s_logp, t_logp),
+                           "kl/forward": forward_kl(s_logp, t_logp), "loss/entropy": -(s_logp.exp() * s_logp).sum(-1),
+                           "s_tok": s_logp.gather(-1, chunk["completion_ids"][:, None]).squeeze(-1)}
+        for k, v in token_stats.items():
+            stats.setdefault(k, []).append(v)
+    loss = PrecomputedGrad.apply(torch.as_tensor(total), h, weight, grad_h.view_as(h), grad_w)
+    return loss, {k: torch.cat(v).view(b, C) for k, v in stats.items()}
 
 
 def token_divergence(kind: str, s_logp, t_logp, tokens, beta: float = 0.5):
@@ -280,18 +345,20 @@ def token_divergence(kind: str, s_logp, t_logp, tokens, beta: float = 0.5):
 
 
 def opd_loss(s_logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
-    """This part's share of J. s_logp [b, C, V] (with grad); mb holds the teacher's log-probs [b, C, V], the
-    sampled tokens and mask [b, C], the part's loss kind, ref (the initial student's log-probs of the tokens,
-    or None) and adv [b].
+    """A chunk's share of J. s_logp [n, V] (with grad): the student's log-probs at n completion positions of one
+    part; mb holds the teacher's log-probs there [n, V], per-position rows [n] (position_rows: the sampled tokens,
+    the mask, ref (the initial student's log-prob of the token, or None), the sequence's adv and seq_len) and the
+    part's loss kind.
 
     Distillation: the per-token divergence (+ ref_coef * k3 KL to the initial student on the student's
-    rollouts), token-mean over the step's n_tokens. The bridge's GRPO stage: -A_i log pi(y_t), seq-mean (GRPO
-    at ratio 1: the same gradient as grpo_loss). Returns (loss, per-token stats).
+    rollouts), token-mean over the step's n_tokens. The bridge's GRPO stage: -A_i log pi(y_t), seq-mean (each
+    token weighted 1 / (|o_i| n_seqs): GRPO at ratio 1, the same gradient as grpo_loss). Returns (loss, per-token
+    stats).
     """
     tokens, mask = mb["completion_ids"], mb["mask"]
     s_tok = s_logp.gather(-1, tokens[..., None]).squeeze(-1)
     if mb["kind"] == "grpo":
-        return aggregate_loss(-(mb["adv"][:, None] * s_tok), mask, "seq-mean", n_seqs, n_tokens, 0), {}
+        return common.masked_sum(-(mb["adv"] * s_tok) / mb["seq_len"].clamp(min=1), mask) / n_seqs, {}
     tok_loss, stats = token_divergence(mb["kind"], s_logp, mb["teacher"], tokens, args.gkd_beta), {}
     if mb["ref"] is not None:
         rk = k3_kl(s_tok, mb["ref"])
@@ -358,10 +425,10 @@ def rollout(model, tok, task, args: Args, rng, device, teacher=None, stage: str 
     return parts
 
 
-def teacher_logprobs(teacher, mb: dict, args: Args) -> torch.Tensor:
-    """The teacher's log-probs [b, C, V] at the student's prefixes (x, y_<t) of this part's completions."""
-    return completion_logprobs(teacher, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                               mb["completion_mask"], args.temperature)
+def teacher_hidden(teacher, mb: dict, args: Args) -> torch.Tensor:
+    """The teacher's last hidden states [b, C, H_t] at the student's prefixes (x, y_<t) of this part's completions
+    (chunked_loss turns each chunk of them into log-probs)."""
+    return completion_hidden(teacher, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"])
 
 
 def lr_at(step: int, args: Args) -> float:
@@ -387,9 +454,10 @@ def update(model, opt, parts: list[dict], loss_fn, args: Args, step: int, teache
     """One optimiser step on one rollout batch; each part (one sampler's rollouts) is one micro-batch, its
     loss normalised by counts over the whole step (n_seqs, n_tokens), so the parts add up to J.
 
-    The teacher's forward runs here (teacher_logprobs, no grad): the losses need the full-vocabulary log-probs
-    of the student and of the teacher at every completion position. The sampler-vs-trainer log-prob gap is
-    measured on the student's part (the only forward on the sampler's weights).
+    The teacher's forward runs here (teacher_hidden, no grad): the losses need the full-vocabulary log-probs
+    of the student and of the teacher at every completion position, which chunked_loss computes chunk by chunk
+    from the two decoders' hidden states. The sampler-vs-trainer log-prob gap is measured on the student's part
+    (the only forward on the sampler's weights).
     """
     n_seqs = sum(len(p["completion_ids"]) for p in parts)
     n_tokens = sum(int(p["completion_mask"].sum()) for p in parts)
@@ -398,23 +466,20 @@ def update(model, opt, parts: list[dict], loss_fn, args: Args, step: int, teache
     for part in parts:
         ids = [part[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
         mask = part["completion_mask"].float()
-        s_logp = completion_logprobs(model, *ids, args.temperature)  # [b, C, V], with grad
+        h = completion_hidden(model, *ids)  # [b, C, H], with grad
         with torch.no_grad():
-            t_logp = teacher_logprobs(teacher, part, args)
-            ref = None if ref_model is None or part["source"] != "student" else completion_logprobs(
-                ref_model, *ids, args.temperature).gather(-1, part["completion_ids"][..., None]).squeeze(-1)
-        loss, token_stats = loss_fn(s_logp, {**part, "mask": mask, "teacher": t_logp, "ref": ref}, n_seqs,
-                                    n_tokens, args)
-        loss.backward()  # a NaN here reaches the gradient: optimizer_step stops the run
+            t_h = teacher_hidden(teacher, part, args)
+            ref = None if ref_model is None or part["source"] != "student" else common.token_logprobs(
+                ref_model, *ids, args.temperature)
+        loss, token_stats = chunked_loss(model, teacher, h, t_h, {**part, "mask": mask, "ref": ref}, loss_fn,
+                                         n_seqs, n_tokens, args)
+        loss.backward()  # through the decoder; a NaN here reaches the gradient: optimizer_step stops the run
         stats["loss/total"] += loss.item()
-        with torch.no_grad():
-            token_stats = {**token_stats, "kl/reverse": reverse_kl(s_logp, t_logp),
-                           "kl/forward": forward_kl(s_logp, t_logp), "loss/entropy": -(s_logp.exp() * s_logp).sum(-1)}
-            if part["source"] == "student":
-                s_tok = s_logp.gather(-1, part["completion_ids"][..., None]).squeeze(-1)
-                stats["rollout/logprob_mismatch"] = common.masked_mean((s_tok - part["logprobs"]).abs(), mask).item()
+        s_tok = token_stats.pop("s_tok")
+        if part["source"] == "student":
+            stats["rollout/logprob_mismatch"] = common.masked_mean((s_tok - part["logprobs"]).abs(), mask).item()
         for k, v in token_stats.items():
-            stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mask).item() / n_tokens
+            stats[k] = stats.get(k, 0.0) + common.masked_sum(v, mask).item() / n_tokens
     stats["loss/grad_norm"] = optimizer_step(model, opt, args, step)
     return stats
 

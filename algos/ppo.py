@@ -6,7 +6,7 @@ Generalized Advantage Estimation", arXiv:1506.02438 (GAE); Ouyang et al., "Train
 follow instructions with human feedback", arXiv:2203.02155 (per-token KL penalty to the reference in the
 reward).
 
-Parent: algos/grpo.py; changed: Args, check_args, clipped_pg_loss, rollout, optimizer_step, update, main.
+Parent: none (its own design). Borrows: algos/grpo.py (k3_kl, aggregate_loss, lr_factor), exact copies.
 
 What changes from GRPO: a critic replaces the group baseline, so advantages are per token (GAE over
 per-token rewards) instead of one per sequence, and the KL to the reference moves from the loss into the

@@ -31,13 +31,15 @@ Logged every step: student entropy (loss/entropy) and response length on rollout
 symptoms), the truncated fraction and repetition (StableOPD's collapse signals); held-out accuracy, and
 out-of-distribution accuracy one digit harder, at every evaluation.
 
-Parent: algos/opd.py; changed: Args, check_args, rollout, teacher_logprobs, lr_at, main.
+Parent: none (its own design). Borrows: algos/opd.py (reverse_kl, forward_kl, group_advantages, completion_hidden,
+  chunk_logprobs, position_rows, PrecomputedGrad, chunked_loss, repeat_frac, optimizer_step, update), exact copies.
 
-What changes from OPD: the teacher is the student's own weights, shown x* instead of x: teacher_logprobs scores
+What changes from OPD: the teacher is the student's own weights, shown x* instead of x: teacher_hidden reads
 the completions after the privileged prompt that rollout builds next to each rollout (the sampler never sees
-it). The loss_fn fed to opd.py's `update` is self_opd_loss. rollout samples every prompt with the student and
-always rewards it (trace and grpo use A_i; trace also gets its span marks and this step's KL-channel weight);
-lr_at is constant.
+it). The loss_fn fed to opd.py's `update` is self_opd_loss, a chunk's share of J (opd.py's chunked_loss computes
+both views' log-probs chunk by chunk over positions). rollout samples every prompt with the student and always
+rewards it (trace and grpo use A_i; trace also gets its span marks and this step's KL-channel weight; pw-opsd's
+position weights are computed there, from whole sequences); lr_at is constant.
 
 Deviations:
 - The privileged teacher is the current weights (not a frozen copy), as in OPSD; no gradient through it.
@@ -197,21 +199,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = Tr
     return adv.view(-1)
 
 
-def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, const: int):
-    """This micro-batch's share of the step loss; summing the shares over micro-batches gives J.
-
-    token_loss, mask: [b, C]; n_seqs, n_tokens: counted over the whole optimiser step (all ranks).
-    """
-    per_seq_sum = (token_loss * mask).sum(1)
-    if mode == "seq-mean":
-        return (per_seq_sum / mask.sum(1).clamp(min=1)).sum() / n_seqs
-    if mode == "token-mean":
-        return per_seq_sum.sum() / max(n_tokens, 1)
-    if mode == "const":
-        return per_seq_sum.sum() / (n_seqs * const)
-    raise ValueError(f"unknown loss aggregation {mode!r}")
-
-
 def receives_carry(a: int, b: int, i: int) -> bool:
     """Whether column i (0 = units) of a + b receives a carry from the columns to its right."""
     return i > 0 and a % 10 ** i + b % 10 ** i >= 10 ** i
@@ -273,42 +260,121 @@ def kl_channel_weight(step: int, args: Args) -> float:
 
 
 def trace_loss(s_logp, t_logp, s_tok, adv, cmask, key, err, kl_weight: float, error_rkl: bool):
-    """Per-token TRACE loss [B, C]: GRPO (-A s(y)) off the spans, lambda FKL on key, lambda RKL on error."""
+    """Per-token TRACE loss [...]: GRPO (-A s(y)) off the spans, lambda FKL on key, lambda RKL on error; adv is the
+    advantage of each token's sequence (per position, as s_tok)."""
     spans = torch.clamp(key + (err if error_rkl else 0), max=1) * cmask
-    pg = -(adv[:, None] * s_tok) * (1 - spans)
+    pg = -(adv * s_tok) * (1 - spans)
     kl = forward_kl(s_logp, t_logp) * key + (reverse_kl(s_logp, t_logp) * err if error_rkl else 0)
     return pg + kl_weight * kl * cmask
 
 
-def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0):
-    """Full-vocabulary log-probs at every completion position, [B, C, V] (the decoder runs once)."""
+def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """The decoder's last hidden states at the positions that predict the completion tokens, [B, C, H]: the decoder
+    runs once, under the model's autocast; the lm_head runs later on chunks of positions (chunk_logprobs)."""
     ids = torch.cat([prompt_ids, completion_ids], 1)
     mask = torch.cat([prompt_mask, completion_mask], 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
-    logits = model.get_output_embeddings()(hidden[:, prompt_ids.shape[1] - 1:-1]).float() / temperature
-    return torch.log_softmax(logits, -1)
+    with common.autocast(model):
+        return common.decoder_hidden(model, ids, mask, pos)[:, prompt_ids.shape[1] - 1:-1]
+
+
+def chunk_logprobs(model, h: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Full-vocabulary log-probs [n, V] (fp32) at a chunk of n positions, from their hidden states h [n, H]."""
+    with common.autocast(model):
+        logits = model.get_output_embeddings()(h)
+    return torch.log_softmax(logits.float() / temperature, -1)
+
+
+def position_rows(mb: dict) -> dict:
+    """A part's tensors per completion position, [b*C, ...]: each [b, C, ...] tensor flattened, each per-sequence
+    [b] tensor repeated over its sequence's positions, plus seq_len (the sequence's completion length); other
+    entries (the loss kind, None, numbers) as they are. Prompt-shaped tensors are dropped."""
+    b, C = mb["completion_ids"].shape
+    rows = {k: v for k, v in mb.items() if not torch.is_tensor(v)}
+    for k, v in mb.items():
+        if torch.is_tensor(v) and v.shape[:2] == (b, C):
+            rows[k] = v.reshape(b * C, *v.shape[2:])
+        elif torch.is_tensor(v) and v.shape == (b,):
+            rows[k] = v[:, None].expand(b, C).reshape(b * C)
+    rows["seq_len"] = mb["completion_mask"].sum(1, keepdim=True).expand(b, C).reshape(b * C).float()
+    return rows
+
+
+class PrecomputedGrad(torch.autograd.Function):
+    """A loss whose gradients were computed in its forward: the value passes through, and the backward hands
+    grad_h to the hidden states h and grad_w to the lm_head weight (times the upstream gradient)."""
+
+    @staticmethod
+    def forward(ctx, value, h, weight, grad_h, grad_w):
+        ctx.save_for_backward(grad_h, grad_w)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        grad_h, grad_w = ctx.saved_tensors
+        return None, g * grad_h, g * grad_w, None, None
+
+
+def chunked_loss(model, teacher, h, t_h, mb: dict, loss_fn, n_seqs: int, n_tokens: int, args: Args):
+    """One part's loss, chunk by chunk over its b*C completion positions (the design of Liger-Kernel's fused
+    linear JSD): for each chunk of positions, whose fp32 [chunk x V] logits take about common.LOGPROB_CHUNK_MB MiB,
+    the student's and the teacher's lm_heads and log-softmaxes run on the chunk's hidden states only, loss_fn gives
+    the chunk's share of J, and its gradient w.r.t. the chunk's hidden states and the lm_head weight is taken at
+    once (torch.autograd.grad), so the chunk's logits are freed before the next. The returned loss carries the
+    accumulated gradients (PrecomputedGrad): its backward is one backward through the student's decoder.
+
+    h [b, C, H] (the student's, with grad), t_h [b, C, H_t] (the teacher's, no grad). Returns (loss, per-token
+    stats [b, C]: loss_fn's, kl/reverse, kl/forward, loss/entropy and s_tok, the student's log-prob of each token).
+    """
+    b, C, H = h.shape
+    rows, weight = position_rows(mb), model.get_output_embeddings().weight
+    h_flat, t_flat = h.detach().reshape(b * C, H), t_h.reshape(b * C, -1)
+    grad_h, grad_w, total, stats = torch.zeros_like(h_flat), torch.zeros_like(weight), 0.0, {}
+    step = common.chunk_positions(weight.shape[0])
+    for s in range(0, b * C, step):
+        hc = h_flat[s:s + step].detach().requires_grad_(True)
+        chunk = {k: v[s:s + step] if torch.is_tensor(v) else v for k, v in rows.items()}
+        with torch.no_grad():
+            chunk["teacher"] = t_logp = chunk_logprobs(teacher, t_flat[s:s + step], args.temperature)
+        with torch.enable_grad():
+            s_logp = chunk_logprobs(model, hc, args.temperature)  # [n, V], with grad
+            loss, token_stats = loss_fn(s_logp, chunk, n_seqs, n_tokens, args)
+        gh, gw = torch.autograd.grad(loss, (hc, weight), allow_unused=True)
+        grad_h[s:s + step] = gh if gh is not None else 0.0
+        grad_w += gw if gw is not None else 0.0
+        total = total + loss.detach()
+        with torch.no_grad():
+            s_logp = s_logp.detach()
+            token_stats = {**{k: v.detach() for k, v in token_stats.items()}, "kl/reverse": reverse_kl(s_logp, t_logp),
+                           "kl/forward": forward_kl(s_logp, t_logp), "loss/entropy": -(s_logp.exp() * s_logp).sum(-1),
+                           "s_tok": s_logp.gather(-1, chunk["completion_ids"][:, None]).squeeze(-1)}
+        for k, v in token_stats.items():
+            stats.setdefault(k, []).append(v)
+    loss = PrecomputedGrad.apply(torch.as_tensor(total), h, weight, grad_h.view_as(h), grad_w)
+    return loss, {k: torch.cat(v).view(b, C) for k, v in stats.items()}
 
 
 def self_opd_loss(s_logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
-    """The batch's loss for --mode. s_logp [b, C, V] (with grad); mb holds the teacher's log-probs at x*
-    [b, C, V], the sampled tokens and mask [b, C], and for trace and grpo adv [b] (trace: key, err, kl_weight).
+    """A chunk's share of J for --mode. s_logp [n, V] (with grad) at n completion positions; mb holds the
+    teacher's log-probs at x* there [n, V] and per-position rows [n] (opd.py's position_rows): the sampled tokens,
+    the mask, pos_weight (position_weights), the sequence's seq_len and, for trace and grpo, adv (trace: key, err
+    and the step's kl_weight).
 
-    opsd, pw-opsd: token-mean over the step's n_tokens; trace, grpo: seq-mean (aggregate_loss).
-    Returns (loss, per-token stats).
+    opsd, pw-opsd: token-mean over the step's n_tokens; trace, grpo: seq-mean (each token weighted
+    1 / (|y_i| n_seqs), algos/grpo.py's seq-mean). Returns (loss, per-token stats).
     """
     mask, t_logp = mb["mask"], mb["teacher"]
     if args.mode in ("opsd", "pw-opsd"):
         tl = clipped_fkl(s_logp, t_logp, args.kl_clip)
         if args.mode == "pw-opsd":
-            tl = tl * position_weights(mask)
+            tl = tl * mb["pos_weight"]
         return common.masked_sum(tl, mask) / n_tokens, {}
     s_tok = s_logp.gather(-1, mb["completion_ids"][..., None]).squeeze(-1)
+    seq_mean = mask / (mb["seq_len"].clamp(min=1) * n_seqs)
     if args.mode == "grpo":
-        return aggregate_loss(-(mb["adv"][:, None] * s_tok), mask, "seq-mean", n_seqs, n_tokens, 0), {}
+        return (-(mb["adv"] * s_tok) * seq_mean).sum(), {}
     tl = trace_loss(s_logp, t_logp, s_tok, mb["adv"], mask, mb["key"], mb["err"], mb["kl_weight"], args.error_rkl)
-    return aggregate_loss(tl, mask, "seq-mean", n_seqs, n_tokens, 0), {"trace/key_frac": mb["key"],
-                                                                       "trace/err_frac": mb["err"]}
+    return (tl * seq_mean).sum(), {"trace/key_frac": mb["key"], "trace/err_frac": mb["err"]}
 
 
 def repeat_frac(texts: list[str], n: int = 3) -> float:
@@ -343,7 +409,8 @@ def rollout(model, tok, task, args: Args, rng, device, step: int = 1) -> list[di
     x_star, x_star_mask = common.left_pad(common.encode_prompts(
         tok, [privileged_prompt(e, task, args.privileged) for e in rep]), tok.pad_token_id)
     batch.update(rewards=rewards, finish_reasons=ro.finish_reasons, texts=ro.texts, source="student",
-                 privileged_ids=x_star.to(device), privileged_mask=x_star_mask.to(device))
+                 privileged_ids=x_star.to(device), privileged_mask=x_star_mask.to(device),
+                 pos_weight=position_weights(batch["completion_mask"].float()))
     if args.mode in ("trace", "grpo"):
         batch["adv"] = group_advantages(rewards, args.group_size)
     if args.mode == "trace":
@@ -354,10 +421,10 @@ def rollout(model, tok, task, args: Args, rng, device, step: int = 1) -> list[di
     return [batch]
 
 
-def teacher_logprobs(teacher, mb: dict, args: Args) -> torch.Tensor:
-    """The teacher's log-probs [b, C, V]: the same weights, scoring the completions after x* (x*, y_<t)."""
-    return completion_logprobs(teacher, mb["privileged_ids"], mb["privileged_mask"], mb["completion_ids"],
-                               mb["completion_mask"], args.temperature)
+def teacher_hidden(teacher, mb: dict, args: Args) -> torch.Tensor:
+    """The teacher's last hidden states [b, C, H]: the same weights, reading the completions after x* (x*, y_<t)."""
+    return completion_hidden(teacher, mb["privileged_ids"], mb["privileged_mask"], mb["completion_ids"],
+                             mb["completion_mask"])
 
 
 def lr_at(step: int, args: Args) -> float:
@@ -380,9 +447,10 @@ def update(model, opt, parts: list[dict], loss_fn, args: Args, step: int, teache
     """One optimiser step on one rollout batch; each part (one sampler's rollouts) is one micro-batch, its
     loss normalised by counts over the whole step (n_seqs, n_tokens), so the parts add up to J.
 
-    The teacher's forward runs here (teacher_logprobs, no grad): the losses need the full-vocabulary log-probs
-    of the student and of the teacher at every completion position. The sampler-vs-trainer log-prob gap is
-    measured on the student's part (the only forward on the sampler's weights).
+    The teacher's forward runs here (teacher_hidden, no grad): the losses need the full-vocabulary log-probs
+    of the student and of the teacher at every completion position, which chunked_loss computes chunk by chunk
+    from the two decoders' hidden states. The sampler-vs-trainer log-prob gap is measured on the student's part
+    (the only forward on the sampler's weights).
     """
     n_seqs = sum(len(p["completion_ids"]) for p in parts)
     n_tokens = sum(int(p["completion_mask"].sum()) for p in parts)
@@ -391,23 +459,20 @@ def update(model, opt, parts: list[dict], loss_fn, args: Args, step: int, teache
     for part in parts:
         ids = [part[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
         mask = part["completion_mask"].float()
-        s_logp = completion_logprobs(model, *ids, args.temperature)  # [b, C, V], with grad
+        h = completion_hidden(model, *ids)  # [b, C, H], with grad
         with torch.no_grad():
-            t_logp = teacher_logprobs(teacher, part, args)
-            ref = None if ref_model is None or part["source"] != "student" else completion_logprobs(
-                ref_model, *ids, args.temperature).gather(-1, part["completion_ids"][..., None]).squeeze(-1)
-        loss, token_stats = loss_fn(s_logp, {**part, "mask": mask, "teacher": t_logp, "ref": ref}, n_seqs,
-                                    n_tokens, args)
-        loss.backward()  # a NaN here reaches the gradient: optimizer_step stops the run
+            t_h = teacher_hidden(teacher, part, args)
+            ref = None if ref_model is None or part["source"] != "student" else common.token_logprobs(
+                ref_model, *ids, args.temperature)
+        loss, token_stats = chunked_loss(model, teacher, h, t_h, {**part, "mask": mask, "ref": ref}, loss_fn,
+                                         n_seqs, n_tokens, args)
+        loss.backward()  # through the decoder; a NaN here reaches the gradient: optimizer_step stops the run
         stats["loss/total"] += loss.item()
-        with torch.no_grad():
-            token_stats = {**token_stats, "kl/reverse": reverse_kl(s_logp, t_logp),
-                           "kl/forward": forward_kl(s_logp, t_logp), "loss/entropy": -(s_logp.exp() * s_logp).sum(-1)}
-            if part["source"] == "student":
-                s_tok = s_logp.gather(-1, part["completion_ids"][..., None]).squeeze(-1)
-                stats["rollout/logprob_mismatch"] = common.masked_mean((s_tok - part["logprobs"]).abs(), mask).item()
+        s_tok = token_stats.pop("s_tok")
+        if part["source"] == "student":
+            stats["rollout/logprob_mismatch"] = common.masked_mean((s_tok - part["logprobs"]).abs(), mask).item()
         for k, v in token_stats.items():
-            stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mask).item() / n_tokens
+            stats[k] = stats.get(k, 0.0) + common.masked_sum(v, mask).item() / n_tokens
     stats["loss/grad_norm"] = optimizer_step(model, opt, args, step)
     return stats
 

@@ -7,9 +7,8 @@ RL rollouts); Kim, Lee, Oh et al., "EfficientRollout: System-Aware Self-Speculat
 arXiv:2606.18967 (a quantised self-drafter; acceptance-aware draft length); Qin et al., "Seer: Online Context
 Learning for Fast Synchronous LLM Reinforcement Learning", arXiv:2511.14617 (drafts from sibling responses).
 
-Parent: algos/grpo.py; changed: Args, check_args, rollout, main.
-
-Parent: algos/spec_decode.py; changed: Args, check_args, main.
+Parent: algos/grpo.py; changed: Args, Args.eval_every, Args.exp_name, Args.lr, Args.out_dir, Args.seed, Args.steps,
+  check_args, rollout, main.
 
 The update is grpo.py's (update, grpo_loss); rollout changes: prompts come from a fixed pool revisited every
 epoch, and spec_decode.py's sampler (spec_generate of algos/_speculative.py, which both scripts import)

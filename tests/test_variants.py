@@ -99,6 +99,41 @@ def test_kept_names_are_not_rebound(path):
     assert not rebound, f"{path.name}: module-level assignments rebind {rebound}"
 
 
+def borrows(path: Path) -> list[tuple[str, list[str]]]:
+    """[(source path, [names])] from header lines `Borrows: algos/x.py (name1, name2)`: a file that is its own
+    design (`Parent: none`) names what it copies, and those copies are checked like a parent's."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return [(m.group(1), [n for n in re.split(r"[\s,]+", m.group(2)) if n])
+            for m in re.finditer(r"Borrows: ([\w/]+\.py) \(([^)]*)\)", doc)]
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_borrowed_functions_are_exact_copies(path):
+    mine = top_level(path)
+    for source, names in borrows(path):
+        theirs = top_level(ROOT / source)
+        drifted = [n for n in names if n not in mine or n not in theirs or ast.dump(mine[n]) != ast.dump(theirs[n])]
+        assert not drifted, f"{path.name}: borrowed {drifted} are not exact copies of {source}'s"
+
+
+def test_parent_links_keep_at_least_half():
+    """'Parent' means the diff is the idea: each link keeps at least half of its parent's functions and classes
+    (Args, check_args and main aside) as exact copies. The counts print with `pytest -s`."""
+    hollow = []
+    for path in SCRIPTS:
+        mine = top_level(path)
+        for parent, _ in parent_lines(path):
+            if parent == "none":
+                continue
+            theirs = {n: v for n, v in top_level(ROOT / parent).items() if n not in ("Args", "check_args", "main")}
+            kept = [n for n in theirs if n in mine and ast.dump(mine[n]) == ast.dump(theirs[n])]
+            print(f"{path.name} <- {parent}: {len(kept)} of {len(theirs)} functions kept, "
+                  f"{len(set(args_fields(path)) & set(args_fields(ROOT / parent)))} Args fields shared")
+            if 2 * len(kept) < len(theirs):
+                hollow.append(f"{path.name} <- {parent} ({len(kept)}/{len(theirs)})")
+    assert not hollow, f"links that keep less than half of the parent: {hollow}; say 'Parent: none' and Borrows:"
+
+
 # A function two variants define identically and their parents lack belongs in one place (the parent, common.py
 # when it is plumbing for three scripts, or one variant becomes the other's parent). The two pool helpers of the
 # prompt-pool scripts stay copies: two users, below common.py's three, and neither script is the other's parent.
