@@ -51,9 +51,10 @@ Commands:
       --max-new-tokens 512 --prompts-per-step 64 --micro-batch-size 16 --lr 1e-6                 # one GPU
   accelerate launch --num_processes 4 algos/nat.py --model ... --device cuda         # several GPUs
 Expected: held-out accuracy on 2-digit addition rises on half of the tokens. benchmarks/results/nat.md (20 rollout
-batches, micro-batches of 32, 2 seeds): full 35.3 -> 44.5, RPC 50% -> 43.3, URS 50% -> 37.7 +- 8.5 (one seed lagged);
-RPC ran 0.82x full's token positions through forward and backward; its CPU time ratio was within the shared
-machine's noise (rows in benchmarks/results/nat.csv).
+batches, micro-batches of 32, 3 seeds): full 35.3 -> 44.1 +- 1.1, RPC 50% -> 45.6 +- 3.9, URS 50% -> 40.9 +- 8.2;
+RPC ran 0.82x full's token positions through forward and backward and 0.81x its forward+backward time per seed,
+but its widest micro-batch was about as wide as full's (0.97x peak positions): longest kept prefixes go first
+(rows in benchmarks/results/nat.csv).
 """
 from __future__ import annotations
 
