@@ -288,20 +288,96 @@ def cache_bias_variance(s_logits, t_logp, ks=(1, 4, 16, 0), mc=(1, 4), draws: in
     return rows
 
 
-def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0):
-    """Full-vocabulary log-probs at every completion position, [B, C, V] (the decoder runs once)."""
+def completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """The decoder's last hidden states at the positions that predict the completion tokens, [B, C, H]: the decoder
+    runs once, under the model's autocast; the lm_head runs later on chunks of positions (chunk_logprobs)."""
     ids = torch.cat([prompt_ids, completion_ids], 1)
     mask = torch.cat([prompt_mask, completion_mask], 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
-    logits = model.get_output_embeddings()(hidden[:, prompt_ids.shape[1] - 1:-1]).float() / temperature
-    return torch.log_softmax(logits, -1)
+    with common.autocast(model):
+        return common.decoder_hidden(model, ids, mask, pos)[:, prompt_ids.shape[1] - 1:-1]
+
+
+def chunk_logprobs(model, h: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Full-vocabulary log-probs [n, V] (fp32) at a chunk of n positions, from their hidden states h [n, H]."""
+    with common.autocast(model):
+        logits = model.get_output_embeddings()(h)
+    return torch.log_softmax(logits.float() / temperature, -1)
+
+
+def position_rows(mb: dict) -> dict:
+    """A part's tensors per completion position, [b*C, ...]: each [b, C, ...] tensor flattened, each per-sequence
+    [b] tensor repeated over its sequence's positions, plus seq_len (the sequence's completion length); other
+    entries (the loss kind, None, numbers) as they are. Prompt-shaped tensors are dropped."""
+    b, C = mb["completion_ids"].shape
+    rows = {k: v for k, v in mb.items() if not torch.is_tensor(v)}
+    for k, v in mb.items():
+        if torch.is_tensor(v) and v.shape[:2] == (b, C):
+            rows[k] = v.reshape(b * C, *v.shape[2:])
+        elif torch.is_tensor(v) and v.shape == (b,):
+            rows[k] = v[:, None].expand(b, C).reshape(b * C)
+    rows["seq_len"] = mb["completion_mask"].sum(1, keepdim=True).expand(b, C).reshape(b * C).float()
+    return rows
+
+
+class PrecomputedGrad(torch.autograd.Function):
+    """A loss whose gradients were computed in its forward: the value passes through, and the backward hands
+    grad_h to the hidden states h and grad_w to the lm_head weight (times the upstream gradient)."""
+
+    @staticmethod
+    def forward(ctx, value, h, weight, grad_h, grad_w):
+        ctx.save_for_backward(grad_h, grad_w)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        grad_h, grad_w = ctx.saved_tensors
+        return None, g * grad_h, g * grad_w, None, None
+
+
+def chunked_loss(model, teacher, h, t_h, mb: dict, loss_fn, n_seqs: int, n_tokens: int, args: Args):
+    """One part's loss, chunk by chunk over its b*C completion positions (the design of Liger-Kernel's fused
+    linear JSD): for each chunk of positions, whose fp32 [chunk x V] logits take about common.LOGPROB_CHUNK_MB MiB,
+    the student's and the teacher's lm_heads and log-softmaxes run on the chunk's hidden states only, loss_fn gives
+    the chunk's share of J, and its gradient w.r.t. the chunk's hidden states and the lm_head weight is taken at
+    once (torch.autograd.grad), so the chunk's logits are freed before the next. The returned loss carries the
+    accumulated gradients (PrecomputedGrad): its backward is one backward through the student's decoder.
+
+    h [b, C, H] (the student's, with grad), t_h [b, C, H_t] (the teacher's, no grad). Returns (loss, per-token
+    stats [b, C]: loss_fn's, kl/reverse, kl/forward, loss/entropy and s_tok, the student's log-prob of each token).
+    """
+    b, C, H = h.shape
+    rows, weight = position_rows(mb), model.get_output_embeddings().weight
+    h_flat, t_flat = h.detach().reshape(b * C, H), t_h.reshape(b * C, -1)
+    grad_h, grad_w, total, stats = torch.zeros_like(h_flat), torch.zeros_like(weight), 0.0, {}
+    step = common.chunk_positions(weight.shape[0])
+    for s in range(0, b * C, step):
+        hc = h_flat[s:s + step].detach().requires_grad_(True)
+        chunk = {k: v[s:s + step] if torch.is_tensor(v) else v for k, v in rows.items()}
+        with torch.no_grad():
+            chunk["teacher"] = t_logp = chunk_logprobs(teacher, t_flat[s:s + step], args.temperature)
+        with torch.enable_grad():
+            s_logp = chunk_logprobs(model, hc, args.temperature)  # [n, V], with grad
+            loss, token_stats = loss_fn(s_logp, chunk, n_seqs, n_tokens, args)
+        gh, gw = torch.autograd.grad(loss, (hc, weight), allow_unused=True)
+        grad_h[s:s + step] = gh if gh is not None else 0.0
+        grad_w += gw if gw is not None else 0.0
+        total = total + loss.detach()
+        with torch.no_grad():
+            s_logp = s_logp.detach()
+            token_stats = {**{k: v.detach() for k, v in token_stats.items()}, "kl/reverse": reverse_kl(s_logp, t_logp),
+                           "kl/forward": forward_kl(s_logp, t_logp), "loss/entropy": -(s_logp.exp() * s_logp).sum(-1),
+                           "s_tok": s_logp.gather(-1, chunk["completion_ids"][:, None]).squeeze(-1)}
+        for k, v in token_stats.items():
+            stats.setdefault(k, []).append(v)
+    loss = PrecomputedGrad.apply(torch.as_tensor(total), h, weight, grad_h.view_as(h), grad_w)
+    return loss, {k: torch.cat(v).view(b, C) for k, v in stats.items()}
 
 
 def token_loss(variant, s_logp, t_logp, b_tok, tokens, args, z=None, z_behav=None):
-    """Per-token loss [B, C] of one variant; t_logp is only read through the finite cache.
+    """Per-token loss [...] of one variant, from log-probs [..., V]; t_logp is only read through the finite cache.
 
-    b_tok [B, C]: the behaviour's log-probs of the sampled tokens; rkl-mc: z [B, C, M], the rollout-time draws
+    b_tok [...]: the behaviour's log-probs of the sampled tokens; rkl-mc: z [..., M], the rollout-time draws
     from b (mc_draws), and z_behav, their behaviour log-probs.
     """
     need = tokens[..., None] if z is None else torch.cat([tokens[..., None], z], -1)
@@ -324,10 +400,11 @@ def token_loss(variant, s_logp, t_logp, b_tok, tokens, args, z=None, z_behav=Non
 
 
 def async_opd_loss(s_logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
-    """The batch's loss: the variant's per-token loss (token_loss), token-mean over the step's n_tokens.
+    """A chunk's share of J: the variant's per-token loss (token_loss), token-mean over the step's n_tokens.
 
-    s_logp [b, C, V] (with grad); mb holds the teacher's log-probs [b, C, V] (read through the cache), the
-    sampler's log-probs of the sampled tokens (b's) and, for rkl-mc, the draws. Returns (loss, per-token stats).
+    s_logp [n, V] (with grad) at n completion positions; mb holds the teacher's log-probs there [n, V] (read
+    through the cache) and per-position rows (opd.py's position_rows): the sampled tokens, the mask, the sampler's
+    log-probs of the sampled tokens (b's) and, for rkl-mc, the draws [n, M]. Returns (loss, per-token stats).
     """
     tl = token_loss(args.variant, s_logp, mb["teacher"], mb["logprobs"], mb["completion_ids"], args,
                     mb.get("mc_ids"), mb.get("mc_behaviour"))
@@ -357,19 +434,25 @@ def rollout(behaviour, tok, task, args: Args, rng, device, gen=None) -> list[dic
     batch = {k: getattr(ro, k).to(device) for k in
              ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
     batch.update(rewards=rewards, finish_reasons=ro.finish_reasons, texts=ro.texts, source="student")
-    if args.variant == "rkl-mc":
+    if args.variant == "rkl-mc":  # b's full distribution chunk by chunk over positions, never [B, C, V] whole
+        (B, C), draws, behav = batch["completion_ids"].shape, [], []
         with torch.no_grad():
-            behav_logp = completion_logprobs(behaviour, batch["prompt_ids"], batch["prompt_mask"],
-                                             batch["completion_ids"], batch["completion_mask"], args.temperature)
-        batch["mc_ids"] = mc_draws(behav_logp, args.mc_samples, gen)
-        batch["mc_behaviour"] = behav_logp.gather(-1, batch["mc_ids"])
+            h = completion_hidden(behaviour, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                  batch["completion_mask"]).reshape(B * C, -1)
+            step = common.chunk_positions(behaviour.get_output_embeddings().weight.shape[0])
+            for s in range(0, B * C, step):
+                behav_logp = chunk_logprobs(behaviour, h[s:s + step], args.temperature)
+                draws.append(mc_draws(behav_logp, args.mc_samples, gen))
+                behav.append(behav_logp.gather(-1, draws[-1]))
+        batch["mc_ids"] = torch.cat(draws).view(B, C, args.mc_samples)
+        batch["mc_behaviour"] = torch.cat(behav).view(B, C, args.mc_samples)
     return [batch]
 
 
-def teacher_logprobs(teacher, mb: dict, args: Args) -> torch.Tensor:
-    """The teacher's log-probs [b, C, V] at the student's prefixes (x, y_<t) of this part's completions."""
-    return completion_logprobs(teacher, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                               mb["completion_mask"], args.temperature)
+def teacher_hidden(teacher, mb: dict, args: Args) -> torch.Tensor:
+    """The teacher's last hidden states [b, C, H_t] at the student's prefixes (x, y_<t) of this part's completions
+    (chunked_loss turns each chunk of them into log-probs)."""
+    return completion_hidden(teacher, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"])
 
 
 def lr_at(step: int, args: Args) -> float:
@@ -392,9 +475,10 @@ def update(model, opt, parts: list[dict], loss_fn, args: Args, step: int, teache
     """One optimiser step on one rollout batch; each part (one sampler's rollouts) is one micro-batch, its
     loss normalised by counts over the whole step (n_seqs, n_tokens), so the parts add up to J.
 
-    The teacher's forward runs here (teacher_logprobs, no grad): the losses need the full-vocabulary log-probs
-    of the student and of the teacher at every completion position. The sampler-vs-trainer log-prob gap is
-    measured on the student's part (the only forward on the sampler's weights).
+    The teacher's forward runs here (teacher_hidden, no grad): the losses need the full-vocabulary log-probs
+    of the student and of the teacher at every completion position, which chunked_loss computes chunk by chunk
+    from the two decoders' hidden states. The sampler-vs-trainer log-prob gap is measured on the student's part
+    (the only forward on the sampler's weights).
     """
     n_seqs = sum(len(p["completion_ids"]) for p in parts)
     n_tokens = sum(int(p["completion_mask"].sum()) for p in parts)
@@ -403,23 +487,20 @@ def update(model, opt, parts: list[dict], loss_fn, args: Args, step: int, teache
     for part in parts:
         ids = [part[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
         mask = part["completion_mask"].float()
-        s_logp = completion_logprobs(model, *ids, args.temperature)  # [b, C, V], with grad
+        h = completion_hidden(model, *ids)  # [b, C, H], with grad
         with torch.no_grad():
-            t_logp = teacher_logprobs(teacher, part, args)
-            ref = None if ref_model is None or part["source"] != "student" else completion_logprobs(
-                ref_model, *ids, args.temperature).gather(-1, part["completion_ids"][..., None]).squeeze(-1)
-        loss, token_stats = loss_fn(s_logp, {**part, "mask": mask, "teacher": t_logp, "ref": ref}, n_seqs,
-                                    n_tokens, args)
-        loss.backward()  # a NaN here reaches the gradient: optimizer_step stops the run
+            t_h = teacher_hidden(teacher, part, args)
+            ref = None if ref_model is None or part["source"] != "student" else common.token_logprobs(
+                ref_model, *ids, args.temperature)
+        loss, token_stats = chunked_loss(model, teacher, h, t_h, {**part, "mask": mask, "ref": ref}, loss_fn,
+                                         n_seqs, n_tokens, args)
+        loss.backward()  # through the decoder; a NaN here reaches the gradient: optimizer_step stops the run
         stats["loss/total"] += loss.item()
-        with torch.no_grad():
-            token_stats = {**token_stats, "kl/reverse": reverse_kl(s_logp, t_logp),
-                           "kl/forward": forward_kl(s_logp, t_logp), "loss/entropy": -(s_logp.exp() * s_logp).sum(-1)}
-            if part["source"] == "student":
-                s_tok = s_logp.gather(-1, part["completion_ids"][..., None]).squeeze(-1)
-                stats["rollout/logprob_mismatch"] = common.masked_mean((s_tok - part["logprobs"]).abs(), mask).item()
+        s_tok = token_stats.pop("s_tok")
+        if part["source"] == "student":
+            stats["rollout/logprob_mismatch"] = common.masked_mean((s_tok - part["logprobs"]).abs(), mask).item()
         for k, v in token_stats.items():
-            stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mask).item() / n_tokens
+            stats[k] = stats.get(k, 0.0) + common.masked_sum(v, mask).item() / n_tokens
     stats["loss/grad_norm"] = optimizer_step(model, opt, args, step)
     return stats
 

@@ -44,8 +44,9 @@ their hidden states and then, chunk by chunk over positions (common.LOGPROB_CHUN
 both lm_heads, the divergence and its gradient w.r.t. the chunk's hidden states and the lm_head weight (the design
 of Liger-Kernel's fused linear JSD), before one backward through the student's decoder. Each part is one
 micro-batch (the two samplers' completions have their own lengths), with one optimiser step per batch and no
-pi_old (the losses are on-policy). The loss_fn fed to it is opd_loss (a chunk's share of J). optimizer_step is grpo's without the all-reduce (one process) and with OPD's learning
-rate (lr_at). Eval, rollout metrics, summary and curve are common.py's.
+pi_old (the losses are on-policy). The loss_fn fed to it is opd_loss (a chunk's share of J). optimizer_step is
+grpo's without the all-reduce (one process) and with OPD's learning rate (lr_at). Eval, rollout metrics, summary
+and curve are common.py's.
 
 Deviations:
 - The KL is "local": the per-position divergence at the sampled prefix, with no gradient through the

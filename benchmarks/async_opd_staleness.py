@@ -72,7 +72,7 @@ def cache_rows(draws: int = DRAWS, n_prompts: int = CACHE_PROMPTS) -> list[dict]
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         h = student.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
         s_logits = student.get_output_embeddings()(h[:, b["prompt_ids"].shape[1] - 1:-1])
-        t_logp = ao.completion_logprobs(teacher, **b)
+        t_logp = ao.chunk_logprobs(teacher, ao.completion_hidden(teacher, **b))  # [B, C, V] of the 99-token tiny model
     keep = b["completion_mask"].bool()
     return ao.cache_bias_variance(s_logits[keep], t_logp[keep], ks=(1, 4, 16, 0), mc=(1, 4), draws=draws)
 

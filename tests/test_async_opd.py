@@ -1,12 +1,16 @@
 """algos/async_opd.py: the top-k cache at k = V is exact, identical teacher gives zero loss and gradient for
 every variant, the importance-weighted multi-sample estimator is unbiased per prefix under a stale sampler but
 not over the stale prefix distribution, bias/variance ordering of the estimators and the bias net of the noise
-floor (also through the benchmark's code path on a tiny batch), learning and bad input."""
+floor (also through the benchmark's code path on a tiny batch), the chunked update and Monte Carlo draws against
+the previous full-tensor computation, learning and bad input."""
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
+import common
+from _full_vocab import assert_close, chunked_step, full_gradient, full_logprobs, tiny_rollout
 from algos import async_opd as ao
 
 
@@ -142,6 +146,59 @@ def test_staleness_benchmark_cache_rows_on_a_tiny_batch():
     mc = [r for r in rows if r["M"]]
     assert len(mc) == 2 and all(abs(r["rel_bias_net"] - (r["rel_bias"] - r["rel_var"] / 5)) < 1e-9 for r in mc)
     assert all(f"{r['rel_bias_net']:+.4f}" in line for r, line in zip(rows, lines[2:]))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_rollout()
+
+
+@pytest.mark.parametrize("variant,cache_k", [("fkl", 8), ("rkl-sparse", 8), ("rkl-stale", 0), ("rkl-tis", 0),
+                                             ("rkl-recompute", 0), ("rkl-mc", 5)])
+def test_chunked_update_equals_the_full_tensor_computation(monkeypatch, tiny, variant, cache_k):
+    """opd.py's update with async_opd_loss, chunk by chunk over positions (3 per chunk; the top-k cache per
+    chunk), gives the loss and gradient of the previous computation on whole [B, C, V] log-probs (1e-5)."""
+    student, teacher, _, _, _, batch = tiny
+    args = ao.Args(variant=variant, cache_k=cache_k, mc_samples=3, tis_cap=1.5)
+    ids = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+    part = {**batch, "source": "student"}
+    if variant == "rkl-mc":
+        with torch.no_grad():
+            b = full_logprobs(teacher, *ids)  # a behaviour policy that differs from the student: w != 1
+        part["mc_ids"] = ao.mc_draws(b, 3, torch.Generator().manual_seed(0))
+        part["mc_behaviour"] = b.gather(-1, part["mc_ids"])
+    stats, g_new = chunked_step(monkeypatch, ao, student, teacher, [part], ao.async_opd_loss, args)
+
+    mask = batch["completion_mask"].float()
+    s = full_logprobs(student, *ids)
+    with torch.no_grad():
+        t = full_logprobs(teacher, *ids)
+    tl = ao.token_loss(variant, s, t, batch["logprobs"], batch["completion_ids"], args, part.get("mc_ids"),
+                       part.get("mc_behaviour"))
+    loss = common.masked_sum(tl, mask) / mask.sum()
+    assert_close(stats["loss/total"], loss.item(), "loss")
+    g_old = full_gradient(student, loss)
+    assert g_old.abs().max() > 1e-3
+    assert_close(g_new, g_old, "gradient")
+    assert_close(stats["kl/reverse"], common.masked_sum(ao.reverse_kl(s, t), mask).item() / mask.sum(), "kl")
+
+
+def test_chunked_mc_draws_equal_draws_from_the_whole_distribution(monkeypatch):
+    """rollout draws rkl-mc's tokens chunk by chunk over positions: the same tokens, from the same generator, as one
+    draw from the whole [B, C, V] behaviour distribution, and the same behaviour log-probs."""
+    behaviour, tok = common.load_model("tiny-0.6m")
+    task = common.make_task("add")
+    args = ao.Args(variant="rkl-mc", mc_samples=3, prompts_per_step=3, group_size=2)
+    monkeypatch.setattr(common, "LOGPROB_CHUNK_MB", 5 * 4 * 99 / 2**20)  # 5 positions per chunk
+    assert common.chunk_positions(99) == 5
+    torch.manual_seed(0)
+    batch, = ao.rollout(behaviour, tok, task, args, np.random.default_rng(0), "cpu", torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        b = full_logprobs(behaviour, *[batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids",
+                                                          "completion_mask")])
+    z = ao.mc_draws(b, 3, torch.Generator().manual_seed(1))
+    assert batch["mc_ids"].shape == z.shape and torch.equal(batch["mc_ids"], z)
+    assert_close(batch["mc_behaviour"], b.gather(-1, z), "behaviour log-probs")
 
 
 SMALL = ao.Args(steps=40, eval_every=40, eval_examples=300, out_dir="", exp_name="t")

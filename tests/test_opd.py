@@ -1,7 +1,7 @@
 """algos/opd.py: divergences against loops, identical-teacher degeneracy, the sampled estimator's
 unbiasedness, the teacher check, the bridge schedule, the split of prompts between the samplers, the learning
-rate, the GRPO stage's gradient against algos/grpo.py, the step-level normaliser across parts, learning and
-bad input."""
+rate, the GRPO stage's gradient against algos/grpo.py, the step-level normaliser across parts, the chunked update
+against the previous full-tensor computation, learning and bad input."""
 import math
 from dataclasses import replace
 from types import SimpleNamespace
@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+import common
+from _full_vocab import assert_close, chunked_step, full_gradient, full_logprobs, tiny_rollout
 from algos import opd
 
 KINDS = ("rkl", "rkl-sampled", "fkl", "fkl-teacher", "gkd")
@@ -119,9 +121,10 @@ def test_grpo_stage_has_grpo_gradient():
     mask = torch.ones(8, 5)
     mask[0, 3:] = mask[5, 1:] = 0  # ragged lengths: seq-mean weighs each sequence by 1/|o_i|
     adv = opd.group_advantages(torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 1]), 4)
-    s_logp = torch.log_softmax(logits, -1)
-    mb = {"completion_ids": tokens, "mask": mask, "kind": "grpo", "adv": adv, "teacher": None, "ref": None}
-    loss, _ = opd.opd_loss(s_logp, mb, 8, int(mask.sum()), opd.Args())
+    s_logp = torch.log_softmax(logits, -1).reshape(40, 11)  # opd_loss sees a chunk of positions: all 40 here
+    mb = opd.position_rows({"completion_ids": tokens, "completion_mask": mask, "mask": mask, "kind": "grpo",
+                            "adv": adv, "ref": None})
+    loss, _ = opd.opd_loss(s_logp, {**mb, "teacher": None}, 8, int(mask.sum()), opd.Args())
     (g_opd,) = torch.autograd.grad(loss, logits)
     logp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
     ref, _ = grpo.grpo_loss(logp, {"old": logp.detach(), "adv": adv, "mask": mask, "ref": None}, 8, int(mask.sum()),
@@ -156,6 +159,55 @@ def test_update_normalises_over_the_whole_step(monkeypatch):
         opd.update(student, torch.optim.SGD(student.parameters(), lr=0.0), parts, opd.opd_loss, opd.Args(), 1, teacher)
     assert grads[0].abs().max() > 1e-4
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_rollout()
+
+
+@pytest.mark.parametrize("kind,ref_coef", [("rkl", 0.0), ("rkl-sampled", 0.1), ("fkl", 0.0), ("gkd", 0.0),
+                                           ("grpo", 0.0)])
+def test_chunked_update_equals_the_full_tensor_computation(monkeypatch, tiny, kind, ref_coef):
+    """update, chunk by chunk over positions (3 per chunk, the last one ragged), gives the loss, the gradient and
+    the logged statistics of the previous computation on whole [B, C, V] log-probs (1e-5)."""
+    from algos import grpo
+
+    student, teacher, _, _, _, batch = tiny
+    args = opd.Args(ref_coef=ref_coef, gkd_beta=0.3)
+    tokens, mask = batch["completion_ids"], batch["completion_mask"].float()
+    adv = opd.group_advantages(torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 1]), 2) if kind == "grpo" else None
+    part = {**batch, "kind": kind, "source": "student", "adv": adv}
+    ref_model = teacher if ref_coef else None  # a reference that differs from the student: k3 > 0
+    stats, g_new = chunked_step(monkeypatch, opd, student, teacher, [part], opd.opd_loss, args, ref_model)
+
+    ids = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+    n_seqs, n_tokens = len(tokens), int(mask.sum())
+    s = full_logprobs(student, *ids)  # [B, C, V], with grad
+    with torch.no_grad():
+        t = full_logprobs(teacher, *ids)
+    s_tok = s.gather(-1, tokens[..., None]).squeeze(-1)
+    if kind == "grpo":
+        loss = grpo.aggregate_loss(-(adv[:, None] * s_tok), mask, "seq-mean", n_seqs, n_tokens, 0)
+    else:
+        tl = opd.token_divergence(kind, s, t, tokens, args.gkd_beta)
+        if ref_coef:
+            with torch.no_grad():
+                ref = full_logprobs(ref_model, *ids).gather(-1, tokens[..., None]).squeeze(-1)
+            tl = tl + ref_coef * opd.k3_kl(s_tok, ref)
+            assert_close(stats["kl/ref"], common.masked_sum(opd.k3_kl(s_tok, ref), mask).item() / n_tokens, "kl/ref")
+        loss = common.masked_sum(tl, mask) / n_tokens
+    assert_close(stats["loss/total"], loss.item(), "loss")
+    g_old = full_gradient(student, loss)
+    assert g_old.abs().max() > 1e-3
+    assert_close(g_new, g_old, "gradient")
+    with torch.no_grad():
+        s = s.detach()
+        for key, v in (("kl/reverse", opd.reverse_kl(s, t)), ("kl/forward", opd.forward_kl(s, t)),
+                       ("loss/entropy", -(s.exp() * s).sum(-1))):
+            assert_close(stats[key], common.masked_sum(v, mask).item() / n_tokens, key)
+        mismatch = common.masked_mean((s_tok.detach() - batch["logprobs"]).abs(), mask).item()
+        assert_close(stats["rollout/logprob_mismatch"], mismatch, "logprob_mismatch")
 
 
 SMALL = opd.Args(steps=40, eval_every=40, eval_examples=300, eval_hard=False, threads=1, out_dir="",

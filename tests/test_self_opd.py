@@ -1,12 +1,15 @@
 """algos/self_opd.py: privileged context never reaches the student (rollouts or gradient), position weights,
-clipped forward KL, span marks, the KL-channel schedule, identical views give zero loss, learning, bad input."""
+clipped forward KL, span marks, the KL-channel schedule, identical views give zero loss, the chunked update
+against the previous full-tensor computation, learning, bad input."""
 import re
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
 import common
+from _full_vocab import assert_close, chunked_step, full_gradient, full_logprobs
 from algos import self_opd as so
 
 
@@ -44,7 +47,7 @@ def test_trace_loss_identical_views_is_pure_grpo():
     s_tok = s.gather(-1, tokens[..., None]).squeeze(-1)
     m, key, err = torch.ones(2, 3), torch.tensor([[0, 1, 0], [0, 0, 0.]]), torch.tensor([[0, 0, 0], [1, 1, 0.]])
     adv = torch.tensor([1.0, -1.0])
-    loss = so.trace_loss(s, s.detach(), s_tok, adv, m, key, err, 1.0, True)
+    loss = so.trace_loss(s, s.detach(), s_tok, adv[:, None], m, key, err, 1.0, True)
     want = -(adv[:, None] * s_tok) * (1 - key - err)
     assert torch.allclose(loss, want, atol=1e-6)
 
@@ -139,6 +142,48 @@ def test_privileged_context_never_reaches_the_student(tmp_path, monkeypatch, pri
         elif rows == [p + c for p, c in zip(priv, comps)]:
             teacher += 1
     assert student == 2 and teacher == 2, (student, teacher)  # one of each per training step
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return common.load_model("tiny-0.6m")
+
+
+@pytest.mark.parametrize("mode", ["opsd", "pw-opsd", "trace", "grpo"])
+def test_chunked_update_equals_the_full_tensor_computation(monkeypatch, policy, mode):
+    """opd.py's update with self_opd_loss, chunk by chunk over positions (3 per chunk), gives the loss and
+    gradient of the previous computation on whole [B, C, V] log-probs of both views (1e-5)."""
+    from algos import grpo
+
+    model, tok = policy
+    task = common.make_task("add")
+    args = so.Args(mode=mode, prompts_per_step=4, group_size=2, kl_clip=0.5)
+    torch.manual_seed(0)
+    batch, = so.rollout(model, tok, task, args, np.random.default_rng(1), "cpu", step=1)
+    if mode == "trace":
+        assert batch["key"].sum() + batch["err"].sum() > 0
+    stats, g_new = chunked_step(monkeypatch, so, model, model, [batch], so.self_opd_loss, args)
+
+    tokens, mask = batch["completion_ids"], batch["completion_mask"].float()
+    n_seqs, n_tokens = len(tokens), int(mask.sum())
+    s = full_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], tokens, batch["completion_mask"])
+    with torch.no_grad():
+        t = full_logprobs(model, batch["privileged_ids"], batch["privileged_mask"], tokens, batch["completion_mask"])
+    s_tok = s.gather(-1, tokens[..., None]).squeeze(-1)
+    if mode in ("opsd", "pw-opsd"):
+        tl = so.clipped_fkl(s, t, args.kl_clip) * (so.position_weights(mask) if mode == "pw-opsd" else 1.0)
+        loss = common.masked_sum(tl, mask) / n_tokens
+    elif mode == "grpo":
+        loss = grpo.aggregate_loss(-(batch["adv"][:, None] * s_tok), mask, "seq-mean", n_seqs, n_tokens, 0)
+    else:
+        tl = so.trace_loss(s, t, s_tok, batch["adv"][:, None], mask, batch["key"], batch["err"], batch["kl_weight"],
+                           args.error_rkl)
+        loss = grpo.aggregate_loss(tl, mask, "seq-mean", n_seqs, n_tokens, 0)
+    assert_close(stats["loss/total"], loss.item(), "loss")
+    g_old = full_gradient(model, loss)
+    assert g_old.abs().max() > 1e-3
+    assert_close(g_new, g_old, "gradient")
+    assert_close(stats["kl/forward"], common.masked_sum(so.forward_kl(s, t), mask).item() / n_tokens, "kl/forward")
 
 
 def test_self_opd_learns(tmp_path):
