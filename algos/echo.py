@@ -14,7 +14,7 @@ Equations (each implemented by the function named on the right):
   held-out CE_env  on a fixed set of held-out rollouts of the initial policy (eval/env_ce)        env_token_ce
   lambda = --echo-coef (0 gives multi-turn GRPO exactly).
 
-Parent: algos/multiturn_grpo.py; changed: Args, main.
+Parent: algos/multiturn_grpo.py; changed: Args, Args.exp_name, main.
 
 Deviations:
 - The environment is algos/_toolenv.py's key-value lookup (observations `=4;`, `err;`, `end;`), not a terminal:
@@ -324,7 +324,8 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
     As grpo.py's update, with the policy loss on action tokens only (mb["mask"] = action_mask, and the token counts
     are action tokens; the observation tokens are attended to through completion_mask); mb also carries the
     observation mask and the step's count of observation tokens (n_obs) for losses on them (algos/echo.py), and the
-    training batch's environment-token cross-entropy is logged (loss/env_ce).
+    training batch's environment-token cross-entropy is logged (loss/env_ce, at the sampling temperature: the
+    quantity ECHO's term trains; eval/env_ce is at temperature 1).
     """
     B = batch["completion_ids"].shape[0]
     micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731

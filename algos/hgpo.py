@@ -26,7 +26,7 @@ the return of every step is the episode's final reward R_i):
                      next state; V(terminal) = its reward), each V a Monte Carlo mean of --mse-rollouts episodes
                      from the exact state, with its own variance reported   true_step_advantages, advantage_mse
 
-Parent: algos/multiturn_grpo.py; changed: Args, check_args, clipped_pg_loss, rollout, main.
+Parent: algos/multiturn_grpo.py; changed: Args, Args.exp_name, check_args, clipped_pg_loss, rollout, main.
 
 Deviations:
 - HGPO's adaptive weights are w_k = (k + 1)^alpha over the levels whose group has at least two steps (deeper, more
@@ -475,7 +475,8 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
     As grpo.py's update, with the policy loss on action tokens only (mb["mask"] = action_mask, and the token counts
     are action tokens; the observation tokens are attended to through completion_mask); mb also carries the
     observation mask and the step's count of observation tokens (n_obs) for losses on them (algos/echo.py), and the
-    training batch's environment-token cross-entropy is logged (loss/env_ce).
+    training batch's environment-token cross-entropy is logged (loss/env_ce, at the sampling temperature: the
+    quantity ECHO's term trains; eval/env_ce is at temperature 1).
     """
     B = batch["completion_ids"].shape[0]
     micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731

@@ -24,7 +24,9 @@ Equations (each implemented by the function named on the right):
                      rollouts of the initial policy (eval/env_ce) and of the training batch (loss/env_ce); logged,
                      not trained on here (algos/echo.py trains on it)                              env_token_ce
 
-Parent: algos/grpo.py; changed: Args, check_args, rollout, update, main.
+Parent: algos/grpo.py; changed: Args, Args.eval_every, Args.eval_examples, Args.exp_name, Args.group_size, Args.lr,
+Args.max_new_tokens, Args.model, Args.prompts_per_step, Args.seed, Args.steps, Args.temperature, check_args, rollout,
+update, main.
 
 Deviations:
 - The environment is a key-value lookup with a sum of three one-digit values, not a terminal, a web shop or a
@@ -329,7 +331,8 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
     As grpo.py's update, with the policy loss on action tokens only (mb["mask"] = action_mask, and the token counts
     are action tokens; the observation tokens are attended to through completion_mask); mb also carries the
     observation mask and the step's count of observation tokens (n_obs) for losses on them (algos/echo.py), and the
-    training batch's environment-token cross-entropy is logged (loss/env_ce).
+    training batch's environment-token cross-entropy is logged (loss/env_ce, at the sampling temperature: the
+    quantity ECHO's term trains; eval/env_ce is at temperature 1).
     """
     B = batch["completion_ids"].shape[0]
     micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
