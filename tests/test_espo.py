@@ -93,7 +93,7 @@ def test_sampler_records_step_by_step_what_the_full_scores_gave(sums_model):
 
     model, tok = sums_model
     task = common.make_task("sums", 1)
-    prompts = common.encode_prompts(tok, [e.prompt for e in task.sample("train", 6, np.random.default_rng(0))])
+    prompts = common.encode_prompts(tok, [e.prompt for e in task.sample("train", 3, np.random.default_rng(0))])
     torch.manual_seed(2)
     with LargestVocabTensor(model) as seen:
         ro, g, stop_at = espo.generate_with_stops(model, tok, prompts, 2, 40, 0.9, 0.95, threshold=math.inf, alpha=0.5)
@@ -189,16 +189,19 @@ def test_threshold_at_infinity_is_ppo_exactly(tmp_path, dtype):
     base = ppo.Args(**SMALL_PPO, out_dir=str(tmp_path / "ppo"), dtype=dtype)
     ppo.main(base)
     espo.main(espo.Args(**{**asdict(base), "out_dir": str(tmp_path / "inf"), "stop_k": math.inf}))
-    espo.main(espo.Args(**{**asdict(base), "out_dir": str(tmp_path / "k1"), "stop_k": 1.0}))
     rows = lambda d: {r["step"]: r for r in map(json.loads, open(tmp_path / d / "t" / "metrics.jsonl"))}  # noqa: E731
-    a, b, c = rows("ppo"), rows("inf"), rows("k1")
+    a, b = rows("ppo"), rows("inf")
     keys = [k for k in a[2] if not k.startswith("perf/") and k != "rollout/tokens_per_s"]  # timings differ
     assert {"loss/pg", "loss/vf", "rollout/reward", "eval/acc"} <= set(keys)
     for step in (1, 2):
         assert {k: a[step][k] for k in keys if k in a[step]} == {k: b[step][k] for k in keys if k in a[step]}
     weights = lambda d: load_file(tmp_path / d / "t" / "checkpoint" / "model.safetensors")  # noqa: E731
-    wa, wb, wc = weights("ppo"), weights("inf"), weights("k1")
+    wa, wb = weights("ppo"), weights("inf")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    if dtype == "bf16":
+        return
+    espo.main(espo.Args(**{**asdict(base), "out_dir": str(tmp_path / "k1"), "stop_k": 1.0}))
+    c, wc = rows("k1"), weights("k1")
     # the control: with stops (k = 1, from the second batch on) the second step's rollout and update differ
     assert c[2]["rollout/stop_frac"] > 0 and c[2]["loss/pg"] != a[2]["loss/pg"]
     assert any(not torch.equal(wa[k], wc[k]) for k in wa)
