@@ -54,7 +54,8 @@ def test_one_turn_without_tool_calls_equals_grpo_step(tiny):
     batch = grpo.rollout(model, tok, common.make_task("add", 2), gargs, np.random.default_rng(0), torch.device("cpu"))
     batch["adv"] = torch.randn_like(batch["adv"])
     mbatch = {**batch, "action_mask": batch["completion_mask"], "obs_mask": torch.zeros_like(batch["completion_mask"])}
-    margs = mt.Args(prompts_per_step=4, group_size=4, threads=1, max_new_tokens=4, device="cpu", micro_batch_size=5)
+    margs = mt.Args(prompts_per_step=4, group_size=4, threads=1, max_new_tokens=4, device="cpu", micro_batch_size=5,
+                    lr=gargs.lr, temperature=gargs.temperature)  # the two scripts' defaults differ in these
     gargs.micro_batch_size = 5
     params = []
     for upd, b, a in ((grpo.update, batch, gargs), (mt.update, mbatch, margs)):
