@@ -45,8 +45,10 @@ Commands:
   python algos/multiturn_grpo.py                                   # tiny default, 2-core CPU, ~5 minutes
   python algos/multiturn_grpo.py --max-turns 6 --max-context 60    # looser limits
   python algos/multiturn_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda --lr 1e-6 --max-new-tokens 16
-Expected: held-out greedy episode success of tiny-toolenv rises by 10+ points in under 5 minutes on 2 cores
-(seed 0); 3-seed figures in benchmarks/results/multiturn.md (rows in benchmarks/results/multiturn.csv).
+Expected: held-out greedy episode success of tiny-toolenv 53.3% -> 62.1 ± 3.1% (3 seeds: +5.4, +9.7, +11.4 points;
+the lookups become perfect, the answer turn stays the limit) in 210-420 s on 2 shared cores; the held-out
+environment-token cross-entropy barely moves (11.41 -> 11.16 ± 0.27 nats). Rows: benchmarks/results/multiturn.csv,
+table benchmarks/results/multiturn.md.
 """
 from __future__ import annotations
 
