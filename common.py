@@ -8,14 +8,12 @@ when at least three scripts need it as is. Budget: 820 lines (a test enforces it
 from __future__ import annotations
 
 import copy
-import ctypes
 import hashlib
 import itertools
 import json
 import os
 import random
 import re
-import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, is_dataclass
@@ -24,9 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.utils.checkpoint
-
-if sys.platform == "linux":  # glibc raises its mmap threshold after a large free; then a chunk loop's kept results
-    getattr(ctypes.CDLL(None), "mallopt", lambda *a: 0)(-3, 1 << 20)  # fragment the heap: pin M_MMAP_THRESHOLD
 
 ROOT = Path(__file__).resolve().parent
 MODELS_DIR = ROOT / "algos" / "models"  # the shipped tiny checkpoints
