@@ -14,7 +14,8 @@ t - k sampled, and compares the off-policy corrections of:
   Mismatch and Repair Methods for Off-Policy Correction", arXiv:2605.12070;
 - the strict double-sided token clip of SAO (single-rollout asynchronous optimisation, GLM).
 
-Parent: algos/grpo.py; changed: Args, check_args, update, main.
+Parent: algos/grpo.py; changed: Args, Args.eval_every, Args.exp_name, Args.kernels, Args.lr, Args.ppo_epochs,
+  Args.resume, Args.seed, Args.steps, Args.threads, check_args, update, main.
 
 Notation per completion token t of sequence i: mu = behaviour log-prob (stored by the sampler k versions ago),
 prox = the proximal policy (recomputed by the trainer before the update, or the EWMA copy), logp = pi_theta
@@ -664,6 +665,17 @@ def offpolicy_summary(history: list[dict]) -> dict:
     return out
 
 
+def load_policy(args: Args, accel):
+    """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
+    only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
+    model, tok = common.load_model(args.model, accel.device, args.dtype)
+    model.train()
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    return common.shard(model, accel), tok, common.shard(ref_model, accel, sampler=False)
+
+
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
@@ -676,12 +688,7 @@ def main(args: Args) -> dict:
     task = common.make_task(args.task, args.digits)
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    model, ref_model = common.shard(model, accel), common.shard(ref_model, accel, sampler=False)  # >1 process
+    model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
     ewma = EWMA(model, args.ewma_decay) if args.correction == "ppo-ewma" else None
     engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
         if args.engine == "vllm" else None

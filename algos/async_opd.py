@@ -46,7 +46,9 @@ for Large Language Models", arXiv:2604.08527), rollout/length, rollout/truncated
 are logged every step, and rollout/logprob_mismatch (opd.py's sampler-vs-trainer gap) is here the staleness:
 the mean |log pi_theta(y_t) - log b(y_t)| on the sampled tokens.
 
-Parent: algos/opd.py; changed: Args, check_args, rollout, lr_at, main.
+Parent: algos/opd.py; changed: Args, Args.device, Args.eval_every, Args.eval_examples, Args.eval_hard,
+  Args.exp_name, Args.group_size, Args.lr, Args.model, Args.prompts_per_step, Args.steps, Args.teacher,
+  Args.temperature, Args.threads, Args.track, Args.warmup_steps, check_args, rollout, lr_at, main.
 
 What changes from OPD: the sampler is a snapshot k updates old (main keeps the last k + 1 weights), and the
 loss_fn fed to opd.py's `update` is async_opd_loss, which reads the teacher only through the finite cache

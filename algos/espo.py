@@ -6,7 +6,8 @@ stops when the smoothed cumulative regret significantly exceeds its estimated va
 absorbing failure state with a terminal reward, so negative TD errors concentrate near the detected failure step.
 Claimed: more than 20% of the rollout tokens saved cumulatively, at accuracy above PPO's (a 7B model on maths).
 
-Parent: algos/ppo.py; changed: Args, check_args, rollout, main.
+Parent: algos/ppo.py; changed: Args, Args.digits, Args.engine, Args.exp_name, Args.max_new_tokens, Args.model,
+  Args.steps, Args.task, check_args, rollout, main.
 
 What changes from PPO: only the rollout. Sampling runs through generate_with_stops, which scores the regret of
 every sampled token from the sampler's logits and ends a row as soon as its smoothed regret crosses the

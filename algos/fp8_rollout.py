@@ -10,7 +10,8 @@ band of Ling Team, "Every Step Evolves: Scaling Reinforcement Learning for Trill
 arXiv:2510.18855; truncated IS of Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
 Training" (blog, 2025).
 
-Parent: algos/grpo.py; changed: Args, check_args, rollout, update, main.
+Parent: algos/grpo.py; changed: Args, Args.exp_name, Args.steps, Args.threads, Args.top_p, check_args, rollout,
+  update, main.
 
 Numerics of mu (--rollout-dtype fp8; FP8Engine, FP8Linear, KVScales, all through kernels/fp8_blockwise.py):
   weights     at each sync every decoder nn.Linear weight is rounded to bf16, then quantised once to e4m3 in
@@ -819,6 +820,17 @@ def mismatch_summary(history: list[dict]) -> dict:
     return out
 
 
+def load_policy(args: Args, accel):
+    """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
+    only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
+    model, tok = common.load_model(args.model, accel.device, args.dtype)
+    model.train()
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    return common.shard(model, accel), tok, common.shard(ref_model, accel, sampler=False)
+
+
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
@@ -831,12 +843,7 @@ def main(args: Args) -> dict:
     task = common.make_task(args.task, args.digits)
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    model, ref_model = common.shard(model, accel), common.shard(ref_model, accel, sampler=False)  # >1 process
+    model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
     engine = FP8Engine(model, args)  # mu: the rollout copy at --rollout-dtype, re-quantised after every update
     if args.unified:  # Jet-RL: the trainer runs the rollout's FP8 graph, with straight-through gradients
         set_precision(model, "ste", engine.kv)

@@ -5,7 +5,9 @@ arXiv:2510.11370 (Rollout Routing Replay, R3); Dong et al., "PR2: Predictive Rou
 Reinforcement Learning", arXiv:2606.00395 (PR2); truncated importance sampling (TIS) of Yao et al., "Your
 Efficient RL Framework Secretly Brings You Off-Policy RL Training" (blog, 2025), R3's comparison.
 
-Parent: algos/grpo.py; changed: Args, check_args, rollout, update, main.
+Parent: algos/grpo.py; changed: Args, Args.dtype, Args.eval_every, Args.exp_name, Args.grad_checkpointing, Args.lr,
+  Args.minibatches, Args.model, Args.prompts_per_step, Args.resume, Args.sampler_is_cap, Args.seed, Args.steps,
+  Args.threads, check_args, rollout, update, main.
 
 The mismatch. A router picks the top-k experts of softmax(s), s = W_r h. The rollout engine (MoERolloutEngine) is
 a separate copy of the policy at rollout precision (--rollout-dtype bf16: the whole copy in bf16, as a bf16 inference

@@ -8,7 +8,9 @@ Reinforcement Learning via Concurrency-Controlled Partial Rollout with Importanc
 sampling; up to 1.94x faster training); the decoupled PPO objective of "AReaL: A Large-Scale Asynchronous
 Reinforcement Learning System for Language Reasoning", arXiv:2505.24298.
 
-Parent: algos/grpo.py; changed: Args, check_args, rollout, update, main.
+Parent: algos/grpo.py; changed: Args, Args.digits, Args.eval_every, Args.exp_name, Args.kernels,
+  Args.max_new_tokens, Args.model, Args.prompts_per_step, Args.resume, Args.save_every, Args.seed, Args.steps,
+  Args.task, Args.threads, check_args, rollout, update, main.
 
 Two layers share one scheduler (Scheduler: which trajectories hold the S decode slots, when a step stops, what is
 carried over):
@@ -777,6 +779,17 @@ def partial_summary(history: list[dict], sched: Scheduler, sim: dict) -> dict:
     return {**sim, **out}
 
 
+def load_policy(args: Args, accel):
+    """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
+    only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
+    model, tok = common.load_model(args.model, accel.device, args.dtype)
+    model.train()
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    return common.shard(model, accel), tok, common.shard(ref_model, accel, sampler=False)
+
+
 def main(args: Args) -> dict:
     check_args(args)
     from accelerate import Accelerator
@@ -791,12 +804,7 @@ def main(args: Args) -> dict:
     task = common.make_task(args.task, args.digits)
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    model, ref_model = common.shard(model, accel), common.shard(ref_model, accel, sampler=False)  # >1 process
+    model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
     engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
         if args.engine == "vllm" else None
     use_kernels = args.kernels and accel.device.type == "cuda"

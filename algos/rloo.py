@@ -5,7 +5,7 @@ Feedback in LLMs", arXiv:2402.14740 (RLOO; the estimator is Kool et al. 2019, "B
 a Baseline for Free!"); Hu, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language
 Models", arXiv:2501.03262.
 
-Parent: algos/grpo.py; changed: Args, rollout, main.
+Parent: algos/grpo.py; changed: Args, Args.exp_name, rollout, main.
 
 Equations (each implemented by the function named on the right):
   leave-one-out    b_i = 1/(G-1) sum_{j != i} r_j,   A_i = r_i - b_i = G/(G-1) (r_i - mean_g r)
@@ -376,6 +376,17 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
     return out
 
 
+def load_policy(args: Args, accel):
+    """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
+    only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
+    model, tok = common.load_model(args.model, accel.device, args.dtype)
+    model.train()
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    return common.shard(model, accel), tok, common.shard(ref_model, accel, sampler=False)
+
+
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
@@ -388,12 +399,7 @@ def main(args: Args) -> dict:
     task = common.make_task(args.task, args.digits)
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    model, ref_model = common.shard(model, accel), common.shard(ref_model, accel, sampler=False)  # >1 process
+    model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
     engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
         if args.engine == "vllm" else None
     use_kernels = args.kernels and accel.device.type == "cuda"

@@ -506,6 +506,17 @@ def save_drift(history: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def load_policy(args: Args, accel):
+    """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
+    only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
+    model, tok = common.load_model(args.model, accel.device, args.dtype)
+    model.train()
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    return common.shard(model, accel), tok, common.shard(ref_model, accel, sampler=False)
+
+
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
@@ -518,12 +529,7 @@ def main(args: Args) -> dict:
     task = common.make_task(args.task, args.digits)
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    model, ref_model = common.shard(model, accel), common.shard(ref_model, accel, sampler=False)  # >1 process
+    model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
     spec = Speculator(args, model, tok, task, accel.device, rank)  # the rollout engine: speculative sampling
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 

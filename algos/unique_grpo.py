@@ -7,7 +7,8 @@ rises while pass@k stalls. The paper has an LLM judge cluster the rollouts of on
 correct rollout with a rare strategy gets more credit than one of many redundant ones. Reported: better pass@k
 and area under the pass@k curve (AUC@K) without losing pass@1, and more distinct strategies.
 
-Parent: algos/grpo.py; changed: Args, check_args, rollout, main.
+Parent: algos/grpo.py; changed: Args, Args.eval_every, Args.exp_name, Args.model, Args.prompts_per_step, Args.steps,
+  Args.task, check_args, rollout, main.
 
 Equations (each implemented by the function named on the right):
   strategy label    s_i = the sorted multiset of the operators (+ - * /) in response i          strategy_label
@@ -512,6 +513,17 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
     return out
 
 
+def load_policy(args: Args, accel):
+    """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
+    only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
+    model, tok = common.load_model(args.model, accel.device, args.dtype)
+    model.train()
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    return common.shard(model, accel), tok, common.shard(ref_model, accel, sampler=False)
+
+
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
@@ -524,12 +536,7 @@ def main(args: Args) -> dict:
     task = make_task(args.task, args.digits)
     hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    model, ref_model = common.shard(model, accel), common.shard(ref_model, accel, sampler=False)  # >1 process
+    model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
     engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
         if args.engine == "vllm" else None
     use_kernels = args.kernels and accel.device.type == "cuda"
