@@ -3,7 +3,8 @@
 Paper. "LIVE: Long-horizon Interactive Video World Modeling" (arXiv:2602.03747), the Long-horizon Interactive
 Video world modEl.
 
-Parent: worldmodels/diffusion_world_model.py; changed: Args, check_args, main.
+Parent: worldmodels/diffusion_world_model.py; changed: Args, Args.ctx_sigma_eval, Args.exp_name, Args.out_dir,
+  check_args, main.
 (`diff` the two files to see the idea.)
 
 Method. An action-conditioned next-frame denoiser (the parent's). Besides the usual one-step denoising loss,
