@@ -533,6 +533,7 @@ def test_bf16_sampler_is_a_refreshed_unregistered_copy():
 # ---- real inputs: tasks for a pretrained model, EOS sets, context limits, bad files ----
 def test_word_problems_split_and_last_number_verifier():
     task = common.make_task("words")
+    assert isinstance(task, common.WordProblemTask)
     a, b = task.sample("train", 200, np.random.default_rng(0)), task.sample("test", 200, np.random.default_rng(0))
     assert [e.prompt for e in a] == [e.prompt for e in task.sample("train", 200, np.random.default_rng(0))]
     assert not {e.prompt for e in a} & {e.prompt for e in b}  # the held-out split never reaches training
