@@ -57,7 +57,14 @@ SHAPES = {  # SmolLM2 configurations (vocabulary 49152, tied embeddings)
                   num_key_value_heads=2, rope_theta=100000.0),
 }
 PROMPTS, GROUP, MICRO, LR = 32, 8, 64, 1e-6
-TRL_SETTINGS = {"trl": {}, "trl-static": {"cache_implementation": "static"}, "trl-liger": {"use_liger_kernel": True}}
+# TRL checkpoints by default; each side says its checkpointing, and ratios compare sides with the same setting
+TRL_SETTINGS = {"trl": {"gradient_checkpointing": True}, "trl-nockpt": {"gradient_checkpointing": False},
+                "trl-static": {"cache_implementation": "static", "gradient_checkpointing": True},
+                "trl-liger": {"use_liger_kernel": True, "gradient_checkpointing": True}}
+OURS = {"ours": False, "ours-ckpt": True}  # side -> --grad-checkpointing
+CKPT = {**{k: v for k, v in OURS.items()}, **{k: v["gradient_checkpointing"] for k, v in TRL_SETTINGS.items()}}
+ROLLOUT_PATH = {"ours": "common.generate: bf16 copy, static cache, compiled decode",
+                "trl": "HF generate, uncompiled (TRL's fast path, vLLM colocate, is not installed here)"}
 
 
 # ---- the model folders ----
@@ -115,7 +122,7 @@ def machine_rates() -> dict:
     return {"copy_GBps": bw / 1e9, "bf16_TFLOPs": mm / 1e12}
 
 
-def worker_ours(folder: str, new_tokens: int, steps: int, warmup: int, smoke: bool) -> dict:
+def worker_ours(folder: str, new_tokens: int, steps: int, warmup: int, smoke: bool, ckpt: bool = False) -> dict:
     import torch
 
     import common
@@ -138,12 +145,15 @@ def worker_ours(folder: str, new_tokens: int, steps: int, warmup: int, smoke: bo
             print(f"  rollout {name} call {i}: {times[-1]:.2f} s", flush=True)
         out[f"rollout_{name}_tokens_per_s"] = int(ro.completion_mask.sum()) / times[-1]
     del model
+    if device == "cuda":  # the peak of the training run alone, not of the rollout probe above
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     # 2. the training step as shipped
     run = tempfile.mkdtemp()
     args = grpo.Args(model=folder, task="add", device=device, steps=warmup + steps, prompts_per_step=PROMPTS,
                      group_size=GROUP, max_new_tokens=new_tokens, micro_batch_size=MICRO, lr=LR, eval_every=10**9,
                      eval_examples=PROMPTS * GROUP, pass_k=0, eval_hard=False, out_dir=run, exp_name="ours",
-                     threads=4)
+                     threads=4, grad_checkpointing=ckpt)
     grpo.main(args)
     rows = [json.loads(ln) for ln in open(Path(run) / "ours" / "metrics.jsonl")][1 + warmup:]
     out["rollout_s"] = statistics.median(r["perf/gen_s"] for r in rows)
@@ -277,21 +287,25 @@ def write_markdown() -> None:
              "on the same prompts, previous (fp32, dynamic cache, uncompiled), against the default on CUDA (a bf16 "
              "copy of the weights, static cache, compiled decode) timed inside the step. Runs: " +
              "; ".join(f"{t}, commit {c}, {h} ({v})" for t, c, h, v in runs) + ".", "",
-             "| shape | new tokens | side | step s | rollout s (floor) | rollout tok/s | update s (floor) | peak GB "
-             "| step / TRL best | run |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| shape | new tokens | side | grad. checkpointing | rollout path | step s | rollout s (floor) | rollout "
+             "tok/s | update s (floor) | peak GB | step / TRL best at the same checkpointing | run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape, tokens in sorted({(k[0], k[1]) for k in rows}, key=lambda k: (list(SHAPES).index(k[0]), k[1])):
         sides = {k[2]: v for k, v in rows.items() if k[:2] == (shape, tokens) and k[2] != "ours_vs_trl"}
-        trl = {s: r["step_s"] for s, r in sides.items() if s != "ours" and "step_s" in r}
-        for side in sorted(sides, key=lambda s: (s != "ours", s)):
-            r = sides[side]
-            ratio = f"**{r['step_s'] / min(trl.values()):.2f}**" if side == "ours" and trl else ""
-            lines.append(f"| {shape} | {tokens} | {side} | {r['step_s']:.2f} | {r['rollout_s']:.2f} "
+        trl = {s: r["step_s"] for s, r in sides.items() if s in TRL_SETTINGS and "step_s" in r}
+        for side in sorted(sides, key=lambda s: (s not in OURS, s)):
+            r, ck = sides[side], CKPT.get(side, side.startswith("trl") and side != "trl-nockpt")
+            same = [t for s, t in trl.items() if CKPT[s] == ck]
+            ratio = f"**{r['step_s'] / min(same):.2f}**" if side in OURS and same else ""
+            path = ROLLOUT_PATH["ours" if side in OURS else "trl"]
+            lines.append(f"| {shape} | {tokens} | {side} | {'on' if ck else 'off'} | {path} | {r['step_s']:.2f} | "
+                         f"{r['rollout_s']:.2f} "
                          f"({r['rollout_floor_s']:.3f}) | {r['rollout_tokens_per_s']:.0f} | {r['update_s']:.2f} "
                          f"({r['update_floor_s']:.3f}) | {r['peak_GB']:.1f} | {ratio} | {r['timestamp'][:16]}Z |")
         ours = sides.get("ours", {})
         if "rollout_fp32_dynamic_tokens_per_s" in ours:
             base = ours["rollout_fp32_dynamic_tokens_per_s"]
-            lines.append(f"| {shape} | {tokens} | rollout paths, tok/s | previous {base:.0f}; default "
+            lines.append(f"| {shape} | {tokens} | rollout paths, tok/s | | | previous {base:.0f}; default "
                          f"{ours['rollout_tokens_per_s']:.0f} ({ours['rollout_tokens_per_s'] / base:.1f}x previous) "
                          f"| | | | | sampler-trainer gap {ours['logprob_mismatch']:.1e} | | |")
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -304,8 +318,9 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=["135m", "360m"], choices=[s for s in SHAPES if s != "smoke"],
                     help="model shapes (random weights)")
     ap.add_argument("--new-tokens", nargs="+", type=int, default=[128], help="completion lengths")
-    ap.add_argument("--sides", nargs="+", default=["ours", "trl", "trl-liger"], choices=["ours", *TRL_SETTINGS],
-                    help="which implementations to time (trl-static: TRL with a static cache, uncompiled)")
+    ap.add_argument("--sides", nargs="+", default=["ours", "ours-ckpt", "trl", "trl-nockpt"],
+                    choices=[*OURS, *TRL_SETTINGS], help="which implementations to time (-ckpt / -nockpt: gradient "
+                    "checkpointing on / off; TRL's default is on; trl-static: a static cache, uncompiled)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation, allocator)")
     ap.add_argument("--tokenizer", default=default_tokenizer(), help="folder with the SmolLM2 tokenizer files")
@@ -316,8 +331,8 @@ def main() -> int:
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        if args.worker == "ours":
-            res = worker_ours(args.folder, args.new_tokens[0], args.steps, args.warmup, args.smoke)
+        if args.worker in OURS:
+            res = worker_ours(args.folder, args.new_tokens[0], args.steps, args.warmup, args.smoke, OURS[args.worker])
         else:
             res = worker_trl(args.folder, args.new_tokens[0], args.steps, args.warmup, args.worker, args.smoke)
         print("RESULT " + json.dumps(res), flush=True)
@@ -352,7 +367,7 @@ def main() -> int:
                 else {"copy_GBps": 4000.0, "bf16_TFLOPs": 700.0}
             row = {"shape": shape, "new_tokens": new_tokens, "sides": sides, "ratio": None,
                    "floors": floors(n_params, new_tokens, rates)}
-            trl = [r["step_s"] for s, r in sides.items() if s != "ours" and r]
+            trl = [r["step_s"] for s, r in sides.items() if s in TRL_SETTINGS and r and CKPT[s] == CKPT["ours"]]
             row["ratio"] = ours["step_s"] / min(trl) if ours and trl else None
             table.append(row)
             if args.smoke:
@@ -365,7 +380,7 @@ def main() -> int:
             # ours / the fastest TRL setting, from the newest rows of each side: this run's, or an earlier run's for
             # a side not timed now (--sides); the table names the run of every row
             latest = {k[2]: v for k, v in latest_rows().items() if k[:2] == (shape, new_tokens)}
-            trl = [v["step_s"] for s, v in latest.items() if s.startswith("trl") and "step_s" in v]
+            trl = [v["step_s"] for s, v in latest.items() if s in TRL_SETTINGS and "step_s" in v and not CKPT[s]]
             row["ratio"] = latest["ours"]["step_s"] / min(trl) if "ours" in latest and trl else None
             if ours and row["ratio"] is not None:
                 append_rows("gpu_step.csv", "gpu_step", "benchmarks/bench_gpu_step.py", f"{config} ours_vs_trl", 0,
