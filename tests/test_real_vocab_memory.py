@@ -110,9 +110,6 @@ CASES = {
     "sft": ["--steps", "1", "--eval-examples", "0", "--threads", "1", "--batch-size", str(ROWS), "--max-new-tokens",
             "4", "--tasks", "jsonl:{data}"],
 }
-# The full-vocabulary functions of these scripts are made chunked separately; until then their step can exceed
-# the bound (strict=False: the mark goes once they pass).
-PENDING = {}
 
 
 def build_model(folder: Path) -> None:
@@ -189,8 +186,7 @@ def test_the_bound_is_far_below_one_full_vocabulary_tensor():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.xfail(strict=False, reason=PENDING[s]))
-                                    if s in PENDING else s for s in CASES])
+@pytest.mark.parametrize("script", list(CASES))
 def test_one_step_stays_under_the_bound(steps, script):
     growth, peak, rows, error = steps[script]
     assert not error, error
