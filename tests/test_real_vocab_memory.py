@@ -1,4 +1,4 @@
-"""A training step's memory does not grow with vocabulary x length (DESIGN.md, section 11), on a real vocabulary.
+"""A training step's memory does not grow with vocabulary x length, on a real vocabulary.
 
 A Llama-shaped model with Qwen2.5's 151,936-token vocabulary and a tiny hidden size is built in a temporary folder
 (the shipped character tokenizer's ids are a prefix of the vocabulary; the new rows copy the pad row), and one
