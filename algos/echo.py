@@ -138,7 +138,8 @@ class Args:
     """gradient clipping by global norm"""
     grad_checkpointing: bool = False
     """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
-    off by default (the tiny CPU default needs no memory and steps 25% slower with it); on for real models on a GPU"""
+    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
+    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
     sampler_is_cap: float = 2.0
     """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
     not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""

@@ -177,7 +177,8 @@ class Args:
     """gradient clipping by global norm (policy and critic clipped separately)"""
     grad_checkpointing: bool = False
     """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
-    off by default (the tiny CPU default needs no memory and steps 25% slower with it); on for real models on a GPU"""
+    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
+    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
     # eval and checkpoints
     eval_every: int = 25
     """rollout batches between held-out evaluations"""
