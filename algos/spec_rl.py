@@ -7,8 +7,8 @@ RL rollouts); Kim, Lee, Oh et al., "EfficientRollout: System-Aware Self-Speculat
 arXiv:2606.18967 (a quantised self-drafter; acceptance-aware draft length); Qin et al., "Seer: Online Context
 Learning for Fast Synchronous LLM Reinforcement Learning", arXiv:2511.14617 (drafts from sibling responses).
 
-Parent: algos/grpo.py; changed: Args, Args.eval_every, Args.exp_name, Args.lr, Args.out_dir, Args.seed, Args.steps,
-  check_args, rollout, main.
+Parent: algos/grpo.py; changed: Args, Args.engine, Args.eval_every, Args.exp_name, Args.lr, Args.out_dir, Args.seed,
+  Args.steps, check_args, rollout, main.
 
 The update is grpo.py's (update, grpo_loss); rollout changes: prompts come from a fixed pool revisited every
 epoch, and spec_decode.py's sampler (spec_generate of algos/_speculative.py, which both scripts import)
@@ -104,6 +104,8 @@ class Args:
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
     # rollout
+    engine: Literal["hf"] = "hf"
+    """rollout engine: the speculative sampler on the Hugging Face model (no vLLM path here)"""
     drafter: Literal["prev", "prev+ngram", "ngram", "model", "self", "none"] = "prev"
     """prev = SPEC-RL (last epoch's rollout; +ngram: n-gram drafts after a rejection), ngram = siblings (Seer),
     model = frozen draft, self = int8 policy (EfficientRollout), none = plain sampling"""
@@ -157,6 +159,13 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
+    grad_checkpointing: bool = False
+    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
+    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
+    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
+    sampler_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
+    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
     # eval and checkpoints
     eval_every: int = 40
     """rollout batches between held-out evaluations"""

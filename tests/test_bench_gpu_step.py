@@ -30,7 +30,8 @@ def test_floors_by_hand():
 
 
 def test_markdown_table_from_the_csv(tmp_path, monkeypatch):
-    """The table takes the newest rows of each side, and the ratio ours / the fastest TRL setting."""
+    """The table takes the newest rows of each side, and the ratio ours / the fastest TRL setting with the same
+    gradient checkpointing: ours (off) against trl-nockpt only, ours-ckpt against trl and trl-liger (on)."""
     import benchmarks._results as R
 
     monkeypatch.setattr(R, "RESULTS", tmp_path)
@@ -39,11 +40,17 @@ def test_markdown_table_from_the_csv(tmp_path, monkeypatch):
     side = {"step_s": 1.0, "rollout_s": 0.6, "update_s": 0.4, "rollout_tokens_per_s": 50000.0, "peak_GB": 10.0, **floors}
     cfg = "135m new_tokens=128 prompts=32 group=8 micro=64 bf16"
     R.append_rows("gpu_step.csv", "gpu_step", "b", f"{cfg} trl", 0, {**side, "step_s": 4.0}, command="c")
+    R.append_rows("gpu_step.csv", "gpu_step", "b", f"{cfg} trl-nockpt", 0, {**side, "step_s": 2.0}, command="c")
+    R.append_rows("gpu_step.csv", "gpu_step", "b", f"{cfg} ours-ckpt", 0, {**side, "step_s": 1.6}, command="c")
     R.append_rows("gpu_step.csv", "gpu_step", "b", f"{cfg} trl-liger", 0, {**side, "step_s": 5.0}, command="c")
     R.append_rows("gpu_step.csv", "gpu_step", "b", f"{cfg} ours", 0,
                   {**side, "rollout_fp32_dynamic_tokens_per_s": 10000.0, "rollout_bf16_dynamic_tokens_per_s": 12000.0,
                    "logprob_mismatch": 0.01}, command="c")
     B.write_markdown()
     text = (tmp_path / "gpu_step.md").read_text()
-    assert "| 135m | 128 | ours | 1.00 |" in text and "**0.25**" in text  # 1.0 / min(4.0, 5.0)
-    assert "| 135m | 128 | trl-liger | 5.00 |" in text and "(5.0x previous)" in text and "abc1234" in text
+    rows = {ln.split(" | ")[2]: ln for ln in text.splitlines() if ln.startswith("| 135m | 128 |")}
+    assert "| off | common.generate" in rows["ours"] and "| 1.00 |" in rows["ours"]
+    assert rows["ours"].count("**") == 2 and "**0.50**" in rows["ours"]  # 1.0 / 2.0 (trl-nockpt), not / 4.0
+    assert "**0.40**" in rows["ours-ckpt"]  # 1.6 / min(4.0, 5.0): the TRL sides that checkpoint
+    assert "| on | HF generate" in rows["trl-liger"] and "| 5.00 |" in rows["trl-liger"] and "**" not in rows["trl"]
+    assert "(5.0x previous)" in text and "abc1234" in text
