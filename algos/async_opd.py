@@ -146,6 +146,9 @@ class Args:
     """linear learning-rate warm-up (Adam's first steps are sign-like and overshoot at full lr)"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
+    grad_checkpointing: bool = False
+    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
+    off by default (the tiny models need no memory for it); on for real models on a GPU"""
     eval_every: int = 30
     """steps between held-out evaluations"""
     eval_examples: int = 500
@@ -520,6 +523,8 @@ def main(args: Args) -> dict:
     teacher, tok_t = common.load_model(args.teacher, device, args.dtype)
     check_teacher(tok, tok_t, model, teacher, args.teacher)
     teacher.eval().requires_grad_(False)
+    if args.grad_checkpointing:  # Hugging Face checkpoints only in train mode
+        model.train().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     behaviour = copy.deepcopy(model).eval().requires_grad_(False)  # the stale sampler
     snapshots = collections.deque(maxlen=args.staleness + 1)  # weights after each of the last k+1 updates
     snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})

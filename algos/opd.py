@@ -159,6 +159,9 @@ class Args:
     the distillation lr decays linearly to 10% at the last step"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
+    grad_checkpointing: bool = False
+    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
+    off by default (the tiny models need no memory for it); on for real models on a GPU"""
     # eval
     eval_every: int = 25
     """steps between held-out evaluations"""
@@ -499,6 +502,8 @@ def main(args: Args) -> dict:
     check_teacher(tok, tok_t, model, teacher, args.teacher)
     teacher.eval().requires_grad_(False)
     model.train()
+    if args.grad_checkpointing:  # Hugging Face checkpoints only in train mode
+        model.train().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.ref_coef > 0 else None
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 

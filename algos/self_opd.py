@@ -129,6 +129,9 @@ class Args:
     """AdamW learning rate"""
     max_grad_norm: float = 1.0
     """gradient clipping by global norm"""
+    grad_checkpointing: bool = False
+    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
+    off by default (the tiny models need no memory for it); on for real models on a GPU"""
     eval_every: int = 25
     """steps between held-out evaluations"""
     eval_examples: int = 500
@@ -491,6 +494,8 @@ def main(args: Args) -> dict:
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
     model, tok = common.load_model(args.model, device, args.dtype)
     model.train()
+    if args.grad_checkpointing:  # Hugging Face checkpoints only in train mode
+        model.train().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 
     run_dir = Path(args.out_dir) / args.exp_name

@@ -89,6 +89,9 @@ class Args:
     """sequences per step"""
     lr: float = 3e-4
     """peak learning rate (AdamW), linear warm-up then cosine decay to 10%"""
+    grad_checkpointing: bool = False
+    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
+    off by default (the tiny models need no memory for it); on for real models on a GPU"""
     warmup_steps: int = 20
     """linear warm-up steps"""
     weight_decay: float = 0.0
@@ -233,6 +236,8 @@ def main(args: Args) -> dict:
         model.to(device)
     else:
         model, tok = common.load_model(args.model, device, args.dtype)
+    if args.grad_checkpointing:  # Hugging Face checkpoints only in train mode
+        model.train().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_params = sum(p.numel() for p in model.parameters())
     eval_rng = np.random.default_rng(12345)  # the same held-out prompts for every run and every script
     eval_sets = {t.name: t.sample("test", args.eval_examples, eval_rng) for t in tasks}
