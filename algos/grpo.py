@@ -11,6 +11,7 @@ Equations (each implemented by the function named on the right):
   ratio             rho_it = pi_theta(o_it | q, o_i,<t) / pi_old(o_it | q, o_i,<t)
   clipped surrogate l_it = -min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i)   clipped_pg_loss
   k3 KL to ref      kl_it = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1              k3_kl
+  sampler != trainer l_it <- w_it l_it,  w_it = min(pi_old / pi_sampler, C)         truncated_is_weight
   aggregation (--loss-agg), over the G*N sequences of one optimiser step:                 aggregate_loss
     seq-mean   (GRPO)      J = 1/N_seq  sum_i 1/|o_i| sum_t l_it
     token-mean (DAPO)      J = 1/sum_i |o_i|  sum_i sum_t l_it
