@@ -409,7 +409,7 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
                                                           batch["completion_mask"].float()).item(),
            "tokens": float(batch["completion_mask"].sum()), "is_w": 0.0, "is_cut": 0.0}
     n_opt, grad_norm = 0, 0.0
-    for _ in range(args.ppo_epochs):
+    for epoch in range(args.ppo_epochs):
         for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
             counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
                                   device=batch["adv"].device)
@@ -428,7 +428,7 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
                     sums[k] = sums.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
                 if on_policy:  # the only forward on the sampler's weights
                     gap["sum"] += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(), mb["mask"]).item()
-                if correct and n_opt == 0:
+                if correct and epoch == 0:  # every token once
                     gap["is_w"] += common.masked_sum(mb["is_weight"], mb["mask"]).item()
                     gap["is_cut"] += common.masked_sum((mb["is_weight"] >= args.sampler_is_cap).float(),
                                                        mb["mask"]).item()
