@@ -1,13 +1,14 @@
 """Multi-turn agents on the key-value lookup environment: multi-turn GRPO, ECHO, and stepwise advantages (flat
 groups, HGPO, LoGo) at equal sampled turns, plus the error of stepwise advantages against exact values.
 
-    python benchmarks/multiturn_table.py                  # 3 seeds x 5 runs (2 to 4 min each on 2 cores) + table
+    python benchmarks/multiturn_table.py                  # 3 seeds x 7 runs (2 to 5 min each on 2 cores) + table
     python benchmarks/multiturn_table.py --report-only    # rebuilds the table from the CSV
 
 Runs (every one from the shipped tiny-toolenv, 16 seeds x 8 episodes per rollout batch, lr 2e-4, temperature
 0.7, one thread):
   multiturn_grpo   python algos/multiturn_grpo.py          trajectory-level advantages, the default 60 rollout batches
-  echo             python algos/echo.py                    the same plus 0.1 x the environment-token cross-entropy
+  echo             python algos/echo.py                    the same plus 0.003 x the environment-token cross-entropy
+  echo-coef        python algos/echo.py --echo-coef C      the weight's sweep, C in ECHO_COEFS (the default is 0.003)
   flat / hgpo / logo   python algos/hgpo.py --advantage ... --turn-budget TURNS --steps 200: stepwise advantages,
                    every arm stopped at the same number of sampled turns (LoGo's re-rolled turns count)
   advantage error  hgpo.advantage_mse on one rollout batch of the initial policy (16 seeds x 8 episodes, exact values
@@ -36,6 +37,7 @@ from benchmarks._results import RESULTS, append_rows, mean_std, read_rows  # noq
 CSV, NAME = "multiturn.csv", "multiturn"
 TURNS = 8000  # sampled-turn budget of the stepwise arms (about 16 rollout batches; the default 60 sample ~30,000)
 STEPWISE = ("flat", "hgpo", "logo")
+ECHO_COEFS = (0.1, 0.01)  # ECHO weights beside the default 0.003: 0.1 was the first default, and it collapses success
 
 
 def run(seeds, parts) -> None:
@@ -53,6 +55,12 @@ def run(seeds, parts) -> None:
             s = echo.main(echo.Args(seed=seed, threads=1, out_dir=f"runs/bench_multiturn/s{seed}"))
             append_rows(CSV, "multiturn", "algos/echo.py", "default", seed, s,
                         f"python algos/echo.py --threads 1 --seed {seed}")
+        if "echo-coef" in parts:
+            for c in ECHO_COEFS:
+                s = echo.main(echo.Args(echo_coef=c, seed=seed, threads=1, exp_name=f"echo_{c}",
+                                        out_dir=f"runs/bench_multiturn/s{seed}"))
+                append_rows(CSV, "multiturn", "algos/echo.py", f"echo_coef={c}", seed, s,
+                            f"python algos/echo.py --echo-coef {c} --threads 1 --seed {seed}")
         if "stepwise" in parts:
             for arm in STEPWISE:
                 s = hgpo.main(hgpo.Args(advantage=arm, turn_budget=TURNS, steps=200, seed=seed, threads=1,
@@ -85,11 +93,13 @@ def report() -> None:
     lines = ["| run | held-out success start | end | turn-1 / turn-4 (answer) accuracy end | held-out env-token CE start "
              "| end | sampled turns | wall s | seeds |", "|---|---|---|---|---|---|---|---|---|"]
     keys = [("algos/multiturn_grpo.py", "default"), ("algos/echo.py", "default")] + \
+        [("algos/echo.py", f"echo_coef={c}") for c in ECHO_COEFS] + \
         [("algos/hgpo.py", f"{a} | turns={TURNS}") for a in STEPWISE]
     for key in keys:
         if key not in by:
             continue
-        label = f"`{key[0]}`" + ("" if key[1] == "default" else f" {key[1].split(' |')[0]}")
+        label = f"`{key[0]}`" + ("" if key[1] == "default" else " " + key[1].split(" |")[0].replace("echo_coef=", "λ = "))
+        label += " λ = 0.003 (default)" if key == ("algos/echo.py", "default") else ""
         lines.append(f"| {label} | {col(key, 'eval_acc_start')} | {col(key, 'eval_acc_end')} | "
                      f"{col(key, 'eval_turn1_acc_end')} / {col(key, 'eval_turn4_acc_end')} | "
                      f"{col(key, 'eval_env_ce_start', 1, 2)} | {col(key, 'eval_env_ce_end', 1, 2)} | "
@@ -121,7 +131,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--parts", nargs="+", default=["mse", "train", "stepwise"], choices=["mse", "train", "stepwise"])
+    parts = ["mse", "train", "echo-coef", "stepwise"]
+    ap.add_argument("--parts", nargs="+", default=parts, choices=parts)
     a = ap.parse_args()
     if not a.report_only:
         run(a.seeds, a.parts)

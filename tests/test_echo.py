@@ -40,10 +40,14 @@ def test_zero_weight_is_multiturn_grpo():
 
 
 @pytest.mark.slow
-def test_lowers_held_out_environment_cross_entropy(tmp_path):
-    """What ECHO's term learns, on held-out rollouts of the initial policy: a short run of the default setting (8
-    rollout batches of 8 seeds) lowers their observation tokens' cross-entropy by more than 15% (the default run: from
-    11.4 to 5.4 nats in 20 batches). Held-out success is not asserted: at lambda = 0.1 it falls (benchmarks)."""
-    s = echo.main(echo.Args(threads=1, out_dir=str(tmp_path), steps=8, prompts_per_step=8, eval_every=8,
-                            eval_examples=50, env_ce_examples=16))
-    assert s["eval_env_ce_end"] < 0.85 * s["eval_env_ce_start"], s
+def test_lowers_held_out_environment_cross_entropy_where_grpo_does_not(tmp_path):
+    """What ECHO's term learns, on held-out rollouts of the initial policy: a short run of the default setting (12
+    rollout batches of 8 seeds) ends with their observation tokens' cross-entropy at least 0.5 nats below the same run
+    at lambda = 0 (measured: 9.87 vs 11.24 nats, from 11.09) and below its own start. Held-out success is not asserted
+    here: both runs dip in their first batches; the 60-batch default raises it in every seed (benchmarks)."""
+    kw = dict(threads=1, steps=12, prompts_per_step=8, eval_every=12, eval_examples=100, env_ce_examples=16)
+    s = echo.main(echo.Args(out_dir=str(tmp_path / "echo"), **kw))
+    s0 = echo.main(echo.Args(echo_coef=0.0, out_dir=str(tmp_path / "grpo"), **kw))
+    assert s["eval_env_ce_start"] == s0["eval_env_ce_start"]
+    assert s["eval_env_ce_end"] < s0["eval_env_ce_end"] - 0.5, (s, s0)
+    assert s["eval_env_ce_end"] < s["eval_env_ce_start"] - 0.5, s
