@@ -5,16 +5,18 @@
     python benchmarks/tree_rollout_table.py --arms even3 pq3         # TRACE-style p(1 - p) allocation
     python benchmarks/tree_rollout_table.py --report-only            # rebuilds the table from the CSV
 
-All arms run algos/tree_rollout_grpo.py (one file, so everything but the rollout and the advantage is the same code):
-  grpo     --rounds 0 --chains 16                        16 independent completions: grpo.py with G = 16 (a test
+The arms run algos/tree_rollout_grpo.py and its children (each a copy of it that changes one idea, so everything
+but that idea is the same code):
+  grpo     tree_rollout_grpo.py --rounds 0 --chains 16   16 independent completions: grpo.py with G = 16 (a test
                                                          checks that depth 0 is grpo.py, metric for metric)
-  tree     defaults: 4 chains, 1 round, 1 point x 3 continuations per tree, entropy score, resampled branch token,
-           GRPO's advantage over the 16 leaves (EPTree-shaped trees, TreeRL)
-  latr     --branch-token force --lookahead 4            forced untried candidates + lookahead pruning (LATR)
-  treerl   --adv treerl                                  TreeRL's segment advantages (global + local, / sqrt |L|)
-  treepo   --adv treepo                                  TreePO's ancestor-subgroup advantages, whitened
-  even3    --rounds 3 --continuations 1                  three rounds of one point x one continuation per tree
-  pq3      the same with --allocation pq                 a round's points split by p(1 - p) of each tree's success
+  tree     tree_rollout_grpo.py: 4 chains, 1 round, 1 point x 3 continuations per tree, entropy score, resampled
+           branch token, GRPO's advantage over the 16 leaves (EPTree-shaped trees, TreeRL)
+  latr     tree_rollout_latr.py --branch-token force --lookahead 4   forced untried candidates + lookahead pruning
+  treerl   tree_rollout_adv.py --adv treerl              TreeRL's segment advantages (global + local, / sqrt |L|)
+  treepo   tree_rollout_adv.py --adv treepo              TreePO's ancestor-subgroup advantages, whitened
+  even3    tree_rollout_grpo.py --rounds 3 --continuations 1   three rounds of one point x one continuation per tree
+  pq3      tree_rollout_alloc.py --rounds 3 --continuations 1  a round's points split by p(1 - p) of each tree's
+                                                               success so far (TRACE-style)
 Setting: tiny-sums on `sums` (5 one-digit operands with running totals, ~33-token answers), 48-token budget,
 PROMPTS prompts x 16 leaves per step for STEPS steps (fewer than the default's 50 x 16, to fit the CPU budget), lr
 1e-4, held-out greedy accuracy on EVAL_N prompts every EVAL_EVERY steps. Target: the start accuracy + TARGET
@@ -39,9 +41,12 @@ from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noq
 
 CSV, NAME = "tree_rollout.csv", "tree_rollout"
 PROMPTS, STEPS, EVAL_EVERY, EVAL_N, TARGET = 8, 25, 5, 200, 0.05
-ARMS = {"grpo": dict(rounds=0, chains=16), "tree": {}, "latr": dict(branch_token="force", lookahead=4),
-        "treerl": dict(adv="treerl"), "treepo": dict(adv="treepo"),
-        "even3": dict(rounds=3, continuations=1), "pq3": dict(rounds=3, continuations=1, allocation="pq")}
+ARMS = {  # arm -> (the script in algos/, its flags)
+    "grpo": ("tree_rollout_grpo", dict(rounds=0, chains=16)), "tree": ("tree_rollout_grpo", {}),
+    "latr": ("tree_rollout_latr", dict(branch_token="force", lookahead=4)),
+    "treerl": ("tree_rollout_adv", dict(adv="treerl")), "treepo": ("tree_rollout_adv", dict(adv="treepo")),
+    "even3": ("tree_rollout_grpo", dict(rounds=3, continuations=1)),
+    "pq3": ("tree_rollout_alloc", dict(rounds=3, continuations=1))}
 FLAGS = dict(prompts_per_step=PROMPTS, steps=STEPS, eval_every=EVAL_EVERY, eval_examples=EVAL_N, pass_k=0,
              eval_hard=False, threads=1)
 
@@ -66,18 +71,20 @@ def curve_figures(run_dir: Path, start: float) -> dict:
 
 
 def run(arms, seeds) -> None:
-    from algos import tree_rollout_grpo as tr
+    import importlib
 
     for seed in seeds:
         for arm in arms:
+            script, arm_flags = ARMS[arm]
+            mod = importlib.import_module(f"algos.{script}")
             out = Path("runs/bench_tree") / f"s{seed}"
-            s = tr.main(tr.Args(seed=seed, out_dir=str(out), exp_name=arm, **FLAGS, **ARMS[arm]))
+            s = mod.main(mod.Args(seed=seed, out_dir=str(out), exp_name=arm, **FLAGS, **arm_flags))
             s.update(curve_figures(out / arm, s["eval_acc_start"]))
-            flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in ARMS[arm].items())
-            cmd = (f"python algos/tree_rollout_grpo.py {flags} --prompts-per-step {PROMPTS} --steps {STEPS} "
+            flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in arm_flags.items())
+            cmd = (f"python algos/{script}.py {flags} --prompts-per-step {PROMPTS} --steps {STEPS} "
                    f"--eval-every {EVAL_EVERY} --eval-examples {EVAL_N} --pass-k 0 --no-eval-hard --threads 1 "
                    f"--seed {seed}").replace("  ", " ")
-            append_rows(CSV, "tree_rollout", "algos/tree_rollout_grpo.py", arm, seed, s, cmd)
+            append_rows(CSV, "tree_rollout", f"algos/{script}.py", arm, seed, s, cmd)
 
 
 def report() -> None:
@@ -106,11 +113,13 @@ def report() -> None:
             f"{mean_std(get('distinct_answers'), 1, 2)} | {mean_std(get('forced_frac'), 100, 0)}% / "
             f"{mean_std(get('pruned_frac'), 100, 0)}% | {len(runs)} |")
     row = next(iter(meta.values()))
-    lines += ["", f"Mean ± std over seeds; every arm is `algos/tree_rollout_grpo.py` with G = 16 leaves per prompt "
-              f"(grpo: `--rounds 0 --chains 16`, i.e. grpo.py; tree: the defaults, 4 chains + 1 entropy-chosen point x 3 "
-              f"resampled continuations per chain; latr: `--branch-token force --lookahead 4`; treerl / treepo: the "
-              f"tree with `--adv treerl` / `--adv treepo`; even3 / pq3: `--rounds 3 --continuations 1`, one point per tree "
-              f"and round, or a group's points split by p(1 - p) of each tree's success so far with `--allocation pq`). tiny-sums on `sums` (5 one-digit operands), {PROMPTS} "
+    lines += ["", f"Mean ± std over seeds; every arm has G = 16 leaves per prompt (grpo: `algos/tree_rollout_grpo.py "
+              f"--rounds 0 --chains 16`, i.e. grpo.py; tree: `algos/tree_rollout_grpo.py`, 4 chains + 1 entropy-chosen "
+              f"point x 3 resampled continuations per chain; latr: `algos/tree_rollout_latr.py --branch-token force "
+              f"--lookahead 4`; treerl / treepo: `algos/tree_rollout_adv.py --adv treerl` / `--adv treepo` on the tree "
+              f"arm's trees; even3 / pq3: `algos/tree_rollout_grpo.py` / `algos/tree_rollout_alloc.py` with `--rounds 3 "
+              f"--continuations 1`, one point per tree and round, or a group's points split by p(1 - p) of each tree's "
+              f"success so far). tiny-sums on `sums` (5 one-digit operands), {PROMPTS} "
               f"prompts per step, {STEPS} steps (the default runs 16 x 50), held-out greedy accuracy on {EVAL_N} "
               f"prompts every {EVAL_EVERY} steps. Target: start + {100 * TARGET:.0f} points; a run that never reaches "
               f"it counts as {STEPS + EVAL_EVERY} steps (a lower bound). Token-savings: leaf tokens / sampled tokens "
@@ -127,7 +136,7 @@ def claims_text() -> str:
     from benchmarks.report import expected_direction, figure, fmt
 
     def side(arm, metric, scale, digits):
-        m = figure(f"{CSV}#algos/tree_rollout_grpo.py#{arm}#{metric}#{scale}")
+        m = figure(f"{CSV}#algos/{ARMS[arm][0]}.py#{arm}#{metric}#{scale}")
         return m, fmt(*m, digits)
 
     out = []

@@ -1,0 +1,700 @@
+"""Tree advantages for GRPO on tree rollouts: TreeRL's segment advantages and TreePO's subgroup advantages.
+
+Papers: Hou et al., "TreeRL: LLM Reinforcement Learning with On-Policy Tree Search", arXiv:2506.11902 (node values
+from the leaves give each segment a global and a local advantage); Li et al., "TreePO: Bridging the Gap of Policy
+Optimization and Efficacy and Inference Efficiency with Heuristic Tree-based Modeling", arXiv:2508.17445 (a leaf's
+advantage against the means of its ancestor subgroups). The trees and their growth are the parent's (EPTree-shaped:
+M chains, L rounds of N branch points x T continuations); this file changes the advantage over the G leaves.
+
+Parent: algos/tree_rollout_grpo.py; changed: Args, Args.exp_name, clipped_pg_loss, rollout, main.
+
+Equations (the parent's, and; each implemented by the function named on the right):
+  leaf          --adv leaf: the parent's GRPO advantage; --adv loo: A_i = r_i - mean_{j!=i} r_j      loo_advantages
+  node value    a node = a maximal run of tokens shared by the same set of leaves L(s); V(s) = mean_{l in L(s)} r_l,
+                V(root) = mean of all G leaves                                                   tree_nodes
+  TreeRL        --adv treerl: segment advantage A(s) = [V(s) - V_out(s)] + [V(s) - V(parent(s))] (global + local),
+                divided by sqrt(|L(s)|) with --sqrt-weight; V_out(s) = mean over the leaves outside L(s) (for a leaf,
+                the other G - 1 leaves); every token of s gets A(s)                           treerl_advantages
+  TreePO        --adv treepo: A_i = mean over the distinct ancestor subgroups S of leaf i (the root and every shared
+                node, |L(S)| >= 2) of (r_i - V(S)), then whitened over the group: (A - mean A) / (std A + eps)
+                                                                                              treepo_advantages
+  loss          grpo.py's clipped surrogate with one advantage per token where TreeRL gives one    clipped_pg_loss
+
+Deviations from the papers (the parent's hold too):
+- Node values use the leaves of one prompt's trees only. TreeRL's global advantage compares with V(root); here with the leaves outside the node (leave-one-out), so the
+  leaf-level global terms sum to zero and a leaf is not its own baseline.
+- --kernels: the fused loss kernel takes one advantage per sequence, so --adv treerl uses the reference loss.
+
+Commands:
+  python algos/tree_rollout_adv.py                               # TreeRL's segment advantages, G = 4 x (1 + 3)
+  python algos/tree_rollout_adv.py --adv treepo                  # TreePO's ancestor-subgroup advantages
+  python algos/tree_rollout_adv.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm --device cuda \
+      --max-new-tokens 512 --answer-marker "####" --lr 1e-6                              # one GPU
+  accelerate launch --num_processes 4 algos/tree_rollout_adv.py --model ... --device cuda   # several GPUs
+Expected (benchmarks/results/tree_rollout.md, 3 seeds of 8 prompts x 25 steps, G = 16): held-out accuracy after 25
+steps 50.8 +- 2.5% (treerl) and 46.3 +- 10.5% (treepo) against the parent's 48.8 +- 9.5%, within the seed noise.
+"""
+from __future__ import annotations
+
+import bisect
+import copy
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+from algos import _tree
+from algos._vllm import VLLMEngine
+
+
+@dataclass
+class Args:
+    # bookkeeping
+    exp_name: str = "tree_rollout_adv"
+    """name of the run (the output folder is out_dir/exp_name)"""
+    seed: int = 0
+    """random seed: prompts and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
+    track: bool = False
+    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
+    out_dir: str = "runs"
+    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
+    # model and task
+    model: str = "tiny-sums"
+    """tiny-0.6m, tiny-5m, smollm2-135m, a Hugging Face id or a local path"""
+    task: str = "sums"
+    """sums (5 operands with running totals), sums<N>, add, addsteps, jsonl:PATH (prompt/answer records) or gsm8k"""
+    digits: int = 1
+    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
+    device: str = "auto"
+    """auto (CUDA if present), cpu or cuda"""
+    threads: int = 1
+    """torch CPU threads per process (1: generation here is per-call overhead; 2 threads gain little and slow ~10x
+    when another 2-thread job shares the 2 cores)"""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+    # rollout
+    engine: Literal["hf", "vllm"] = "hf"
+    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
+    vllm_gpu_memory: float = 0.3
+    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
+    prompts_per_step: int = 16
+    """distinct prompts per rollout batch (per process)"""
+    group_size: int = 16
+    """G, leaves per prompt: must equal chains * (1 + rounds * branches * continuations)"""
+    max_new_tokens: int = 48
+    """generation budget per completion"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer scores with the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    # tree
+    chains: int = 4
+    """M: independent chains per prompt (the roots of the trees)"""
+    rounds: int = 1
+    """L: branching rounds after the chains (0 = no branching: plain GRPO with G = M)"""
+    branches: int = 1
+    """N: branch points per tree and round"""
+    continuations: int = 3
+    """T: continuations drawn from each branch point"""
+    branch_score: Literal["entropy", "nll", "random"] = "entropy"
+    """where to branch: highest next-token entropy (EPTree), highest sampled-token NLL, or uniformly at random"""
+    answer_marker: str = "="
+    """the final answer starts at the last token containing this string (no branching there or after it)"""
+    # objective
+    adv: Literal["leaf", "loo", "treerl", "treepo"] = "treerl"
+    """advantage: GRPO over leaves, leave-one-out over leaves, TreeRL segment advantages, TreePO subgroup means"""
+    sqrt_weight: bool = True
+    """TreeRL: divide a segment's advantage by sqrt(number of leaves through it)"""
+    adv_std_norm: bool = True
+    """divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
+    clip_eps_low: float = 0.2
+    """lower clip range: ratio >= 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """upper clip range: ratio <= 1 + eps_high (DAPO's clip-higher uses 0.28)"""
+    kl_coef: float = 0.0
+    """weight of the k3 KL to the frozen initial policy (0 = no reference model)"""
+    loss_agg: Literal["seq-mean", "token-mean", "const"] = "seq-mean"
+    """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
+    agg_const: int = 0
+    """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    # optimisation
+    steps: int = 50
+    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
+    ppo_epochs: int = 1
+    """passes over each rollout batch"""
+    minibatches: int = 1
+    """optimiser steps per pass; the rollout batch is split into this many"""
+    micro_batch_size: int = 256
+    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
+    lr: float = 1e-4
+    """peak learning rate (AdamW); 1e-3 collapses the tiny policy, real LLMs want about 1e-6"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
+    warmup_steps: int = 0
+    """linear warm-up (optimiser steps)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    kernels: bool = False
+    """use the Triton kernels (fused log-prob, fused clipped loss) when a GPU is present"""
+    grad_checkpointing: bool = False
+    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
+    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
+    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
+    sampler_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
+    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
+    # eval and checkpoints
+    eval_every: int = 25
+    """rollout batches between held-out evaluations"""
+    eval_examples: int = 500
+    """held-out prompts for greedy accuracy"""
+    pass_k: int = 8
+    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
+    eval_hard: bool = True
+    """also evaluate one digit harder than training (out of distribution)"""
+    save_every: int = 0
+    """rollout batches between checkpoints (0 = only at the end)"""
+    resume: str = ""
+    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
+
+
+def check_args(args: Args) -> None:
+    """Fail early, naming the flag, instead of deep inside torch."""
+    if min(args.chains, args.branches, args.continuations) < 1 or args.rounds < 0:
+        raise SystemExit("--chains, --branches and --continuations must be >= 1 and --rounds >= 0")
+    leaves = args.chains * (1 + args.rounds * args.branches * args.continuations)
+    if args.group_size != leaves:
+        raise SystemExit(f"--group-size {args.group_size} must equal chains * (1 + rounds * branches * continuations) "
+                         f"= {args.chains} * (1 + {args.rounds} * {args.branches} * {args.continuations}) = {leaves}")
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size must be at least 2 for a group baseline, got {args.group_size}")
+    if args.prompts_per_step < 1 or args.steps < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--prompts-per-step, --steps and --max-new-tokens must be positive")
+    batch = args.prompts_per_step * args.group_size
+    if batch % args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} must divide the rollout batch "
+                         f"(prompts_per_step * group_size = {batch})")
+    if args.micro_batch_size < 1:
+        raise SystemExit("--micro-batch-size must be positive")
+    if not (0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0):
+        raise SystemExit("clip ranges need 0 <= eps_low < 1 and eps_high >= 0")
+    if args.temperature <= 0:
+        raise SystemExit("--temperature must be > 0 (greedy decoding is used for eval only)")
+    if not args.answer_marker:
+        raise SystemExit("--answer-marker must be a non-empty string (the final answer is never branched)")
+    if args.engine == "vllm" and not torch.cuda.is_available():
+        raise SystemExit("--engine vllm needs a CUDA GPU; use --engine hf on CPU")
+
+
+# ---- the idea: advantage, clipped surrogate, KL, aggregation ----
+def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True, eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std_g r + eps); rewards [B] group-major -> advantages [B]."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(1, keepdim=True)
+    if std_norm:
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def clipped_pg_loss(logp, old_logp, adv, eps_low: float, eps_high: float):
+    """Per-token PPO-clip loss -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); logp [B, C], adv [B] (one per
+    sequence) or [B, C] (one per token: TreeRL's segments).
+
+    Returns (loss [B, C], clipped [B, C] as float: where the clipped branch was the active one).
+    """
+    ratio = torch.exp(logp - old_logp)
+    a = adv.unsqueeze(1) if adv.dim() == 1 else adv
+    unclipped, clipped = ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def k3_kl(logp, ref_logp):
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, const: int):
+    """This micro-batch's share of the step loss; summing the shares over micro-batches gives J.
+
+    token_loss, mask: [b, C]; n_seqs, n_tokens: counted over the whole optimiser step (all ranks).
+    """
+    per_seq_sum = (token_loss * mask).sum(1)
+    if mode == "seq-mean":
+        return (per_seq_sum / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if mode == "token-mean":
+        return per_seq_sum.sum() / max(n_tokens, 1)
+    if mode == "const":
+        return per_seq_sum.sum() / (n_seqs * const)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def agg_const(args: Args) -> int:
+    """The constant k of --loss-agg const (default: the generation budget, as Dr. GRPO)."""
+    return args.agg_const or args.max_new_tokens
+
+
+def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """This micro-batch's share of J: clipped surrogate + kl_coef * k3 KL, aggregated over the step.
+
+    logp [b, C] (with grad); mb holds old, ref (or None), adv [b], mask [b, C]. Returns (loss, per-token stats).
+    """
+    tok_loss, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    if mb.get("is_weight") is not None:  # the sampler is not the trainer: truncated importance weight per token
+        tok_loss = tok_loss * mb["is_weight"]
+    stats = {"clipfrac": clipped}
+    if mb["ref"] is not None:
+        kl = k3_kl(logp, mb["ref"])
+        tok_loss, stats["kl"] = tok_loss + args.kl_coef * kl, kl
+    return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
+
+
+def truncated_is_weight(old_logp, sampler_logp, cap: float):
+    """w_t = min(pi_old(o_t) / pi_sampler(o_t), C): corrects the update for samples drawn by another computation
+    than the trainer's (truncated importance sampling, as verl's rollout correction); no gradient."""
+    return torch.exp(old_logp - sampler_logp).clamp(max=cap).detach()
+
+
+def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """grpo_loss from the fused Triton kernel (--kernels on a GPU): the same value and gradient.
+
+    The kernel normalises inside the micro-batch (token or sequence mean); rescaling by this micro-batch's
+    share of the step's sequences or tokens gives aggregate_loss's step-level normaliser.
+    """
+    from kernels.clipped_pg_loss import clipped_pg_loss as fused
+
+    if mb.get("is_weight") is not None:  # the kernel has no per-token weight: the reference path takes it
+        return grpo_loss(logp, mb, n_seqs, n_tokens, args)
+    mask = mb["mask"]
+    loss, kst = fused(logp, mb["old"], mb["adv"], mask, args.clip_eps_low, args.clip_eps_high, ref_logp=mb["ref"],
+                      beta=args.kl_coef, reduction="seq_mean" if args.loss_agg == "seq-mean" else "token_mean")
+    mb_tokens = float(mask.sum())
+    scale = {"seq-mean": mask.shape[0] / n_seqs, "token-mean": mb_tokens / max(n_tokens, 1),
+             "const": mb_tokens / (n_seqs * agg_const(args))}[args.loss_agg]
+    return loss * scale, {"clipfrac": torch.full_like(mask, float(kst["clip_frac"]))}  # micro-batch mean
+
+
+# ---- the idea: growing the trees ----
+def sample_segments(model, tok, prompts, groups, prefixes, budgets, args: Args, engine=None, stats=False) -> list[dict]:
+    """One batched generate call from prompt + prefix for every row; row r is cut at its own budget budgets[r].
+
+    Returns per row a segment: tokens, behaviour logprobs, finished (EOS inside the budget) and, with stats, the
+    entropy at every position.
+    """
+    ro = common.generate(model, tok, [prompts[g] + p for g, p in zip(groups, prefixes)], 1, max(budgets),
+                         args.temperature, args.top_p, engine=engine)
+    lengths = ro.completion_mask.sum(1).tolist()
+    if stats:
+        ent, _, _ = _tree.next_token_stats(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                                           ro.completion_mask, args.temperature)
+    segs = []
+    for r, budget in enumerate(budgets):
+        n = min(lengths[r], budget)
+        seg = {"tokens": ro.completion_ids[r, :n].tolist(), "logprobs": ro.logprobs[r, :n].tolist(),
+               "finished": ro.finish_reasons[r] == "stop" and n == lengths[r]}
+        if stats:
+            seg["entropy"] = ent[r, :n].tolist()
+        segs.append(seg)
+    return segs
+
+
+def branch_points(tree: list[dict], m: int, n: int, args: Args, rng, taken: set) -> list[tuple]:
+    """Up to n legal branch points (score, j, p) of tree m, best score first.
+
+    Legal: p inside leaf j's own segment but not its first token (pos_j < p), before its final answer (p < protect_j),
+    and no branch at (j, p) yet (nor in `taken`, this round's picks).
+    """
+    cands = []
+    for j, leaf in enumerate(tree):
+        if leaf["tree"] != m:
+            continue
+        used = {c["pos"] for c in tree if c["parent"] == j} | {p for jj, p in taken if jj == j}
+        for p in range(leaf["pos"] + 1, leaf["protect"]):
+            if p in used:
+                continue
+            score = {"entropy": lambda: leaf["entropy"][p], "nll": lambda: -leaf["logprobs"][p],
+                     "random": rng.random}[args.branch_score]()
+            cands.append((score, rng.random(), j, p))
+    cands.sort(key=lambda c: (c[0], c[1]), reverse=True)
+    return [(c[0], c[2], c[3]) for c in cands[:n]]
+
+
+class Request(NamedTuple):
+    """One row of a sampling call: prompt `group`, continuing leaf `parent`'s path cut before token `pos` (parent -1,
+    pos 0: a fresh chain from the prompt); the new leaf joins tree `tree` (the chain it descends from)."""
+    group: int
+    parent: int
+    pos: int
+    tree: int
+
+    def prefix(self, trees: list[list[dict]]) -> list[int]:
+        """The completion tokens this row continues: its parent's path up to the branch point (none for a chain)."""
+        return [] if self.parent < 0 else trees[self.group][self.parent]["tokens"][:self.pos]
+
+
+def sample_requests(sample_fn, reqs: list[Request], prefixes, budgets, prompt_lens: list[int],
+                    counts: dict) -> list[dict]:
+    """One sample_fn call for all requests (row i: prompt + prefixes[i], at most budgets[i] new tokens); counts the
+    prefill (prompt + prefix) and the sampled tokens."""
+    counts["prefill"] += sum(prompt_lens[req.group] + len(p) for req, p in zip(reqs, prefixes))
+    segs = sample_fn([req.group for req in reqs], prefixes, budgets)
+    counts["sampled"] += sum(len(seg["tokens"]) for seg in segs)
+    return segs
+
+
+def attach(trees: list[list[dict]], req: Request, seg: dict, protect_from) -> None:
+    """Add a sampled request's leaf to its tree: the parent's path up to the branch point, then the new segment."""
+    leaf = {k: list(seg[k]) for k in ("tokens", "logprobs", "entropy") if k in seg}
+    par = trees[req.group][req.parent] if req.parent >= 0 else None
+    if par is not None:
+        leaf = {k: par[k][:req.pos] + leaf[k] for k in leaf}
+    leaf.update(finished=seg["finished"], parent=req.parent, pos=req.pos, tree=req.tree,
+                depth=0 if par is None else par["depth"] + 1)
+    leaf["protect"] = protect_from(leaf["tokens"])
+    trees[req.group].append(leaf)
+
+
+def round_requests(trees: list[list[dict]], args: Args, rng) -> list[Request]:
+    """One branching round: T continuations (consecutive rows) from each of a tree's N best legal points
+    (branch_points), and a fresh chain for each continuation of a point the tree lacks (no legal point left)."""
+    reqs = []
+    for g, tree in enumerate(trees):
+        for m in range(args.chains):
+            points = branch_points(tree, m, args.branches, args, rng, set())
+            reqs += [Request(g, j, p, m) for _, j, p in points for _ in range(args.continuations)]
+            reqs += [Request(g, -1, 0, m)] * (args.continuations * (args.branches - len(points)))
+    return reqs
+
+
+def grow_trees(sample_fn, prompt_lens: list[int], args: Args, rng, protect_from) -> tuple[list[list[dict]], dict]:
+    """M chains per prompt, then L rounds of N branch points x T continuations per tree, one sample_fn call each:
+    G = M (1 + L N T) leaves per prompt.
+
+    sample_fn(groups, prefixes, budgets) -> segments (sample_segments); protect_from(tokens) -> first index of the
+    final answer; prompt_lens: tokens per prompt (for the prefill count). A leaf (parents before children): tokens,
+    logprobs, [entropy], finished, parent (-1 for a chain), pos (where its own segment starts), tree (its chain),
+    depth, protect. Counts: sampled tokens (the sum of segment lengths), prefill tokens, branched / fallback rows.
+    """
+    counts = dict(sampled=0, prefill=0, branched=0, fallback=0)
+    trees = [[] for _ in prompt_lens]
+    reqs = [Request(g, -1, 0, m) for g in range(len(prompt_lens)) for m in range(args.chains)]
+    for r in range(args.rounds + 1):
+        if r > 0:
+            reqs = round_requests(trees, args, rng)
+            counts["branched"] += sum(req.parent >= 0 for req in reqs)
+            counts["fallback"] += sum(req.parent < 0 for req in reqs)
+        prefixes = [req.prefix(trees) for req in reqs]
+        budgets = [args.max_new_tokens - len(p) for p in prefixes]
+        for req, seg in zip(reqs, sample_requests(sample_fn, reqs, prefixes, budgets, prompt_lens, counts)):
+            attach(trees, req, seg, protect_from)
+    return trees, counts
+
+
+# ---- the idea: tree advantages ----
+def token_owner(parents: list[int], starts: list[int], i: int, t: int) -> int:
+    """The leaf whose own segment holds token t of leaf i's path (walk up while t is before the segment's start)."""
+    while t < starts[i]:
+        i = parents[i]
+    return i
+
+
+def tree_nodes(parents: list[int], starts: list[int], lengths: list[int]):
+    """One prompt's tree as nodes: maximal runs of tokens shared by the same set of leaves.
+
+    A leaf's own segment [start, length) is cut wherever a child branches off it. Returns node_of (per leaf, the node
+    of each of its tokens), node_parent [K] (-1: the prompt) and member [K, G] bool (leaf l passes through node k).
+    """
+    cuts = [{s, n} for s, n in zip(starts, lengths)]
+    for c, p in enumerate(parents):
+        if p >= 0:
+            cuts[p].add(starts[c])
+    cuts = [sorted(c) for c in cuts]
+    ids: dict[tuple[int, int], int] = {}
+    node_of = []
+    for i, n in enumerate(lengths):
+        row = []
+        for t in range(n):
+            j = token_owner(parents, starts, i, t)
+            row.append(ids.setdefault((j, cuts[j][bisect.bisect_right(cuts[j], t) - 1]), len(ids)))
+        node_of.append(row)
+    node_parent = [-1] * len(ids)
+    for (j, a), k in ids.items():
+        node_parent[k] = node_of[j][a - 1] if a > 0 else -1
+    member = torch.zeros(len(ids), len(parents), dtype=torch.bool)
+    for i, row in enumerate(node_of):
+        member[row, i] = True
+    return node_of, node_parent, member
+
+
+def loo_advantages(rewards: torch.Tensor, group_size: int):
+    """A_i = r_i - mean of the other G - 1 rewards of its group (RLOO's baseline); sums to zero per group."""
+    r = rewards.view(-1, group_size)
+    return (r - (r.sum(1, keepdim=True) - r) / (group_size - 1)).view(-1)
+
+
+def treerl_advantages(r: torch.Tensor, nodes, sqrt_weight: bool = True) -> torch.Tensor:
+    """TreeRL's segment advantage per node [K]: (V(s) - V_out(s)) + (V(s) - V(parent)), / sqrt(|L(s)|) if asked.
+
+    r [G]: one prompt's leaf rewards; V(s) = mean reward of the leaves through s, V_out(s) = mean of the others
+    (0 global term when none), V of the prompt (parent -1) = mean of all G.
+    """
+    _, node_parent, member = nodes
+    m = member.to(r.dtype)
+    cnt, out = m.sum(1), (1 - m).sum(1)
+    value = m @ r / cnt
+    glob = torch.where(out > 0, value - (1 - m) @ r / out.clamp(min=1), torch.zeros_like(value))
+    parent_value = torch.stack([value[p] if p >= 0 else r.mean() for p in node_parent])
+    adv = glob + value - parent_value
+    return adv / cnt.sqrt() if sqrt_weight else adv
+
+
+def treepo_advantages(r: torch.Tensor, nodes, eps: float = 1e-6) -> torch.Tensor:
+    """TreePO per leaf [G]: mean over its distinct ancestor subgroups S (the prompt's G leaves and every node on its
+    path shared by >= 2 leaves) of r_i - mean_S r, then whitened over the group (unbiased std, as group_advantages)."""
+    node_of, _, member = nodes
+    G = len(r)
+    adv = torch.zeros_like(r)
+    for i, row in enumerate(node_of):
+        groups = {tuple(range(G))} | {tuple(member[k].nonzero().flatten().tolist()) for k in set(row)
+                                      if member[k].sum() >= 2}
+        adv[i] = torch.stack([r[i] - r[list(s)].mean() for s in groups]).mean()
+    return (adv - adv.mean()) / (adv.std() + eps)
+
+
+def tree_advantages(rewards: torch.Tensor, trees: list[list[dict]], args: Args, width: int) -> torch.Tensor:
+    """Advantages of all leaves (group-major): [B] per leaf (leaf, loo, treepo) or [B, width] per token (treerl)."""
+    G = args.group_size
+    if args.adv == "leaf":
+        return group_advantages(rewards, G, args.adv_std_norm)
+    if args.adv == "loo":
+        return loo_advantages(rewards, G)
+    out = []
+    for g, tree in enumerate(trees):
+        r = rewards[g * G:(g + 1) * G].float()
+        nodes = tree_nodes([l["parent"] for l in tree], [l["pos"] for l in tree], [len(l["tokens"]) for l in tree])
+        if args.adv == "treepo":
+            out.append(treepo_advantages(r, nodes))
+            continue
+        seg = treerl_advantages(r, nodes, args.sqrt_weight)
+        tok_adv = torch.zeros(G, width, device=rewards.device)
+        for i, row in enumerate(nodes[0]):
+            tok_adv[i, :len(row)] = seg[row]
+        out.append(tok_adv)
+    return torch.cat(out)
+
+
+
+
+# ---- rollout and update ----
+def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
+    """Grow one tree of G leaves for each of prompts_per_step training prompts (grow_trees); reward the leaves; tree
+    advantages. The batch holds one row per leaf (group-major), as grpo.py's, plus the tree metrics."""
+    examples = task.sample("train", args.prompts_per_step, rng)
+    prompts = common.encode_prompts(tok, [e.prompt for e in examples])
+    stats = args.rounds > 0 and args.branch_score == "entropy"
+    sample = lambda groups, prefixes, budgets: sample_segments(  # noqa: E731
+        model, tok, prompts, groups, prefixes, budgets, args, engine, stats)
+    pieces = _tree.token_pieces(tok)
+    trees, counts = grow_trees(sample, [len(p) for p in prompts], args, rng,
+                               lambda toks: _tree.answer_start(toks, pieces, args.answer_marker))
+    leaves = [leaf for tree in trees for leaf in tree]
+    texts = tok.batch_decode([leaf["tokens"] for leaf in leaves], skip_special_tokens=True)
+    answers = [e.answer for e in examples for _ in range(args.group_size)]
+    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(texts, answers)], device=device)
+    batch = _tree.leaf_batch(trees, prompts, tok.pad_token_id, device)
+    batch.update(rewards=rewards, adv=tree_advantages(rewards, trees, args, batch["completion_ids"].shape[1]),
+                 finish_reasons=["stop" if l["finished"] else "length" for l in leaves],
+                 tree=_tree.tree_metrics(trees, texts, rewards, counts, args))
+    return batch
+
+
+def lr_factor(step: int, total: int, args: Args) -> float:
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return 1.0
+    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
+    """NaN guard, clip, scheduled lr, step; returns the gradient norm. With several processes FSDP2 has already
+    summed the gradients over ranks (the loss used step-global normalisers) and the norm is the global one; the
+    full sampler copy of a sharded model is gathered again after the step."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
+    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
+        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
+                         "intact. Lower --lr or check the rewards.")
+    for group in opt.param_groups:
+        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
+    opt.step()
+    common.sync_sampler(model)
+    return grad_norm
+
+
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+    """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
+
+    pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
+    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged. The logged
+    statistics are sums over all ranks divided by global counts: every rank returns the same values.
+    """
+    B = batch["completion_ids"].shape[0]
+    micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
+    logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
+        batch["completion_mask"][idx], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+    on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
+    with torch.no_grad():
+        old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
+        ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
+    correct = args.sampler_is_cap > 0 and (args.engine == "vllm" or not common.sampler_is_trainer(model))
+    sums = {"pg": 0.0, "entropy": 0.0}  # this rank's share of each step mean, summed over ranks below
+    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
+    gap = {"sum": 0.0 if on_policy else common.masked_sum((old - batch["logprobs"]).abs(),
+                                                          batch["completion_mask"].float()).item(),
+           "tokens": float(batch["completion_mask"].sum()), "is_w": 0.0, "is_cut": 0.0}
+    n_opt, grad_norm = 0, 0.0
+    for epoch in range(args.ppo_epochs):
+        for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
+            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
+                                  device=batch["adv"].device)
+            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            opt.zero_grad(set_to_none=True)
+            for idx in micro(mb_idx):
+                logp, ent = logprobs_of(model, idx, True)
+                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
+                      "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx]}
+                mb["is_weight"] = truncated_is_weight(mb["old"], batch["logprobs"][idx], args.sampler_is_cap) \
+                    if correct else None
+                loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
+                loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
+                sums["pg"] += loss.item()
+                for k, v in {**token_stats, "entropy": ent}.items():
+                    sums[k] = sums.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
+                if on_policy:  # the only forward on the sampler's weights
+                    gap["sum"] += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(), mb["mask"]).item()
+                if correct and epoch == 0:  # every token once
+                    gap["is_w"] += common.masked_sum(mb["is_weight"], mb["mask"]).item()
+                    gap["is_cut"] += common.masked_sum((mb["is_weight"] >= args.sampler_is_cap).float(),
+                                                       mb["mask"]).item()
+            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
+            grad_norm += optimizer_step(model, opt, args, accel, opt_step)
+            n_opt += 1
+    keys = sorted(sums) + [f"gap_{k}" for k in gap]
+    tot = torch.tensor([*(sums[k] for k in sorted(sums)), *gap.values()], dtype=torch.float64,
+                       device=batch["adv"].device)
+    tot = dict(zip(keys, (accel.reduce(tot, "sum") if accel.num_processes > 1 else tot).tolist()))
+    out = {**{f"loss/{k}": tot[k] / n_opt for k in sums}, "loss/grad_norm": grad_norm / n_opt,
+           "rollout/logprob_mismatch": tot["gap_sum"] / max(tot["gap_tokens"], 1)}
+    if correct:
+        out.update({"rollout/is_weight_mean": tot["gap_is_w"] / max(tot["gap_tokens"], 1),
+                    "rollout/is_truncated_frac": tot["gap_is_cut"] / max(tot["gap_tokens"], 1)})
+    return out
+
+
+
+def load_policy(args: Args, accel):
+    """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
+    only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
+    model, tok = common.load_model(args.model, accel.device, args.dtype)
+    model.train()
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    return common.shard(model, accel), tok, common.shard(ref_model, accel, sampler=False)
+
+
+# ---- main ----
+def main(args: Args) -> dict:
+    check_args(args)
+    from accelerate import Accelerator
+
+    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
+    rank, is_main = accel.process_index, accel.is_main_process
+    torch.set_num_threads(args.threads)
+    common.set_seed(args.seed)
+    task = common.make_task(args.task, args.digits)
+    hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
+    engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
+        if args.engine == "vllm" else None
+    use_kernels = args.kernels and accel.device.type == "cuda"
+    fused_logprob = None
+    if use_kernels:  # Triton: the fused lm_head + log-softmax (the loss kernel is in kernel_grpo_loss)
+        from kernels.fused_logprob import fused_linear_logprob as fused_logprob
+    loss_fn = kernel_grpo_loss if use_kernels and args.adv != "treerl" else grpo_loss  # treerl: one A per token
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    run_dir = Path(args.out_dir) / args.exp_name
+    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
+    if args.resume and engine is not None:
+        engine.sync_weights(model)
+    start_step, history = state.get("step", 0), state.get("history", [])
+    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
+    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
+    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task, engine)
+
+    def log(metrics: dict, step: int):
+        history.append({"step": step, **metrics})
+        if tracker is not None:
+            tracker.log(metrics, step)
+
+    if start_step == 0 and is_main:
+        log(evaluate(), 0)
+    bar = tqdm(range(start_step + 1, args.steps + 1), desc="tree", dynamic_ncols=True, disable=not is_main,
+               initial=start_step, total=args.steps)
+    for step in bar:
+        # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
+        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
+        rng = np.random.default_rng([args.seed, step, rank])
+        with timer("gen"):
+            batch = rollout(model, tok, task, args, rng, accel.device, engine)
+        with timer("train"):
+            stats = update(model, opt, batch, loss_fn, args, step, accel, ref_model, fused_logprob)
+        if engine is not None:
+            with timer("sync"):
+                engine.sync_weights(model)
+        t = timer.pop()
+        sampled = batch["tree"]["rollout/sampled_tokens"]  # generated tokens: the tree's, not G full completions
+        gen_tokens, gen_time = gen_tokens + sampled, gen_time + t["gen"]
+        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
+                                            args.group_size, t["gen"]), **batch["tree"], **stats,
+                   "rollout/tokens_per_s": sampled / max(t["gen"], 1e-9), "perf/lr": opt.param_groups[0]["lr"],
+                   **{f"perf/{k}_s": v for k, v in t.items()}}
+        if is_main and (step % args.eval_every == 0 or step == args.steps):
+            metrics.update(evaluate())
+        log(metrics, step)
+        if is_main:
+            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
+                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
+        if args.save_every and step % args.save_every == 0 or step == args.steps:  # every rank: shards
+            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
+                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
+                                    "gen_tokens": gen_tokens, "gen_time": gen_time})
+    if not is_main:
+        return {}
+    summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start), **_tree.tree_summary(history)}
+    print(f"token-savings {summary['token_savings']:.2f}x ({summary['sampled_tokens']:.0f} sampled tokens)")
+    common.save_curve(history, run_dir / "curve.png", f"tree GRPO ({args.adv}) on {task.name} ({args.model})")
+    return tracker.finish(summary)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,635 @@
+"""Tree rollouts for GRPO whose branch points go to the trees most likely to give mixed rewards (TRACE-style).
+
+Paper: Zou et al., "TRACE: A Unified Rollout Budget Allocation Framework for Efficient Agentic Reinforcement
+Learning", arXiv:2606.11119 (Tree Rollout Allocation for Contrastive Exploration: rollout budget goes to the prompt
+roots and prefixes most likely to yield mixed terminal rewards, which a learned predictor of the success probability
+finds; +2.8 points on multi-hop QA at equal sampling cost). The trees, GRPO over their G leaves and the accounting
+are the parent's; this file changes how a round's branch points are split over a group's trees.
+
+Parent: algos/tree_rollout_grpo.py; changed: Args, Args.continuations, Args.exp_name, Args.rounds, round_requests,
+  grow_trees, rollout.
+
+Equations (the parent's, and; each implemented by the function named on the right):
+  success       p_m = mean reward of tree m's leaves so far (the task's verifier, during growth)   round_requests
+  allocation    a round's M N branch points of a group go to its trees in proportion to p_m (1 - p_m), the
+                Bernoulli variance of a new leaf's reward (largest remainders, capped by each tree's legal points;
+                all-certain trees share them evenly); a tree takes its best legal points  allocate_branches
+  budget        G stays M (1 + L N T): T continuations per point; points no tree can take become fresh chains
+
+Deviations from the paper (the parent's hold too):
+- TRACE allocates over prompts and every intermediate prefix with a learned success predictor; here over the M trees
+  (subtrees of the root) of one prompt, with each tree's empirical success rate so far as p.
+- In the first round every tree has one leaf (p in {0, 1}), so the split is even: the rule acts from --rounds 2 on,
+  and the defaults grow 3 rounds of one continuation per point (G = 4 x (1 + 3) = 16, as the parent's).
+- Leaves are rewarded during growth for the rule (the same verifier the loss uses).
+
+Commands:
+  python algos/tree_rollout_alloc.py                             # 3 rounds x 1 point x 1 continuation per tree
+  python algos/tree_rollout_alloc.py --rounds 3 --branches 1 --continuations 3 --chains 1   # one tree, G = 10
+  python algos/tree_rollout_alloc.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm --device cuda \
+      --max-new-tokens 512 --answer-marker "####" --lr 1e-6                              # one GPU
+Expected: the pq3 arm of benchmarks/results/tree_rollout.md (3 seeds of 8 prompts x 25 steps) against the parent with
+the same tree shape (even3, `python algos/tree_rollout_grpo.py --rounds 3 --continuations 1`): held-out accuracy
+after 25 steps 53.0 +- 6.9% against 52.5 +- 1.3%, within the seed noise.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+from algos import _tree
+from algos._vllm import VLLMEngine
+
+
+@dataclass
+class Args:
+    # bookkeeping
+    exp_name: str = "tree_rollout_alloc"
+    """name of the run (the output folder is out_dir/exp_name)"""
+    seed: int = 0
+    """random seed: prompts and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
+    track: bool = False
+    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
+    out_dir: str = "runs"
+    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
+    # model and task
+    model: str = "tiny-sums"
+    """tiny-0.6m, tiny-5m, smollm2-135m, a Hugging Face id or a local path"""
+    task: str = "sums"
+    """sums (5 operands with running totals), sums<N>, add, addsteps, jsonl:PATH (prompt/answer records) or gsm8k"""
+    digits: int = 1
+    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
+    device: str = "auto"
+    """auto (CUDA if present), cpu or cuda"""
+    threads: int = 1
+    """torch CPU threads per process (1: generation here is per-call overhead; 2 threads gain little and slow ~10x
+    when another 2-thread job shares the 2 cores)"""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+    # rollout
+    engine: Literal["hf", "vllm"] = "hf"
+    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
+    vllm_gpu_memory: float = 0.3
+    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
+    prompts_per_step: int = 16
+    """distinct prompts per rollout batch (per process)"""
+    group_size: int = 16
+    """G, leaves per prompt: must equal chains * (1 + rounds * branches * continuations)"""
+    max_new_tokens: int = 48
+    """generation budget per completion"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer scores with the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    # tree
+    chains: int = 4
+    """M: independent chains per prompt (the roots of the trees)"""
+    rounds: int = 3
+    """L: branching rounds after the chains (0 = no branching: plain GRPO with G = M)"""
+    branches: int = 1
+    """N: branch points per tree and round"""
+    continuations: int = 1
+    """T: continuations drawn from each branch point"""
+    branch_score: Literal["entropy", "nll", "random"] = "entropy"
+    """where to branch: highest next-token entropy (EPTree), highest sampled-token NLL, or uniformly at random"""
+    answer_marker: str = "="
+    """the final answer starts at the last token containing this string (no branching there or after it)"""
+    # objective
+    adv_std_norm: bool = True
+    """divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
+    clip_eps_low: float = 0.2
+    """lower clip range: ratio >= 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """upper clip range: ratio <= 1 + eps_high (DAPO's clip-higher uses 0.28)"""
+    kl_coef: float = 0.0
+    """weight of the k3 KL to the frozen initial policy (0 = no reference model)"""
+    loss_agg: Literal["seq-mean", "token-mean", "const"] = "seq-mean"
+    """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
+    agg_const: int = 0
+    """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    # optimisation
+    steps: int = 50
+    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
+    ppo_epochs: int = 1
+    """passes over each rollout batch"""
+    minibatches: int = 1
+    """optimiser steps per pass; the rollout batch is split into this many"""
+    micro_batch_size: int = 256
+    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
+    lr: float = 1e-4
+    """peak learning rate (AdamW); 1e-3 collapses the tiny policy, real LLMs want about 1e-6"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
+    warmup_steps: int = 0
+    """linear warm-up (optimiser steps)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    kernels: bool = False
+    """use the Triton kernels (fused log-prob, fused clipped loss) when a GPU is present"""
+    grad_checkpointing: bool = False
+    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
+    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
+    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
+    sampler_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
+    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
+    # eval and checkpoints
+    eval_every: int = 25
+    """rollout batches between held-out evaluations"""
+    eval_examples: int = 500
+    """held-out prompts for greedy accuracy"""
+    pass_k: int = 8
+    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
+    eval_hard: bool = True
+    """also evaluate one digit harder than training (out of distribution)"""
+    save_every: int = 0
+    """rollout batches between checkpoints (0 = only at the end)"""
+    resume: str = ""
+    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
+
+
+def check_args(args: Args) -> None:
+    """Fail early, naming the flag, instead of deep inside torch."""
+    if min(args.chains, args.branches, args.continuations) < 1 or args.rounds < 0:
+        raise SystemExit("--chains, --branches and --continuations must be >= 1 and --rounds >= 0")
+    leaves = args.chains * (1 + args.rounds * args.branches * args.continuations)
+    if args.group_size != leaves:
+        raise SystemExit(f"--group-size {args.group_size} must equal chains * (1 + rounds * branches * continuations) "
+                         f"= {args.chains} * (1 + {args.rounds} * {args.branches} * {args.continuations}) = {leaves}")
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size must be at least 2 for a group baseline, got {args.group_size}")
+    if args.prompts_per_step < 1 or args.steps < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--prompts-per-step, --steps and --max-new-tokens must be positive")
+    batch = args.prompts_per_step * args.group_size
+    if batch % args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} must divide the rollout batch "
+                         f"(prompts_per_step * group_size = {batch})")
+    if args.micro_batch_size < 1:
+        raise SystemExit("--micro-batch-size must be positive")
+    if not (0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0):
+        raise SystemExit("clip ranges need 0 <= eps_low < 1 and eps_high >= 0")
+    if args.temperature <= 0:
+        raise SystemExit("--temperature must be > 0 (greedy decoding is used for eval only)")
+    if not args.answer_marker:
+        raise SystemExit("--answer-marker must be a non-empty string (the final answer is never branched)")
+    if args.engine == "vllm" and not torch.cuda.is_available():
+        raise SystemExit("--engine vllm needs a CUDA GPU; use --engine hf on CPU")
+
+
+# ---- the idea: advantage, clipped surrogate, KL, aggregation ----
+def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True, eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std_g r + eps); rewards [B] group-major -> advantages [B]."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(1, keepdim=True)
+    if std_norm:
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def clipped_pg_loss(logp, old_logp, adv, eps_low: float, eps_high: float):
+    """Per-token PPO-clip loss -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); logp [B, C], adv [B].
+
+    Returns (loss [B, C], clipped [B, C] as float: where the clipped branch was the active one).
+    """
+    ratio = torch.exp(logp - old_logp)
+    a = adv.unsqueeze(1)
+    unclipped, clipped = ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def k3_kl(logp, ref_logp):
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, const: int):
+    """This micro-batch's share of the step loss; summing the shares over micro-batches gives J.
+
+    token_loss, mask: [b, C]; n_seqs, n_tokens: counted over the whole optimiser step (all ranks).
+    """
+    per_seq_sum = (token_loss * mask).sum(1)
+    if mode == "seq-mean":
+        return (per_seq_sum / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if mode == "token-mean":
+        return per_seq_sum.sum() / max(n_tokens, 1)
+    if mode == "const":
+        return per_seq_sum.sum() / (n_seqs * const)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def agg_const(args: Args) -> int:
+    """The constant k of --loss-agg const (default: the generation budget, as Dr. GRPO)."""
+    return args.agg_const or args.max_new_tokens
+
+
+def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """This micro-batch's share of J: clipped surrogate + kl_coef * k3 KL, aggregated over the step.
+
+    logp [b, C] (with grad); mb holds old, ref (or None), adv [b], mask [b, C]. Returns (loss, per-token stats).
+    """
+    tok_loss, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    if mb.get("is_weight") is not None:  # the sampler is not the trainer: truncated importance weight per token
+        tok_loss = tok_loss * mb["is_weight"]
+    stats = {"clipfrac": clipped}
+    if mb["ref"] is not None:
+        kl = k3_kl(logp, mb["ref"])
+        tok_loss, stats["kl"] = tok_loss + args.kl_coef * kl, kl
+    return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
+
+
+def truncated_is_weight(old_logp, sampler_logp, cap: float):
+    """w_t = min(pi_old(o_t) / pi_sampler(o_t), C): corrects the update for samples drawn by another computation
+    than the trainer's (truncated importance sampling, as verl's rollout correction); no gradient."""
+    return torch.exp(old_logp - sampler_logp).clamp(max=cap).detach()
+
+
+def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """grpo_loss from the fused Triton kernel (--kernels on a GPU): the same value and gradient.
+
+    The kernel normalises inside the micro-batch (token or sequence mean); rescaling by this micro-batch's
+    share of the step's sequences or tokens gives aggregate_loss's step-level normaliser.
+    """
+    from kernels.clipped_pg_loss import clipped_pg_loss as fused
+
+    if mb.get("is_weight") is not None:  # the kernel has no per-token weight: the reference path takes it
+        return grpo_loss(logp, mb, n_seqs, n_tokens, args)
+    mask = mb["mask"]
+    loss, kst = fused(logp, mb["old"], mb["adv"], mask, args.clip_eps_low, args.clip_eps_high, ref_logp=mb["ref"],
+                      beta=args.kl_coef, reduction="seq_mean" if args.loss_agg == "seq-mean" else "token_mean")
+    mb_tokens = float(mask.sum())
+    scale = {"seq-mean": mask.shape[0] / n_seqs, "token-mean": mb_tokens / max(n_tokens, 1),
+             "const": mb_tokens / (n_seqs * agg_const(args))}[args.loss_agg]
+    return loss * scale, {"clipfrac": torch.full_like(mask, float(kst["clip_frac"]))}  # micro-batch mean
+
+
+# ---- the idea: growing the trees ----
+def sample_segments(model, tok, prompts, groups, prefixes, budgets, args: Args, engine=None, stats=False) -> list[dict]:
+    """One batched generate call from prompt + prefix for every row; row r is cut at its own budget budgets[r].
+
+    Returns per row a segment: tokens, behaviour logprobs, finished (EOS inside the budget) and, with stats, the
+    entropy at every position.
+    """
+    ro = common.generate(model, tok, [prompts[g] + p for g, p in zip(groups, prefixes)], 1, max(budgets),
+                         args.temperature, args.top_p, engine=engine)
+    lengths = ro.completion_mask.sum(1).tolist()
+    if stats:
+        ent, _, _ = _tree.next_token_stats(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                                           ro.completion_mask, args.temperature)
+    segs = []
+    for r, budget in enumerate(budgets):
+        n = min(lengths[r], budget)
+        seg = {"tokens": ro.completion_ids[r, :n].tolist(), "logprobs": ro.logprobs[r, :n].tolist(),
+               "finished": ro.finish_reasons[r] == "stop" and n == lengths[r]}
+        if stats:
+            seg["entropy"] = ent[r, :n].tolist()
+        segs.append(seg)
+    return segs
+
+
+def branch_points(tree: list[dict], m: int, n: int, args: Args, rng, taken: set) -> list[tuple]:
+    """Up to n legal branch points (score, j, p) of tree m, best score first.
+
+    Legal: p inside leaf j's own segment but not its first token (pos_j < p), before its final answer (p < protect_j),
+    and no branch at (j, p) yet (nor in `taken`, this round's picks).
+    """
+    cands = []
+    for j, leaf in enumerate(tree):
+        if leaf["tree"] != m:
+            continue
+        used = {c["pos"] for c in tree if c["parent"] == j} | {p for jj, p in taken if jj == j}
+        for p in range(leaf["pos"] + 1, leaf["protect"]):
+            if p in used:
+                continue
+            score = {"entropy": lambda: leaf["entropy"][p], "nll": lambda: -leaf["logprobs"][p],
+                     "random": rng.random}[args.branch_score]()
+            cands.append((score, rng.random(), j, p))
+    cands.sort(key=lambda c: (c[0], c[1]), reverse=True)
+    return [(c[0], c[2], c[3]) for c in cands[:n]]
+
+
+class Request(NamedTuple):
+    """One row of a sampling call: prompt `group`, continuing leaf `parent`'s path cut before token `pos` (parent -1,
+    pos 0: a fresh chain from the prompt); the new leaf joins tree `tree` (the chain it descends from)."""
+    group: int
+    parent: int
+    pos: int
+    tree: int
+
+    def prefix(self, trees: list[list[dict]]) -> list[int]:
+        """The completion tokens this row continues: its parent's path up to the branch point (none for a chain)."""
+        return [] if self.parent < 0 else trees[self.group][self.parent]["tokens"][:self.pos]
+
+
+def sample_requests(sample_fn, reqs: list[Request], prefixes, budgets, prompt_lens: list[int],
+                    counts: dict) -> list[dict]:
+    """One sample_fn call for all requests (row i: prompt + prefixes[i], at most budgets[i] new tokens); counts the
+    prefill (prompt + prefix) and the sampled tokens."""
+    counts["prefill"] += sum(prompt_lens[req.group] + len(p) for req, p in zip(reqs, prefixes))
+    segs = sample_fn([req.group for req in reqs], prefixes, budgets)
+    counts["sampled"] += sum(len(seg["tokens"]) for seg in segs)
+    return segs
+
+
+def attach(trees: list[list[dict]], req: Request, seg: dict, protect_from) -> None:
+    """Add a sampled request's leaf to its tree: the parent's path up to the branch point, then the new segment."""
+    leaf = {k: list(seg[k]) for k in ("tokens", "logprobs", "entropy") if k in seg}
+    par = trees[req.group][req.parent] if req.parent >= 0 else None
+    if par is not None:
+        leaf = {k: par[k][:req.pos] + leaf[k] for k in leaf}
+    leaf.update(finished=seg["finished"], parent=req.parent, pos=req.pos, tree=req.tree,
+                depth=0 if par is None else par["depth"] + 1)
+    leaf["protect"] = protect_from(leaf["tokens"])
+    trees[req.group].append(leaf)
+
+
+def allocate_branches(success: list[float], budget: int, caps: list[int]) -> list[int]:
+    """Split `budget` branch points over trees in proportion to p (1 - p) of their success rates (largest
+    remainders, ties to the lower index), each tree at most its legal points `caps`; when every p is 0 or 1,
+    evenly. What a capped tree cannot take goes to the others by the same rule."""
+    alloc, left = [0] * len(success), budget
+    while left > 0:
+        open_ = [m for m in range(len(success)) if alloc[m] < caps[m]]
+        if not open_:
+            break
+        w = {m: success[m] * (1 - success[m]) for m in open_}
+        if sum(w.values()) <= 0:
+            w = {m: 1.0 for m in open_}
+        total = sum(w.values())
+        share = {m: left * w[m] / total for m in open_}
+        give = {m: min(int(share[m]), caps[m] - alloc[m]) for m in open_}
+        rest = left - sum(give.values())
+        for m in sorted(open_, key=lambda m: -(share[m] - int(share[m]))):
+            if rest > 0 and give[m] < caps[m] - alloc[m] and w[m] > 0:
+                give[m], rest = give[m] + 1, rest - 1
+        if not any(give.values()):
+            break
+        for m in open_:
+            alloc[m] += give[m]
+        left -= sum(give.values())
+    return alloc
+
+
+def round_requests(trees: list[list[dict]], args: Args, rng, reward_fn) -> list[Request]:
+    """One branching round: a group's M N points split over its trees by allocate_branches (every leaf rewarded once
+    by reward_fn; each tree ranks its legal points once and takes its allocated best), T continuations (consecutive
+    rows) from each point, and a fresh chain for each continuation of a point that no tree could take."""
+    reqs = []
+    for g, tree in enumerate(trees):
+        for leaf in tree:
+            if "reward" not in leaf:
+                leaf["reward"] = reward_fn(g, leaf["tokens"])
+        success = [float(np.mean([l["reward"] for l in tree if l["tree"] == m])) for m in range(args.chains)]
+        ranked = [branch_points(tree, m, 10**9, args, rng, set()) for m in range(args.chains)]
+        per_tree = allocate_branches(success, args.chains * args.branches, [len(r) for r in ranked])
+        for m in range(args.chains):
+            reqs += [Request(g, j, p, m) for _, j, p in ranked[m][:per_tree[m]] for _ in range(args.continuations)]
+        short = args.chains * args.branches - sum(per_tree)
+        reqs += [Request(g, -1, 0, k % args.chains) for k in range(args.continuations * short)]
+    return reqs
+
+
+def grow_trees(sample_fn, prompt_lens: list[int], args: Args, rng, protect_from,
+               reward_fn) -> tuple[list[list[dict]], dict]:
+    """M chains per prompt, then L rounds of M N branch points per prompt (split over its trees) x T continuations,
+    one sample_fn call each: G = M (1 + L N T) leaves per prompt.
+
+    sample_fn(groups, prefixes, budgets) -> segments (sample_segments); protect_from(tokens) -> first index of the
+    final answer; prompt_lens: tokens per prompt (for the prefill count); reward_fn(group, tokens) -> reward. A leaf
+    (parents before children): tokens, logprobs, [entropy], finished, parent (-1 for a chain), pos (where its own
+    segment starts), tree (its chain), depth, protect, [reward]. Counts: sampled tokens (the sum of segment lengths),
+    prefill tokens, branched / fallback rows.
+    """
+    counts = dict(sampled=0, prefill=0, branched=0, fallback=0)
+    trees = [[] for _ in prompt_lens]
+    reqs = [Request(g, -1, 0, m) for g in range(len(prompt_lens)) for m in range(args.chains)]
+    for r in range(args.rounds + 1):
+        if r > 0:
+            reqs = round_requests(trees, args, rng, reward_fn)
+            counts["branched"] += sum(req.parent >= 0 for req in reqs)
+            counts["fallback"] += sum(req.parent < 0 for req in reqs)
+        prefixes = [req.prefix(trees) for req in reqs]
+        budgets = [args.max_new_tokens - len(p) for p in prefixes]
+        for req, seg in zip(reqs, sample_requests(sample_fn, reqs, prefixes, budgets, prompt_lens, counts)):
+            attach(trees, req, seg, protect_from)
+    return trees, counts
+
+
+# ---- rollout and update ----
+def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
+    """Grow one tree of G leaves for each of prompts_per_step training prompts (grow_trees); reward the leaves; GRPO's
+    advantages over each prompt's leaves. The batch holds one row per leaf (group-major), as grpo.py's, plus the tree
+    metrics."""
+    examples = task.sample("train", args.prompts_per_step, rng)
+    prompts = common.encode_prompts(tok, [e.prompt for e in examples])
+    stats = args.rounds > 0 and args.branch_score == "entropy"
+    sample = lambda groups, prefixes, budgets: sample_segments(  # noqa: E731
+        model, tok, prompts, groups, prefixes, budgets, args, engine, stats)
+    pieces = _tree.token_pieces(tok)
+    reward = lambda g, toks: task.verify(tok.decode(toks, skip_special_tokens=True), examples[g].answer)[0]  # noqa: E731
+    trees, counts = grow_trees(sample, [len(p) for p in prompts], args, rng,
+                               lambda toks: _tree.answer_start(toks, pieces, args.answer_marker), reward)
+    leaves = [leaf for tree in trees for leaf in tree]
+    texts = tok.batch_decode([leaf["tokens"] for leaf in leaves], skip_special_tokens=True)
+    answers = [e.answer for e in examples for _ in range(args.group_size)]
+    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(texts, answers)], device=device)
+    batch = _tree.leaf_batch(trees, prompts, tok.pad_token_id, device)
+    batch.update(rewards=rewards, adv=group_advantages(rewards, args.group_size, args.adv_std_norm),
+                 finish_reasons=["stop" if l["finished"] else "length" for l in leaves],
+                 tree=_tree.tree_metrics(trees, texts, rewards, counts, args))
+    return batch
+
+
+def lr_factor(step: int, total: int, args: Args) -> float:
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return 1.0
+    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
+    """NaN guard, clip, scheduled lr, step; returns the gradient norm. With several processes FSDP2 has already
+    summed the gradients over ranks (the loss used step-global normalisers) and the norm is the global one; the
+    full sampler copy of a sharded model is gathered again after the step."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
+    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
+        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
+                         "intact. Lower --lr or check the rewards.")
+    for group in opt.param_groups:
+        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
+    opt.step()
+    common.sync_sampler(model)
+    return grad_norm
+
+
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+    """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
+
+    pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
+    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged. The logged
+    statistics are sums over all ranks divided by global counts: every rank returns the same values.
+    """
+    B = batch["completion_ids"].shape[0]
+    micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
+    logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
+        batch["completion_mask"][idx], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+    on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
+    with torch.no_grad():
+        old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
+        ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
+    correct = args.sampler_is_cap > 0 and (args.engine == "vllm" or not common.sampler_is_trainer(model))
+    sums = {"pg": 0.0, "entropy": 0.0}  # this rank's share of each step mean, summed over ranks below
+    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
+    gap = {"sum": 0.0 if on_policy else common.masked_sum((old - batch["logprobs"]).abs(),
+                                                          batch["completion_mask"].float()).item(),
+           "tokens": float(batch["completion_mask"].sum()), "is_w": 0.0, "is_cut": 0.0}
+    n_opt, grad_norm = 0, 0.0
+    for epoch in range(args.ppo_epochs):
+        for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
+            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
+                                  device=batch["adv"].device)
+            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            opt.zero_grad(set_to_none=True)
+            for idx in micro(mb_idx):
+                logp, ent = logprobs_of(model, idx, True)
+                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
+                      "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx]}
+                mb["is_weight"] = truncated_is_weight(mb["old"], batch["logprobs"][idx], args.sampler_is_cap) \
+                    if correct else None
+                loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
+                loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
+                sums["pg"] += loss.item()
+                for k, v in {**token_stats, "entropy": ent}.items():
+                    sums[k] = sums.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
+                if on_policy:  # the only forward on the sampler's weights
+                    gap["sum"] += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(), mb["mask"]).item()
+                if correct and epoch == 0:  # every token once
+                    gap["is_w"] += common.masked_sum(mb["is_weight"], mb["mask"]).item()
+                    gap["is_cut"] += common.masked_sum((mb["is_weight"] >= args.sampler_is_cap).float(),
+                                                       mb["mask"]).item()
+            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
+            grad_norm += optimizer_step(model, opt, args, accel, opt_step)
+            n_opt += 1
+    keys = sorted(sums) + [f"gap_{k}" for k in gap]
+    tot = torch.tensor([*(sums[k] for k in sorted(sums)), *gap.values()], dtype=torch.float64,
+                       device=batch["adv"].device)
+    tot = dict(zip(keys, (accel.reduce(tot, "sum") if accel.num_processes > 1 else tot).tolist()))
+    out = {**{f"loss/{k}": tot[k] / n_opt for k in sums}, "loss/grad_norm": grad_norm / n_opt,
+           "rollout/logprob_mismatch": tot["gap_sum"] / max(tot["gap_tokens"], 1)}
+    if correct:
+        out.update({"rollout/is_weight_mean": tot["gap_is_w"] / max(tot["gap_tokens"], 1),
+                    "rollout/is_truncated_frac": tot["gap_is_cut"] / max(tot["gap_tokens"], 1)})
+    return out
+
+
+
+def load_policy(args: Args, accel):
+    """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
+    only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
+    model, tok = common.load_model(args.model, accel.device, args.dtype)
+    model.train()
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    return common.shard(model, accel), tok, common.shard(ref_model, accel, sampler=False)
+
+
+# ---- main ----
+def main(args: Args) -> dict:
+    check_args(args)
+    from accelerate import Accelerator
+
+    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
+    rank, is_main = accel.process_index, accel.is_main_process
+    torch.set_num_threads(args.threads)
+    common.set_seed(args.seed)
+    task = common.make_task(args.task, args.digits)
+    hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
+    engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
+        if args.engine == "vllm" else None
+    use_kernels = args.kernels and accel.device.type == "cuda"
+    fused_logprob = None
+    if use_kernels:  # Triton: the fused lm_head + log-softmax (the loss kernel is in kernel_grpo_loss)
+        from kernels.fused_logprob import fused_linear_logprob as fused_logprob
+    loss_fn = kernel_grpo_loss if use_kernels else grpo_loss
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    run_dir = Path(args.out_dir) / args.exp_name
+    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
+    if args.resume and engine is not None:
+        engine.sync_weights(model)
+    start_step, history = state.get("step", 0), state.get("history", [])
+    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
+    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
+    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task, engine)
+
+    def log(metrics: dict, step: int):
+        history.append({"step": step, **metrics})
+        if tracker is not None:
+            tracker.log(metrics, step)
+
+    if start_step == 0 and is_main:
+        log(evaluate(), 0)
+    bar = tqdm(range(start_step + 1, args.steps + 1), desc="tree", dynamic_ncols=True, disable=not is_main,
+               initial=start_step, total=args.steps)
+    for step in bar:
+        # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
+        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
+        rng = np.random.default_rng([args.seed, step, rank])
+        with timer("gen"):
+            batch = rollout(model, tok, task, args, rng, accel.device, engine)
+        with timer("train"):
+            stats = update(model, opt, batch, loss_fn, args, step, accel, ref_model, fused_logprob)
+        if engine is not None:
+            with timer("sync"):
+                engine.sync_weights(model)
+        t = timer.pop()
+        sampled = batch["tree"]["rollout/sampled_tokens"]  # generated tokens: the tree's, not G full completions
+        gen_tokens, gen_time = gen_tokens + sampled, gen_time + t["gen"]
+        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
+                                            args.group_size, t["gen"]), **batch["tree"], **stats,
+                   "rollout/tokens_per_s": sampled / max(t["gen"], 1e-9), "perf/lr": opt.param_groups[0]["lr"],
+                   **{f"perf/{k}_s": v for k, v in t.items()}}
+        if is_main and (step % args.eval_every == 0 or step == args.steps):
+            metrics.update(evaluate())
+        log(metrics, step)
+        if is_main:
+            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
+                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
+        if args.save_every and step % args.save_every == 0 or step == args.steps:  # every rank: shards
+            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
+                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
+                                    "gen_tokens": gen_tokens, "gen_time": gen_time})
+    if not is_main:
+        return {}
+    summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start), **_tree.tree_summary(history)}
+    print(f"token-savings {summary['token_savings']:.2f}x ({summary['sampled_tokens']:.0f} sampled tokens)")
+    common.save_curve(history, run_dir / "curve.png", f"tree GRPO on {task.name} ({args.model})")
+    return tracker.finish(summary)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

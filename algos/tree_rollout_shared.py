@@ -1,0 +1,630 @@
+"""Tree rollouts for GRPO trained on each tree token once: shared prefixes are one forward, under tree attention.
+
+A tree's leaves share their prefixes (the parent's trees, after Hou et al., "TreeRL: LLM Reinforcement Learning with
+On-Policy Tree Search", arXiv:2506.11902, and Li et al., "TreePO: Bridging the Gap of Policy Optimization and Efficacy
+and Inference Efficiency with Heuristic Tree-based Modeling", arXiv:2508.17445), so one sequence per leaf runs the
+shared tokens through the model once per leaf. Packing each prompt's tree into one row with a tree attention mask
+runs every tree token once; weighting each token by the leaves through it gives the same loss and gradient (a test
+checks both) with fewer forward tokens. The trees, GRPO's advantages over their G leaves and the accounting are the
+parent's; this file changes the training forward and the loss.
+
+Parent: algos/tree_rollout_grpo.py; changed: Args, Args.exp_name, check_args, rollout, main.
+
+Equations (the parent's, and; each implemented by the function named on the right):
+  packing       one row per prompt: the prompt, then every leaf's own segment; a token attends to its path (the
+                prompt and its ancestors' tokens) and itself; position ids are path positions        pack_trees
+  forward       log pi of every tree token from the hidden state of its predecessor on its path, one forward per
+                packed tree with the additive tree mask                  packed_logprobs, tree_attention_mask
+  loss          sum_l w_l l(rho_t, A_lt) = P_t l(rho_t, +1) + N_t l(rho_t, -1) for the clipped surrogate, with
+                P_t = sum_l w_l max(A_lt, 0), N_t = sum_l w_l max(-A_lt, 0) over the leaves l through token t, w_l the
+                leaf's share of the aggregation (1 / (N_seq |o_l|) for seq-mean); + kl_coef sum_l w_l k3_t
+                                                                                            shared_token_loss
+  update        mini-batches of prompts (micro_batch_size // G trees per micro-batch); the normalisers count leaves
+                and leaf tokens, as the parent's one-sequence-per-leaf batch would                 update_shared
+
+Deviations (the parent's hold too):
+- The tree mask goes to attention as an additive float mask (0 / -inf), which eager and SDPA both apply;
+  flash-attention kernels take no 4-D mask and are refused with a message.
+- No --kernels and no sampler correction (--sampler-is-cap): the packed forward has no fused kernel, and the shared
+  update applies no truncated importance weight where the sampler is not the trainer (vLLM, the bf16 sampler copy).
+- rollout/logprob_mismatch and the loss/ statistics are means over tree tokens, not leaf tokens.
+
+Commands:
+  python algos/tree_rollout_shared.py                            # the parent's default tree, each token trained once
+  python algos/tree_rollout_shared.py --rounds 2 --continuations 1 --chains 2   # deeper trees: more sharing
+  python algos/tree_rollout_shared.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --device cuda \
+      --max-new-tokens 512 --answer-marker "####" --lr 1e-6                              # one GPU
+Expected: the parent's learning (from the same trees, the first update's loss and gradient norm equal the parent's
+to 1e-4 and 1e-3, a test), from fewer forward tokens: prompt + tree tokens once per tree, not prompt + leaf per leaf.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import tyro
+from tqdm import tqdm
+
+import common
+from algos import _tree
+from algos._vllm import VLLMEngine
+
+
+@dataclass
+class Args:
+    # bookkeeping
+    exp_name: str = "tree_rollout_shared"
+    """name of the run (the output folder is out_dir/exp_name)"""
+    seed: int = 0
+    """random seed: prompts and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
+    track: bool = False
+    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
+    out_dir: str = "runs"
+    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
+    # model and task
+    model: str = "tiny-sums"
+    """tiny-0.6m, tiny-5m, smollm2-135m, a Hugging Face id or a local path"""
+    task: str = "sums"
+    """sums (5 operands with running totals), sums<N>, add, addsteps, jsonl:PATH (prompt/answer records) or gsm8k"""
+    digits: int = 1
+    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
+    device: str = "auto"
+    """auto (CUDA if present), cpu or cuda"""
+    threads: int = 1
+    """torch CPU threads per process (1: generation here is per-call overhead; 2 threads gain little and slow ~10x
+    when another 2-thread job shares the 2 cores)"""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+    # rollout
+    engine: Literal["hf", "vllm"] = "hf"
+    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
+    vllm_gpu_memory: float = 0.3
+    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
+    prompts_per_step: int = 16
+    """distinct prompts per rollout batch (per process)"""
+    group_size: int = 16
+    """G, leaves per prompt: must equal chains * (1 + rounds * branches * continuations)"""
+    max_new_tokens: int = 48
+    """generation budget per completion"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer scores with the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    # tree
+    chains: int = 4
+    """M: independent chains per prompt (the roots of the trees)"""
+    rounds: int = 1
+    """L: branching rounds after the chains (0 = no branching: plain GRPO with G = M)"""
+    branches: int = 1
+    """N: branch points per tree and round"""
+    continuations: int = 3
+    """T: continuations drawn from each branch point"""
+    branch_score: Literal["entropy", "nll", "random"] = "entropy"
+    """where to branch: highest next-token entropy (EPTree), highest sampled-token NLL, or uniformly at random"""
+    answer_marker: str = "="
+    """the final answer starts at the last token containing this string (no branching there or after it)"""
+    # objective
+    adv_std_norm: bool = True
+    """divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
+    clip_eps_low: float = 0.2
+    """lower clip range: ratio >= 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """upper clip range: ratio <= 1 + eps_high (DAPO's clip-higher uses 0.28)"""
+    kl_coef: float = 0.0
+    """weight of the k3 KL to the frozen initial policy (0 = no reference model)"""
+    loss_agg: Literal["seq-mean", "token-mean", "const"] = "seq-mean"
+    """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
+    agg_const: int = 0
+    """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    # optimisation
+    steps: int = 50
+    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
+    ppo_epochs: int = 1
+    """passes over each rollout batch"""
+    minibatches: int = 1
+    """optimiser steps per pass; the rollout batch is split into this many"""
+    micro_batch_size: int = 256
+    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
+    lr: float = 1e-4
+    """peak learning rate (AdamW); 1e-3 collapses the tiny policy, real LLMs want about 1e-6"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
+    warmup_steps: int = 0
+    """linear warm-up (optimiser steps)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    grad_checkpointing: bool = False
+    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
+    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
+    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
+    # eval and checkpoints
+    eval_every: int = 25
+    """rollout batches between held-out evaluations"""
+    eval_examples: int = 500
+    """held-out prompts for greedy accuracy"""
+    pass_k: int = 8
+    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
+    eval_hard: bool = True
+    """also evaluate one digit harder than training (out of distribution)"""
+    save_every: int = 0
+    """rollout batches between checkpoints (0 = only at the end)"""
+    resume: str = ""
+    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
+
+
+def check_args(args: Args) -> None:
+    """Fail early, naming the flag, instead of deep inside torch."""
+    if min(args.chains, args.branches, args.continuations) < 1 or args.rounds < 0:
+        raise SystemExit("--chains, --branches and --continuations must be >= 1 and --rounds >= 0")
+    leaves = args.chains * (1 + args.rounds * args.branches * args.continuations)
+    if args.group_size != leaves:
+        raise SystemExit(f"--group-size {args.group_size} must equal chains * (1 + rounds * branches * continuations) "
+                         f"= {args.chains} * (1 + {args.rounds} * {args.branches} * {args.continuations}) = {leaves}")
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size must be at least 2 for a group baseline, got {args.group_size}")
+    if args.prompts_per_step < 1 or args.steps < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--prompts-per-step, --steps and --max-new-tokens must be positive")
+    if args.prompts_per_step % args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} must divide the rollout batch ({args.prompts_per_step} "
+                         "trees: mini-batches split by prompt)")
+    if args.micro_batch_size < 1:
+        raise SystemExit("--micro-batch-size must be positive")
+    if not (0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0):
+        raise SystemExit("clip ranges need 0 <= eps_low < 1 and eps_high >= 0")
+    if args.temperature <= 0:
+        raise SystemExit("--temperature must be > 0 (greedy decoding is used for eval only)")
+    if not args.answer_marker:
+        raise SystemExit("--answer-marker must be a non-empty string (the final answer is never branched)")
+    if args.engine == "vllm" and not torch.cuda.is_available():
+        raise SystemExit("--engine vllm needs a CUDA GPU; use --engine hf on CPU")
+
+
+# ---- advantage, clipped surrogate, KL ----
+def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True, eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std_g r + eps); rewards [B] group-major -> advantages [B]."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(1, keepdim=True)
+    if std_norm:
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def clipped_pg_loss(logp, old_logp, adv, eps_low: float, eps_high: float):
+    """Per-token PPO-clip loss -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); logp [B, C], adv [B].
+
+    Returns (loss [B, C], clipped [B, C] as float: where the clipped branch was the active one).
+    """
+    ratio = torch.exp(logp - old_logp)
+    a = adv.unsqueeze(1)
+    unclipped, clipped = ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def k3_kl(logp, ref_logp):
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def agg_const(args: Args) -> int:
+    """The constant k of --loss-agg const (default: the generation budget, as Dr. GRPO)."""
+    return args.agg_const or args.max_new_tokens
+
+
+# ---- the idea: growing the trees ----
+def sample_segments(model, tok, prompts, groups, prefixes, budgets, args: Args, engine=None, stats=False) -> list[dict]:
+    """One batched generate call from prompt + prefix for every row; row r is cut at its own budget budgets[r].
+
+    Returns per row a segment: tokens, behaviour logprobs, finished (EOS inside the budget) and, with stats, the
+    entropy at every position.
+    """
+    ro = common.generate(model, tok, [prompts[g] + p for g, p in zip(groups, prefixes)], 1, max(budgets),
+                         args.temperature, args.top_p, engine=engine)
+    lengths = ro.completion_mask.sum(1).tolist()
+    if stats:
+        ent, _, _ = _tree.next_token_stats(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                                           ro.completion_mask, args.temperature)
+    segs = []
+    for r, budget in enumerate(budgets):
+        n = min(lengths[r], budget)
+        seg = {"tokens": ro.completion_ids[r, :n].tolist(), "logprobs": ro.logprobs[r, :n].tolist(),
+               "finished": ro.finish_reasons[r] == "stop" and n == lengths[r]}
+        if stats:
+            seg["entropy"] = ent[r, :n].tolist()
+        segs.append(seg)
+    return segs
+
+
+def branch_points(tree: list[dict], m: int, n: int, args: Args, rng, taken: set) -> list[tuple]:
+    """Up to n legal branch points (score, j, p) of tree m, best score first.
+
+    Legal: p inside leaf j's own segment but not its first token (pos_j < p), before its final answer (p < protect_j),
+    and no branch at (j, p) yet (nor in `taken`, this round's picks).
+    """
+    cands = []
+    for j, leaf in enumerate(tree):
+        if leaf["tree"] != m:
+            continue
+        used = {c["pos"] for c in tree if c["parent"] == j} | {p for jj, p in taken if jj == j}
+        for p in range(leaf["pos"] + 1, leaf["protect"]):
+            if p in used:
+                continue
+            score = {"entropy": lambda: leaf["entropy"][p], "nll": lambda: -leaf["logprobs"][p],
+                     "random": rng.random}[args.branch_score]()
+            cands.append((score, rng.random(), j, p))
+    cands.sort(key=lambda c: (c[0], c[1]), reverse=True)
+    return [(c[0], c[2], c[3]) for c in cands[:n]]
+
+
+class Request(NamedTuple):
+    """One row of a sampling call: prompt `group`, continuing leaf `parent`'s path cut before token `pos` (parent -1,
+    pos 0: a fresh chain from the prompt); the new leaf joins tree `tree` (the chain it descends from)."""
+    group: int
+    parent: int
+    pos: int
+    tree: int
+
+    def prefix(self, trees: list[list[dict]]) -> list[int]:
+        """The completion tokens this row continues: its parent's path up to the branch point (none for a chain)."""
+        return [] if self.parent < 0 else trees[self.group][self.parent]["tokens"][:self.pos]
+
+
+def sample_requests(sample_fn, reqs: list[Request], prefixes, budgets, prompt_lens: list[int],
+                    counts: dict) -> list[dict]:
+    """One sample_fn call for all requests (row i: prompt + prefixes[i], at most budgets[i] new tokens); counts the
+    prefill (prompt + prefix) and the sampled tokens."""
+    counts["prefill"] += sum(prompt_lens[req.group] + len(p) for req, p in zip(reqs, prefixes))
+    segs = sample_fn([req.group for req in reqs], prefixes, budgets)
+    counts["sampled"] += sum(len(seg["tokens"]) for seg in segs)
+    return segs
+
+
+def attach(trees: list[list[dict]], req: Request, seg: dict, protect_from) -> None:
+    """Add a sampled request's leaf to its tree: the parent's path up to the branch point, then the new segment."""
+    leaf = {k: list(seg[k]) for k in ("tokens", "logprobs", "entropy") if k in seg}
+    par = trees[req.group][req.parent] if req.parent >= 0 else None
+    if par is not None:
+        leaf = {k: par[k][:req.pos] + leaf[k] for k in leaf}
+    leaf.update(finished=seg["finished"], parent=req.parent, pos=req.pos, tree=req.tree,
+                depth=0 if par is None else par["depth"] + 1)
+    leaf["protect"] = protect_from(leaf["tokens"])
+    trees[req.group].append(leaf)
+
+
+def round_requests(trees: list[list[dict]], args: Args, rng) -> list[Request]:
+    """One branching round: T continuations (consecutive rows) from each of a tree's N best legal points
+    (branch_points), and a fresh chain for each continuation of a point the tree lacks (no legal point left)."""
+    reqs = []
+    for g, tree in enumerate(trees):
+        for m in range(args.chains):
+            points = branch_points(tree, m, args.branches, args, rng, set())
+            reqs += [Request(g, j, p, m) for _, j, p in points for _ in range(args.continuations)]
+            reqs += [Request(g, -1, 0, m)] * (args.continuations * (args.branches - len(points)))
+    return reqs
+
+
+def grow_trees(sample_fn, prompt_lens: list[int], args: Args, rng, protect_from) -> tuple[list[list[dict]], dict]:
+    """M chains per prompt, then L rounds of N branch points x T continuations per tree, one sample_fn call each:
+    G = M (1 + L N T) leaves per prompt.
+
+    sample_fn(groups, prefixes, budgets) -> segments (sample_segments); protect_from(tokens) -> first index of the
+    final answer; prompt_lens: tokens per prompt (for the prefill count). A leaf (parents before children): tokens,
+    logprobs, [entropy], finished, parent (-1 for a chain), pos (where its own segment starts), tree (its chain),
+    depth, protect. Counts: sampled tokens (the sum of segment lengths), prefill tokens, branched / fallback rows.
+    """
+    counts = dict(sampled=0, prefill=0, branched=0, fallback=0)
+    trees = [[] for _ in prompt_lens]
+    reqs = [Request(g, -1, 0, m) for g in range(len(prompt_lens)) for m in range(args.chains)]
+    for r in range(args.rounds + 1):
+        if r > 0:
+            reqs = round_requests(trees, args, rng)
+            counts["branched"] += sum(req.parent >= 0 for req in reqs)
+            counts["fallback"] += sum(req.parent < 0 for req in reqs)
+        prefixes = [req.prefix(trees) for req in reqs]
+        budgets = [args.max_new_tokens - len(p) for p in prefixes]
+        for req, seg in zip(reqs, sample_requests(sample_fn, reqs, prefixes, budgets, prompt_lens, counts)):
+            attach(trees, req, seg, protect_from)
+    return trees, counts
+
+
+# ---- the idea: each tree token once (tree attention), weighted by its leaves ----
+def pack_trees(trees: list[list[dict]], prompts: list[list[int]], adv: torch.Tensor, args: Args, pad_id: int,
+               device) -> dict:
+    """Each prompt's tree as one row: the prompt, then every leaf's own segment, under a tree attention mask.
+
+    adv: [B] per leaf (the parent's) or [B, C] per token. Per tree token (columns Q): tgt, tgt_pos (the row index whose hidden state predicts
+    it: the previous token of its path), mask, behaviour logprobs, and over the leaves l through it
+    pos_w = sum w_l max(A_l, 0), neg_w = sum w_l max(-A_l, 0), kl_w = sum w_l with w_l = 1/|o_l| (seq-mean), 1
+    (token-mean) or 1/k (const); the step's normaliser divides later. Also leaf_tokens [R] (sum of leaf lengths) and
+    leaf_index [B, C] (the column of every leaf token). Position ids are the path positions, as in the leaf batch.
+    """
+    B, C = adv.shape[0], max(len(l["tokens"]) for tree in trees for l in tree)
+    tok_adv = adv.float().cpu() if adv.dim() == 2 else adv.float().cpu()[:, None].expand(B, C)
+    leaf_index, rows, b = torch.zeros(B, C, dtype=torch.long), [], 0
+    for g, tree in enumerate(trees):
+        P, col, toks, pred, lps = len(prompts[g]), [], [], [], []
+        pos = list(range(P))
+        for leaf in tree:  # col[j][t]: the column of token t of leaf j's path (its parent's up to pos, then its own)
+            col.append(col[leaf["parent"]][:leaf["pos"]] if leaf["parent"] >= 0 else [])
+            for t in range(leaf["pos"], len(leaf["tokens"])):
+                col[-1].append(len(toks))
+                toks.append(leaf["tokens"][t])
+                lps.append(leaf["logprobs"][t])
+                pos.append(P + t)
+                pred.append(P - 1 if t == 0 else P + col[-1][t - 1])
+        Q = len(toks)
+        attn = torch.zeros(P + Q, P + Q, dtype=torch.bool)
+        attn[:P, :P] = torch.ones(P, P, dtype=torch.bool).tril()
+        for q in range(Q):  # a token sees its predecessor's context and itself
+            attn[P + q] = attn[pred[q]]
+            attn[P + q, P + q] = True
+        w = torch.zeros(3, Q)
+        for i, leaf in enumerate(tree):
+            n = len(leaf["tokens"])
+            f = {"seq-mean": 1 / n, "token-mean": 1.0, "const": 1 / agg_const(args)}[args.loss_agg]
+            for t in range(n):
+                q = col[i][t]
+                a = float(tok_adv[b + i, t])
+                w[:, q] += torch.tensor([f * max(a, 0.0), f * max(-a, 0.0), f])
+                leaf_index[b + i, t] = q
+        rows.append((prompts[g] + toks, pos, attn, pred, toks, lps, w, sum(len(l["tokens"]) for l in tree)))
+        b += len(tree)
+    R, S, Q = len(rows), max(len(r[0]) for r in rows), max(len(r[4]) for r in rows)
+    pk = {"ids": torch.full((R, S), pad_id), "pos": torch.zeros(R, S, dtype=torch.long),
+          "attn": torch.eye(S, dtype=torch.bool).repeat(R, 1, 1), "tgt_pos": torch.zeros(R, Q, dtype=torch.long),
+          "tgt": torch.full((R, Q), pad_id), "mask": torch.zeros(R, Q), "logprobs": torch.zeros(R, Q),
+          "pos_w": torch.zeros(R, Q), "neg_w": torch.zeros(R, Q), "kl_w": torch.zeros(R, Q),
+          "leaf_tokens": torch.tensor([float(r[7]) for r in rows]), "leaf_index": leaf_index}
+    for k, (ids, pos, attn, pred, toks, lps, w, _) in enumerate(rows):
+        s, q = len(ids), len(toks)
+        pk["ids"][k, :s], pk["pos"][k, :s], pk["attn"][k, :s, :s] = torch.tensor(ids), torch.tensor(pos), attn
+        pk["tgt_pos"][k, :q], pk["tgt"][k, :q], pk["mask"][k, :q] = torch.tensor(pred), torch.tensor(toks), 1.0
+        pk["logprobs"][k, :q], (pk["pos_w"][k, :q], pk["neg_w"][k, :q], pk["kl_w"][k, :q]) = torch.tensor(lps), w
+    return {k: v.to(device) for k, v in pk.items()}
+
+
+def tree_attention_mask(model, attn):
+    """The boolean tree mask [b, S, S] as an additive float mask [b, 1, S, S]: 0 where a token may attend, -inf
+    elsewhere, in the model's dtype. Eager attention adds the mask to the scores (a boolean one would add 0 / 1 and
+    mask nothing) and SDPA takes either; flash-attention kernels take no 4-D mask, so anything but eager or SDPA is
+    refused by name."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in ("eager", "sdpa"):
+        raise SystemExit(f"shared-token training passes a 4-D tree attention mask, which needs eager or sdpa attention; "
+                         f"the model uses {impl!r}: load it with attn_implementation='sdpa', or train one sequence per "
+                         "leaf (algos/tree_rollout_grpo.py)")
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(attn.shape, dtype=dtype, device=attn.device).masked_fill(~attn, float("-inf"))[:, None]
+
+
+def packed_logprobs(model, pk: dict, idx, temperature: float = 1.0, with_entropy: bool = False,
+                    chunk_mb: float | None = None):
+    """log pi of every tree token [b, Q] (and the entropy, a statistic without a graph) from one forward over the
+    packed trees idx under the training autocast, with the additive tree mask (tree_attention_mask). The lm_head and
+    log-softmax run over chunks of tree tokens of about chunk_mb MiB of fp32 logits (common.LOGPROB_CHUNK_MB), each
+    recomputed in the backward (activation checkpointing, as common.token_logprobs): one [tokens x vocab] chunk alive."""
+    attn, head = tree_attention_mask(model, pk["attn"][idx]), model.get_output_embeddings()
+    tgt, mask = pk["tgt"][idx], pk["mask"][idx]
+    b, Q = tgt.shape
+
+    def chunk(hc, tc):
+        logp = torch.log_softmax(head(hc).float() / temperature, -1)
+        ent = -(logp.exp() * logp).sum(-1).detach() if with_entropy else hc.new_zeros(0)
+        return logp.gather(-1, tc[:, None]).squeeze(-1), ent
+
+    with common.autocast(model):
+        hidden = common.decoder_hidden(model, pk["ids"][idx], attn, pk["pos"][idx])
+        h = hidden.gather(1, pk["tgt_pos"][idx].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])).reshape(b * Q, -1)
+        step, t = common.chunk_positions(head.weight.shape[0], chunk_mb), tgt.reshape(-1)
+        grad = torch.is_grad_enabled() and h.requires_grad
+        parts = [torch.utils.checkpoint.checkpoint(chunk, h[s:s + step], t[s:s + step], use_reentrant=False) if grad
+                 else chunk(h[s:s + step], t[s:s + step]) for s in range(0, b * Q, step)]
+    lp = torch.cat([p[0] for p in parts]).view(b, Q) * mask
+    return (lp, torch.cat([p[1] for p in parts]).view(b, Q) * mask) if with_entropy else lp
+
+
+def shared_token_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """The replicated-leaf loss from each tree token once: since l(rho, A) = |A| l(rho, sign A) for the clipped
+    surrogate, sum_l w_l l(rho_t, A_lt) = pos_w l(rho_t, +1) + neg_w l(rho_t, -1) (+ kl_coef kl_w kl_t); divided by
+    N_seq (or the leaf tokens, token-mean) of the step. logp and mb's tensors [b, Q]."""
+    flat, ones = (lambda x: x.reshape(-1, 1)), torch.ones(logp.numel(), device=logp.device)  # noqa: E731
+    up, clip_up = clipped_pg_loss(flat(logp), flat(mb["old"]), ones, args.clip_eps_low, args.clip_eps_high)
+    down, clip_down = clipped_pg_loss(flat(logp), flat(mb["old"]), -ones, args.clip_eps_low, args.clip_eps_high)
+    tok_loss = mb["pos_w"] * up.view_as(logp) + mb["neg_w"] * down.view_as(logp)
+    weight = (mb["pos_w"] + mb["neg_w"]).clamp(min=1e-12)  # clip share weighted by each side's advantage mass
+    stats = {"clipfrac": (mb["pos_w"] * clip_up.view_as(logp) + mb["neg_w"] * clip_down.view_as(logp)) / weight}
+    if mb["ref"] is not None:
+        kl = k3_kl(logp, mb["ref"])
+        tok_loss, stats["kl"] = tok_loss + args.kl_coef * mb["kl_w"] * kl, kl
+    return (tok_loss * mb["mask"]).sum() / max(n_tokens if args.loss_agg == "token-mean" else n_seqs, 1), stats
+
+
+# ---- rollout and update ----
+def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
+    """Grow one tree of G leaves for each of prompts_per_step training prompts (grow_trees); reward the leaves; GRPO's
+    advantages over each prompt's leaves. The batch holds one row per leaf (group-major, for the metrics), the packed
+    trees the update trains on, and the tree metrics."""
+    examples = task.sample("train", args.prompts_per_step, rng)
+    prompts = common.encode_prompts(tok, [e.prompt for e in examples])
+    stats = args.rounds > 0 and args.branch_score == "entropy"
+    sample = lambda groups, prefixes, budgets: sample_segments(  # noqa: E731
+        model, tok, prompts, groups, prefixes, budgets, args, engine, stats)
+    pieces = _tree.token_pieces(tok)
+    trees, counts = grow_trees(sample, [len(p) for p in prompts], args, rng,
+                               lambda toks: _tree.answer_start(toks, pieces, args.answer_marker))
+    leaves = [leaf for tree in trees for leaf in tree]
+    texts = tok.batch_decode([leaf["tokens"] for leaf in leaves], skip_special_tokens=True)
+    answers = [e.answer for e in examples for _ in range(args.group_size)]
+    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(texts, answers)], device=device)
+    batch = _tree.leaf_batch(trees, prompts, tok.pad_token_id, device)
+    batch.update(rewards=rewards, adv=group_advantages(rewards, args.group_size, args.adv_std_norm),
+                 finish_reasons=["stop" if l["finished"] else "length" for l in leaves],
+                 tree=_tree.tree_metrics(trees, texts, rewards, counts, args))
+    batch["packed"] = pack_trees(trees, prompts, batch["adv"], args, tok.pad_token_id, device)
+    return batch
+
+
+def lr_factor(step: int, total: int, args: Args) -> float:
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return 1.0
+    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
+    """NaN guard, clip, scheduled lr, step; returns the gradient norm. With several processes FSDP2 has already
+    summed the gradients over ranks (the loss used step-global normalisers) and the norm is the global one; the
+    full sampler copy of a sharded model is gathered again after the step."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
+    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
+        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
+                         "intact. Lower --lr or check the rewards.")
+    for group in opt.param_groups:
+        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
+    opt.step()
+    common.sync_sampler(model)
+    return grad_norm
+
+
+def update_shared(model, opt, batch: dict, args: Args, step: int, accel, ref_model=None) -> dict:
+    """The parent's update with each tree scored once over its packed tokens: mini-batches of prompts.
+
+    The normalisers count leaves and leaf tokens (as the replicated batch would), so the loss and its gradient equal
+    the parent's update on one sequence per leaf; micro-batches hold micro_batch_size // G trees.
+    """
+    pk = batch["packed"]
+    R = pk["ids"].shape[0]
+    micro = lambda idx: idx.split(max(1, args.micro_batch_size // args.group_size))  # noqa: E731
+    logprobs_of = lambda m, idx, ent=False: packed_logprobs(m, pk, idx, args.temperature, ent)  # noqa: E731
+    on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
+    with torch.no_grad():
+        old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(R))])
+        ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(R))]) if ref_model else None
+    stats = {"pg": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    n_cols = max(int(pk["mask"].sum()), 1)  # tree tokens: the per-token stats are means over them
+    mismatch = 0.0 if on_policy else common.masked_mean((old - pk["logprobs"]).abs(), pk["mask"]).item()
+    n_opt = 0
+    for _ in range(args.ppo_epochs):
+        for mb_idx in (torch.randperm(R) if args.minibatches > 1 else torch.arange(R)).chunk(args.minibatches):
+            counts = torch.tensor([len(mb_idx) * args.group_size, float(pk["leaf_tokens"][mb_idx].sum())],
+                                  dtype=torch.float64, device=pk["mask"].device)
+            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            opt.zero_grad(set_to_none=True)
+            for idx in micro(mb_idx):
+                logp, ent = logprobs_of(model, idx, True)
+                mb = {k: pk[k][idx] for k in ("pos_w", "neg_w", "kl_w", "mask")}
+                mb.update(old=logp.detach() if old is None else old[idx], ref=None if ref is None else ref[idx])
+                loss, token_stats = shared_token_loss(logp, mb, n_seqs, n_tokens, args)
+                loss.backward()
+                stats["pg"] += loss.item()
+                for k, v in {**token_stats, "entropy": ent}.items():
+                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / (n_cols * args.ppo_epochs)
+                if on_policy:
+                    mismatch += common.masked_sum((logp.detach() - pk["logprobs"][idx]).abs(), mb["mask"]).item() / n_cols
+            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt
+            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+            n_opt += 1
+    return {**{f"loss/{k}": v / n_opt if k in ("pg", "grad_norm") else v for k, v in stats.items()},
+            "rollout/logprob_mismatch": mismatch}
+
+
+def load_policy(args: Args, accel):
+    """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
+    only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
+    model, tok = common.load_model(args.model, accel.device, args.dtype)
+    model.train()
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    return common.shard(model, accel), tok, common.shard(ref_model, accel, sampler=False)
+
+
+# ---- main ----
+def main(args: Args) -> dict:
+    check_args(args)
+    from accelerate import Accelerator
+
+    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
+    rank, is_main = accel.process_index, accel.is_main_process
+    torch.set_num_threads(args.threads)
+    common.set_seed(args.seed)
+    task = common.make_task(args.task, args.digits)
+    hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
+    engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
+        if args.engine == "vllm" else None
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    run_dir = Path(args.out_dir) / args.exp_name
+    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
+    if args.resume and engine is not None:
+        engine.sync_weights(model)
+    start_step, history = state.get("step", 0), state.get("history", [])
+    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
+    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
+    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
+    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task, engine)
+
+    def log(metrics: dict, step: int):
+        history.append({"step": step, **metrics})
+        if tracker is not None:
+            tracker.log(metrics, step)
+
+    if start_step == 0 and is_main:
+        log(evaluate(), 0)
+    bar = tqdm(range(start_step + 1, args.steps + 1), desc="tree", dynamic_ncols=True, disable=not is_main,
+               initial=start_step, total=args.steps)
+    for step in bar:
+        # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
+        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
+        rng = np.random.default_rng([args.seed, step, rank])
+        with timer("gen"):
+            batch = rollout(model, tok, task, args, rng, accel.device, engine)
+        with timer("train"):
+            stats = update_shared(model, opt, batch, args, step, accel, ref_model)
+        if engine is not None:
+            with timer("sync"):
+                engine.sync_weights(model)
+        t = timer.pop()
+        sampled = batch["tree"]["rollout/sampled_tokens"]  # generated tokens: the tree's, not G full completions
+        gen_tokens, gen_time = gen_tokens + sampled, gen_time + t["gen"]
+        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
+                                            args.group_size, t["gen"]), **batch["tree"], **stats,
+                   "rollout/tokens_per_s": sampled / max(t["gen"], 1e-9), "perf/lr": opt.param_groups[0]["lr"],
+                   **{f"perf/{k}_s": v for k, v in t.items()}}
+        if is_main and (step % args.eval_every == 0 or step == args.steps):
+            metrics.update(evaluate())
+        log(metrics, step)
+        if is_main:
+            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
+                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
+        if args.save_every and step % args.save_every == 0 or step == args.steps:  # every rank: shards
+            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
+                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
+                                    "gen_tokens": gen_tokens, "gen_time": gen_time})
+    if not is_main:
+        return {}
+    summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start), **_tree.tree_summary(history)}
+    print(f"token-savings {summary['token_savings']:.2f}x ({summary['sampled_tokens']:.0f} sampled tokens)")
+    common.save_curve(history, run_dir / "curve.png", f"tree GRPO, shared tokens, on {task.name} ({args.model})")
+    return tracker.finish(summary)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

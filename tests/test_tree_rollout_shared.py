@@ -1,0 +1,103 @@
+"""algos/tree_rollout_shared.py: the shared-token loss and gradient against the replicated-leaf loss (per-leaf and
+per-token advantages, eager and SDPA attention), attention without 4-D masks refused, one step equal to the parent's
+one-sequence-per-leaf step, bad input."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import common
+from _tree_policy import TablePolicy, tree_args
+from algos import tree_rollout_adv as ta, tree_rollout_grpo as tr, tree_rollout_shared as ts
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model, tok = common.load_model("tiny-0.6m")
+    return model, tok
+
+
+@pytest.mark.parametrize("agg,per_token,kl,attn", [("seq-mean", True, 0.0, "sdpa"), ("token-mean", False, 0.1, "sdpa"),
+                                                  ("const", True, 0.1, "sdpa"), ("seq-mean", True, 0.1, "eager")])
+def test_shared_token_loss_equals_the_replicated_leaf_loss(tiny, agg, per_token, kl, attn):
+    """Every tree token once, weighted by its leaves, gives the same loss and gradient as one sequence per leaf, with
+    clipping active (old log-probs away from the current ones), from fewer forward tokens; under eager attention
+    (which adds the mask to the scores) as under SDPA; with one advantage per leaf (the parent's) or per token
+    (tree_rollout_adv.py's TreeRL, whose loss is the reference then)."""
+    model, tok = tiny
+    model.set_attn_implementation(attn)
+    try:
+        _shared_equals_replicated(model, tok, agg, per_token, kl)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def _shared_equals_replicated(model, tok, agg, per_token, kl):
+    args = tree_args(ts, chains=2, rounds=2, branches=1, continuations=2, loss_agg=agg, kl_coef=kl, clip_eps_high=0.28)
+    ids = [4, 5, 6, 7, 8]
+    trees, _ = ts.grow_trees(TablePolicy(np.full((6, 5), 0.2), 6, ids=ids), [3] * 3, args, np.random.default_rng(1), len)
+    prompts = [[1, 9, 10, 11], [1, 12, 13], [1, 14, 15, 16, 17]]
+    leaves = [l for t in trees for l in t]
+    B, C = len(leaves), max(len(l["tokens"]) for l in leaves)
+    comp, mask = torch.full((B, C), tok.pad_token_id), torch.zeros(B, C)
+    for i, l in enumerate(leaves):
+        comp[i, :len(l["tokens"])], mask[i, :len(l["tokens"])] = torch.tensor(l["tokens"]), 1
+    pids, pmask = common.left_pad([p for p in prompts for _ in range(args.group_size)], tok.pad_token_id)
+    g = torch.Generator().manual_seed(2)
+    adv = torch.randn(B, C, generator=g) * mask if per_token else torch.randn(B, generator=g)
+    pk = ts.pack_trees(trees, prompts, adv, args, tok.pad_token_id, "cpu")
+    lp_shared = ts.packed_logprobs(model, pk, torch.arange(3), chunk_mb=0.001)  # several chunks, checkpointed
+    noise = torch.randn(lp_shared.shape, generator=g) * 0.3
+    old_shared, ref_shared = lp_shared.detach() + noise, lp_shared.detach() - noise
+    row = torch.arange(B) // args.group_size
+    gather = lambda x: x[row[:, None], pk["leaf_index"]] * mask  # noqa: E731
+    lp_rep = common.token_logprobs(model, pids, pmask, comp, mask.long())
+    assert torch.allclose(gather(lp_shared), lp_rep, atol=1e-5)  # tree attention = separate sequences
+    n_seqs, n_tokens = B, int(mask.sum())
+    rep_loss = ta.grpo_loss if per_token else tr.grpo_loss
+    rep, _ = rep_loss(lp_rep, {"adv": adv, "mask": mask, "old": gather(old_shared),
+                               "ref": gather(ref_shared) if kl else None}, n_seqs, n_tokens, args)
+    shared, st = ts.shared_token_loss(lp_shared, {**{k: pk[k] for k in ("pos_w", "neg_w", "kl_w", "mask")},
+                                                  "old": old_shared, "ref": ref_shared if kl else None},
+                                      n_seqs, n_tokens, args)
+    g_rep = torch.autograd.grad(rep, list(model.parameters()))
+    g_shared = torch.autograd.grad(shared, list(model.parameters()))
+    assert float(shared.detach()) == pytest.approx(float(rep.detach()), rel=1e-5, abs=1e-7)
+    for a, b in zip(g_rep, g_shared):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert float((st["clipfrac"] * pk["mask"]).sum()) > 0  # the clipped branch was active somewhere
+    # fewer forward tokens: prompt + tree tokens once per tree instead of prompt + leaf per leaf
+    assert pk["mask"].sum() + sum(map(len, prompts)) < mask.sum() + args.group_size * sum(map(len, prompts))
+
+
+def test_shared_training_refuses_attention_without_4d_masks(tiny):
+    model, tok = tiny
+    model.config._attn_implementation = "flash_attention_2"
+    try:
+        with pytest.raises(SystemExit, match="eager or sdpa"):
+            ts.tree_attention_mask(model, torch.ones(1, 3, 3, dtype=torch.bool))
+    finally:
+        model.config._attn_implementation = "sdpa"
+
+
+SMALL = dict(steps=1, prompts_per_step=4, eval_every=1, eval_examples=10, pass_k=0, eval_hard=False, threads=1,
+             exp_name="t")
+
+
+def test_shared_training_equals_leaf_training(tmp_path):
+    """One step from the same trees: each tree token once has the parent's (one sequence per leaf) loss and gradient
+    norm."""
+    tr.main(tr.Args(out_dir=str(tmp_path / "a"), **SMALL))
+    ts.main(ts.Args(out_dir=str(tmp_path / "b"), **SMALL))
+    a, b = [[json.loads(x) for x in open(tmp_path / d / "t" / "metrics.jsonl")][1] for d in "ab"]
+    assert a["rollout/reward"] == b["rollout/reward"] and a["rollout/sampled_tokens"] == b["rollout/sampled_tokens"]
+    assert b["loss/pg"] == pytest.approx(a["loss/pg"], rel=1e-4, abs=1e-6)
+    assert b["loss/grad_norm"] == pytest.approx(a["loss/grad_norm"], rel=1e-3)
+    assert b["rollout/logprob_mismatch"] < 1e-3
+
+
+def test_bad_input(tmp_path):
+    with pytest.raises(SystemExit, match="must divide"):
+        ts.main(ts.Args(out_dir=str(tmp_path), **{**SMALL, "minibatches": 3}))
