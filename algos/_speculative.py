@@ -308,6 +308,39 @@ class SpecStats:
                 "emitted": self.emitted, "reused_frac": self.reused / max(self.emitted, 1),
                 "target_s": self.target_s, "draft_s": self.draft_s}
 
+    def count_round(self, p, q, n_draft, n_acc) -> float | None:
+        """Count one round that had drafts (q [n, k, V], k > 0): the positions tested (the accepted ones and the
+        first rejection), drafted, accepted, and the acceptance beta summed over the tested positions. Returns beta's
+        mean over this round's tested positions (None when none was tested)."""
+        k = q.shape[1]
+        tested = torch.minimum(n_acc + 1, n_draft)
+        tmask = torch.arange(k)[None] < tested[:, None]
+        beta = (expected_acceptance(p[:, :k], q) * tmask).sum()
+        self.alpha_sum += float(beta)
+        self.tested += int(tested.sum())
+        self.drafted += int(n_draft.sum())
+        self.accepted += int(n_acc.sum())
+        self.rounds_with_draft += int((n_draft > 0).sum())
+        return float(beta / tested.sum()) if int(tested.sum()) else None
+
+
+def propose_drafts(drafter, seqs: list[list[int]], rows: list[int], k: int, room, st: SpecStats):
+    """Up to k draft tokens for each row of `rows`, cut to the row's room left in the budget (room [n]).
+
+    Returns (drafts [n, k'], q [n, k', V] or None, n_draft [n], k' = the longest draft kept; 0 when k = 0).
+    """
+    q = None
+    if k > 0:
+        calls0 = drafter.calls
+        drafts, q, n_draft = drafter.propose(seqs, rows, k)
+        st.draft_calls += drafter.calls - calls0
+        n_draft = torch.minimum(n_draft, room)
+        k = int(n_draft.max())
+        drafts, q = drafts[:, :k], q[:, :k] if q is not None else None
+    if k == 0:
+        drafts, n_draft = torch.zeros(len(rows), 0, dtype=torch.long), torch.zeros(len(rows), dtype=torch.long)
+    return drafts, q, n_draft, k
+
 
 @torch.no_grad()
 def spec_generate(target, prompts: list[list[int]], group_size: int, max_new_tokens: int, pad_id: int,
@@ -341,16 +374,7 @@ def spec_generate(target, prompts: list[list[int]], group_size: int, max_new_tok
             g = gamma if not adaptive_gamma else best_gamma(alpha_hat, c_hat, gamma)
             k = min(g, int(room.max())) if drafter is not None else 0
             t0 = time.perf_counter()
-            q = None
-            if k > 0:
-                calls0 = drafter.calls
-                drafts, q, n_draft = drafter.propose(seqs, rows, k)
-                st.draft_calls += drafter.calls - calls0
-                n_draft = torch.minimum(n_draft, room)
-                k = int(n_draft.max())
-                drafts, q = drafts[:, :k], q[:, :k] if q is not None else None
-            if k == 0:
-                drafts, n_draft = torch.zeros(len(rows), 0, dtype=torch.long), torch.zeros(len(rows), dtype=torch.long)
+            drafts, q, n_draft, k = propose_drafts(drafter, seqs, rows, k, room, st)
             t1 = time.perf_counter()
             ext: list = [None] * B
             for j, r in enumerate(rows):
@@ -367,16 +391,9 @@ def spec_generate(target, prompts: list[list[int]], group_size: int, max_new_tok
             qq = q if k > 0 else torch.zeros(len(rows), 0, p.shape[-1])
             tokens, n_acc = verify(drafts, qq, p, n_draft, u)
             if k > 0:
-                tested = torch.minimum(n_acc + 1, n_draft)
-                tmask = torch.arange(k)[None] < tested[:, None]
-                beta = (expected_acceptance(p[:, :k], qq) * tmask).sum()
-                st.alpha_sum += float(beta)
-                st.tested += int(tested.sum())
-                st.drafted += int(n_draft.sum())
-                st.accepted += int(n_acc.sum())
-                st.rounds_with_draft += int((n_draft > 0).sum())
-                if int(tested.sum()):
-                    alpha_hat = 0.7 * alpha_hat + 0.3 * float(beta / tested.sum())
+                beta_mean = st.count_round(p, qq, n_draft, n_acc)
+                if beta_mean is not None:
+                    alpha_hat = 0.7 * alpha_hat + 0.3 * beta_mean
             st.target_s += t2 - t1
             st.draft_s += t1 - t0
             if k > 0 and draft_cost < 0 and st.draft_calls:

@@ -469,6 +469,15 @@ def load_policy(args: Args, accel):
 
 
 # ---- main ----
+def step_metrics(batch: dict, stats: dict, t: dict, lr: float, args: Args) -> dict:
+    """The step's log: rollout/ figures over every group drawn (informative or not), dynamic sampling's figures,
+    loss/ and perf/."""
+    drawn = batch["drawn"]
+    return {**common.rollout_metrics(drawn["rewards"], drawn["completion_mask"], drawn["finish_reasons"],
+                                     args.group_size, t["gen"]), **batch["sampling"], **stats,
+            "perf/lr": lr, **{f"perf/{k}_s": v for k, v in t.items()}}
+
+
 def main(args: Args) -> dict:
     check_args(args)
     from accelerate import Accelerator
@@ -524,13 +533,10 @@ def main(args: Args) -> dict:
             with timer("sync"):
                 engine.sync_weights(model)
         t = timer.pop()
-        drawn = batch["drawn"]
-        gen_tokens, gen_time = gen_tokens + int(drawn["completion_mask"].sum()), gen_time + t["gen"]
+        gen_tokens, gen_time = gen_tokens + int(batch["drawn"]["completion_mask"].sum()), gen_time + t["gen"]
         rollouts_spent += batch["sampling"]["rollout/sampled"]
         informative_total += batch["sampling"]["rollout/informative_groups"]
-        metrics = {**common.rollout_metrics(drawn["rewards"], drawn["completion_mask"], drawn["finish_reasons"],
-                                            args.group_size, t["gen"]), **batch["sampling"], **stats,
-                   "perf/lr": opt.param_groups[0]["lr"], **{f"perf/{k}_s": v for k, v in t.items()}}
+        metrics = step_metrics(batch, stats, t, opt.param_groups[0]["lr"], args)
         last = step == args.steps or bool(args.rollout_budget and rollouts_spent >= args.rollout_budget)
         if is_main and (step % args.eval_every == 0 or last):
             metrics.update(evaluate())

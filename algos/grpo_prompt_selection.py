@@ -657,6 +657,21 @@ def load_policy(args: Args, accel):
 
 
 # ---- main ----
+def step_metrics(batch: dict, stats: dict, t: dict, lr: float, sampled: int) -> dict:
+    """The step's log: rollout/ figures over every sequence generated (trained on or not; a selector's groups may
+    differ in size, so no per-group figure), the selector's figures, the rollouts sampled so far, loss/ and perf/."""
+    drawn = batch["drawn"]
+    return {**common.rollout_metrics(drawn["rewards"], drawn["completion_mask"], drawn["finish_reasons"], 1,
+                                     t["gen"]), **batch["sampling"], "rollout/cumulative_rollouts": sampled,
+            **stats, "perf/lr": lr, **{f"perf/{k}_s": v for k, v in t.items()}}
+
+
+def budget_summary(sampled: int, informative_total: int, history: list[dict]) -> dict:
+    """The run's rollout bill: rollouts sampled, steps done within --rollout-budget, rollouts per informative group."""
+    return {"cumulative_rollouts": sampled, "steps_done": history[-1]["step"],
+            "rollouts_per_informative_group": sampled / informative_total if informative_total else math.nan}
+
+
 def main(args: Args) -> dict:
     check_args(args)
     from accelerate import Accelerator
@@ -712,13 +727,11 @@ def main(args: Args) -> dict:
         if engine is not None:
             with timer("sync"):
                 engine.sync_weights(model)
-        t, drawn = timer.pop(), batch["drawn"]
-        gen_tokens, gen_time = gen_tokens + int(drawn["completion_mask"].sum()), gen_time + t["gen"]
+        t = timer.pop()
+        gen_tokens, gen_time = gen_tokens + int(batch["drawn"]["completion_mask"].sum()), gen_time + t["gen"]
         sampled += batch["sampling"]["rollout/sampled"]
         informative_total += batch["sampling"]["rollout/informative_groups"]
-        metrics = {**common.rollout_metrics(drawn["rewards"], drawn["completion_mask"], drawn["finish_reasons"], 1,
-                                            t["gen"]), **batch["sampling"], "rollout/cumulative_rollouts": sampled,
-                   **stats, "perf/lr": opt.param_groups[0]["lr"], **{f"perf/{k}_s": v for k, v in t.items()}}
+        metrics = step_metrics(batch, stats, t, opt.param_groups[0]["lr"], sampled)
         last = step == args.steps or bool(args.rollout_budget and sampled >= args.rollout_budget)
         if is_main and (step % args.eval_every == 0 or last):
             metrics.update(evaluate())
@@ -736,8 +749,7 @@ def main(args: Args) -> dict:
     if not is_main:
         return {}
     summary = common.summarize(history, gen_tokens, gen_time, time.time() - t_start)
-    summary.update(cumulative_rollouts=sampled, steps_done=history[-1]["step"],
-                   rollouts_per_informative_group=sampled / informative_total if informative_total else math.nan)
+    summary.update(budget_summary(sampled, informative_total, history))
     common.save_curve(history, run_dir / "curve.png", f"GRPO + {args.selector} on {task.name} ({args.model})")
     return tracker.finish(summary)
 

@@ -25,10 +25,10 @@ replaced)
                    g_i = softmax(s)_i / sum_{j in I_mu} softmax(s)_j  for i in I_mu                   gate_weights
                    so the policy gradient reaches the router through g, and nothing flows through I_mu (integers)
   PR2 (--replay pr2) each router has an evolution predictor P_l (a linear map, zero-initialised, not part of the
-                   policy): the rollout routes by the predicted logits, I_mu = top-k(s_mu + c P_l(h) + eps), c =
+                   policy; make_predictors): the rollout routes by the predicted logits, I_mu = top-k(s_mu + c P_l(h) + eps), c =
                    --pr2-scale, and the trainer replays I_mu as in R3. P_l is fitted after each rollout batch's
                    updates to the router change those updates caused on the batch's tokens,
-                   min ||P_l(h_before) - (s_after - s_before)||^2                       fit_predictors
+                   min ||P_l(h_before) - (s_after - s_before)||^2              fit_predictors, pr2_fit
 Load balancing (every arm): + aux_coef * E sum_e f_e P_e per layer (Switch Transformer), f_e the share of routed
 slots sent to expert e (the routes actually used; no gradient), P_e the mean router probability (the gradient
 path), averaged over layers, on real tokens                                              load_balancing_loss
@@ -542,6 +542,30 @@ def router_snapshot(model, routing: Routing, batch: dict, rows, args: Args) -> t
     return [h[m].float() for _, _, _, h in routing.kept], [lg[m].float() for lg, _, _, _ in routing.kept]
 
 
+def make_predictors(model, args: Args, device):
+    """PR2's forecasters and their optimiser: one zero-initialised linear predictor per router, so that PR2 starts as
+    R3 (no change forecast); (None, None) unless --replay pr2."""
+    if args.replay != "pr2":
+        return None, None
+    n_layers, hidden = len(find_routers(model)), find_routers(model)[0].weight.shape
+    predictors = torch.nn.ModuleList(torch.nn.Linear(hidden[1], hidden[0]) for _ in range(n_layers))
+    predictors.to(device).requires_grad_(True)
+    for p in predictors.parameters():
+        torch.nn.init.zeros_(p)
+    return predictors, torch.optim.Adam(predictors.parameters(), lr=args.pr2_lr)
+
+
+def pr2_fit(predictors, opt, model, routing: Routing, batch: dict, rows, before: tuple, args: Args) -> dict:
+    """After an update: the router logits' change on `rows` since `before` (router_snapshot), the predictors fitted to
+    it, and how much of it their forecast explains against R3's forecast of no change (the pr2/ figures)."""
+    after = router_snapshot(model, routing, batch, rows, args)
+    delta = [a - b for a, b in zip(after[1], before[1])]
+    forecast, fitted = fit_predictors(predictors, opt, before[0], delta, args.pr2_iters)
+    change = sum((d ** 2).mean().item() for d in delta)  # the error of R3's forecast: no change
+    return {"pr2/forecast_mse": forecast, "pr2/fitted_mse": fitted, "pr2/change_ms": change,
+            "pr2/explained": 1 - forecast / max(change, 1e-12)}
+
+
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
@@ -559,14 +583,7 @@ def main(args: Args) -> dict:
     model.train()
     if args.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    n_layers, hidden = len(find_routers(model)), find_routers(model)[0].weight.shape
-    predictors = None
-    if args.replay == "pr2":  # one zero-initialised linear predictor per router: PR2 starts as R3
-        predictors = torch.nn.ModuleList(torch.nn.Linear(hidden[1], hidden[0]) for _ in range(n_layers))
-        predictors.to(accel.device).requires_grad_(True)
-        for p in predictors.parameters():
-            torch.nn.init.zeros_(p)
-        pred_opt = torch.optim.Adam(predictors.parameters(), lr=args.pr2_lr)
+    predictors, pred_opt = make_predictors(model, args, accel.device)
     engine = MoERolloutEngine(model, args.rollout_dtype, args.router_noise, predictors, args.pr2_scale)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
     if ref_model is not None:
@@ -603,12 +620,7 @@ def main(args: Args) -> dict:
             stats = update(model, opt, batch, routing, args, step, accel, ref_model)
         if predictors is not None:
             with timer("pr2"):
-                after = router_snapshot(model, routing, batch, rows, args)
-                delta = [a - b for a, b in zip(after[1], before[1])]
-                forecast, fitted = fit_predictors(predictors, pred_opt, before[0], delta, args.pr2_iters)
-                change = sum((d ** 2).mean().item() for d in delta)  # the error of R3's forecast: no change
-                stats.update({"pr2/forecast_mse": forecast, "pr2/fitted_mse": fitted, "pr2/change_ms": change,
-                              "pr2/explained": 1 - forecast / max(change, 1e-12)})
+                stats.update(pr2_fit(predictors, pred_opt, model, routing, batch, rows, before, args))
         t = timer.pop()
         gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
         metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],

@@ -20,11 +20,12 @@ carried over):
                copris  a pool of S in-flight trajectories, refilled from the FIFO (then from new groups) on
                        every finish; stop at B complete groups, carry the rest over
                async   (simulator only) copris's pool that is never stopped: training overlaps generation
-  simulator    numpy, no model (simulate): one token per busy slot per tick; a tick costs c0 + c1 * busy slots;
-               lengths lognormal(median, sigma) or the sums task's operand mix. Idle-slot fraction =
-               idle slot-ticks / (S * ticks); tokens/s over generation time; step time with training time;
-               discarded tokens = generated - trained - in flight (0 for every policy here); the age
-               (trainer version - sampling version) of every trained token.
+  simulator    numpy, no model (simulate of algos/_slot_sim.py, which drives this file's Scheduler): one token
+               per busy slot per tick; a tick costs c0 + c1 * busy slots; lengths lognormal(median, sigma) or
+               the sums task's operand mix. Idle-slot fraction = idle slot-ticks / (S * ticks); tokens/s over
+               generation time; step time with training time; discarded tokens = generated - trained - in
+               flight (0 for every policy here); the age (trainer version - sampling version) of every trained
+               token.
   real loop    rollout: every chunk is one call of the rollout seam (common.generate) on prompt + partial
                response for the busy rows, C = --chunk new tokens each; finished rows leave and the scheduler
                refills their slots between chunks; at a weight update the unfinished rows stay in the buffer and
@@ -76,11 +77,10 @@ benchmarks/results/partial_rollout.md (3 seeds) the simulator holds APRIL's and 
 from __future__ import annotations
 
 import copy
-import heapq
 import math
 import sys
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -93,6 +93,7 @@ import tyro
 from tqdm import tqdm
 
 import common
+from algos._slot_sim import compare_policies
 from algos._vllm import VLLMEngine
 
 
@@ -158,7 +159,7 @@ class Args:
     sim_sigma: float = 1.0
     """lognormal tail knob: sigma of log length"""
     sim_preset: Literal["cpu", "gpu"] = "gpu"
-    """tick cost c0 + c1 * busy slots and training time per step (see PRESETS)"""
+    """tick cost c0 + c1 * busy slots and training time per step (see PRESETS in algos/_slot_sim.py)"""
     sim_steps: int = 50
     """simulated training steps per policy"""
     # objective
@@ -488,139 +489,11 @@ class Scheduler:
         self.next_gid, self.generated, self.trained = s["next_gid"], s["generated"], s["trained"]
 
 
-# ---- the slot simulator (numpy, no model) ----
-# (c0 s per tick, c1 s per busy slot per tick, training s per step). cpu: tiny-sums decode steps measured on one
-# thread of the 2-core test machine (4.3 ms at 1 row, 26 ms at 256 rows), training 1.0 s per 256-sequence step.
-# gpu: a roofline estimate, not a measurement: a 7B model in bf16 with grouped KV heads (8 x 128, 32 layers) on a
-# 3.3 TB/s GPU reads 14 GB of weights per decode step (c0 = 4.5 ms) and 128 KB of KV cache per context token, about
-# 0.26 GB for a 2k-token context (c1 = 0.08 ms per busy slot); training takes GPU_TRAIN_FRAC of a synchronous step.
-PRESETS = {"cpu": (4.3e-3, 8.5e-5, 1.0), "gpu": (4.5e-3, 8e-5, 0.0)}
-GPU_TRAIN_FRAC = 0.1  # rollout is "more than 90% of total runtime" (APRIL's abstract)
-
-
-def draw_lengths(kind: str, sigma: float, median: int = 64, cap: int = 1024):
-    """A length sampler rng, G -> G response lengths: lognormal(log median, sigma) per response, capped; or the
-    reference length (characters + EOS) of one sums-task prompt with the operand-count mix, for the whole group."""
-    if kind == "lognormal":
-        return lambda rng, G: np.clip(np.round(median * np.exp(sigma * rng.standard_normal(G))), 1, cap).astype(int)
-    task = common.SumsTask("mix", 1)
-    return lambda rng, G: np.full(G, len(task.sample("train", 1, rng)[0].solution) + 1)
-
-
-def simulate(policy: str, lengths, steps: int, groups: int, group_size: int, slots: int, over: float = 2.0,
-             c0: float = 1.0, c1: float = 0.0, train_s: float = 0.0, seed: int = 0) -> dict:
-    """Event-driven slot simulation: between two finishes every busy slot makes one token per tick.
-
-    Colocated policies (sync, april, copris) pause generation while training; async keeps generating and trains
-    in parallel (a version bump when a training step ends). Returns idle-slot fraction, tokens/s (generation
-    time), step time (with training), discarded tokens and the age histogram of trained tokens.
-    """
-    rng = np.random.default_rng(seed)
-    sched = Scheduler(policy, groups, group_size, slots, over,
-                      lambda gid: [Traj(gid, target=int(L)) for L in lengths(rng, group_size)])
-    st = dict(clock=0, now=0.0, busy=0, version=0, trained_steps=0, seq=0)
-    heap, placed_at, ages = [], {}, Counter()  # (finish tick, seq, traj); id -> tick of (re)placement
-
-    def place():
-        for t in sched.fill():
-            placed_at[id(t)] = st["clock"]
-            heapq.heappush(heap, (st["clock"] + t.target - t.n, st["seq"], t))
-            st["seq"] += 1
-
-    def close(t):  # credit the tokens made since placement (or the last version bump) to the current version
-        sched.record(t, st["clock"] - placed_at[id(t)], st["version"])
-        placed_at[id(t)] = st["clock"]
-
-    def advance(k):
-        active = len(sched.running)
-        st["now"] += k * (c0 + c1 * active)
-        st["busy"] += k * active
-        st["clock"] += k
-
-    def pop_finished():
-        while heap and heap[0][0] == st["clock"]:
-            t = heapq.heappop(heap)[2]
-            close(t)
-            sched.finish(t)
-
-    def train():
-        for g in sched.harvest():
-            for t in g:
-                for v, c in t.segs:
-                    ages[st["version"] - v] += c
-
-    if policy == "async":
-        train_end = None
-        while st["trained_steps"] < steps:
-            place()
-            dt = c0 + c1 * len(sched.running)
-            k = heap[0][0] - st["clock"]
-            if train_end is not None:
-                k = min(k, max(1, math.ceil((train_end - st["now"]) / dt - 1e-9)))
-            advance(k)
-            if train_end is not None and st["now"] >= train_end - 1e-12:
-                for t in list(sched.running.values()):
-                    close(t)
-                st["version"], st["trained_steps"], train_end = st["version"] + 1, st["trained_steps"] + 1, None
-            pop_finished()
-            while train_end is None and sched.ready() and st["trained_steps"] < steps:
-                train()
-                if train_s > 0:
-                    train_end = st["now"] + train_s
-                else:
-                    for t in list(sched.running.values()):
-                        close(t)
-                    st["version"], st["trained_steps"] = st["version"] + 1, st["trained_steps"] + 1
-        gen_s = wall = st["now"]
-    else:
-        for _ in range(steps):
-            sched.begin_step()
-            while not sched.ready():
-                place()
-                if not heap:
-                    raise RuntimeError(f"{policy}: no trajectory can run (slots {slots})")
-                advance(heap[0][0] - st["clock"])
-                pop_finished()
-            for t in list(sched.running.values()):  # interrupted: partial tokens stay with the trajectory
-                close(t)
-            heap.clear()
-            sched.end_step()
-            train()
-            st["version"] += 1
-        gen_s, wall = st["now"], st["now"] + steps * train_s
-    for t in sched.running.values():  # async: count the tokens of the rows still decoding
-        close(t)
-    sched.check()
-    n_aged = sum(ages.values())
-    return {"idle_frac": 1 - st["busy"] / max(1, slots * st["clock"]), "tokens_per_s": sched.generated / gen_s,
-            "gen_s_per_step": gen_s / steps, "step_s": wall / steps, "generated": sched.generated,
-            "trained_tokens": sched.trained, "discarded_tokens": sched.discarded_tokens(),
-            "mean_age": sum(a * c for a, c in ages.items()) / n_aged, "max_age": max(ages),
-            **{f"age_frac_{a}": ages.get(a, 0) / n_aged for a in (0, 1, 2)},
-            "age_frac_3plus": sum(c for a, c in ages.items() if a >= 3) / n_aged}
-
-
-def compare_policies(kind: str, sigma: float, preset: str, steps: int, groups: int, group_size: int, slots: int,
-                     over: float, seed: int, policies=("sync", "april", "copris", "async")) -> dict[str, dict]:
-    """simulate() for each policy on the same length law and cost model; the gpu preset's training time is
-    GPU_TRAIN_FRAC of the synchronous rollout time per step (measured here, first)."""
-    c0, c1, train_s = PRESETS[preset]
-    out = {}
-    for policy in policies:
-        out[policy] = simulate(policy, draw_lengths(kind, sigma), steps, groups, group_size, slots, over, c0, c1,
-                               train_s, seed)
-        if preset == "gpu" and policy == "sync" and not train_s:
-            train_s = GPU_TRAIN_FRAC * out["sync"]["gen_s_per_step"]
-            out["sync"] = simulate("sync", draw_lengths(kind, sigma), steps, groups, group_size, slots, over, c0, c1,
-                                   train_s, seed)
-    return out
-
-
 def simulator_summary(args: Args) -> dict:
     """The summary figures of the simulator on --sim-lengths: tokens/s and step-time ratios against sync."""
     slots = args.slots or args.prompts_per_step * args.group_size
-    res = compare_policies(args.sim_lengths, args.sim_sigma, args.sim_preset, args.sim_steps, args.prompts_per_step,
-                           args.group_size, slots, args.over, args.seed)
+    res = compare_policies(Scheduler, Traj, args.sim_lengths, args.sim_sigma, args.sim_preset, args.sim_steps,
+                           args.prompts_per_step, args.group_size, slots, args.over, args.seed)
     base = res["sync"]
     out = {"discarded_tokens_sim": sum(r["discarded_tokens"] for r in res.values())}
     for p, r in res.items():
@@ -780,6 +653,15 @@ def partial_summary(history: list[dict], sched: Scheduler, sim: dict) -> dict:
     return {**sim, **out}
 
 
+def make_scheduler(args: Args, state: dict) -> Scheduler:
+    """The run's Scheduler (S = --slots, or B * G), with the unfinished trajectories of a checkpoint put back."""
+    sched = Scheduler(args.policy, args.prompts_per_step, args.group_size,
+                      args.slots or args.prompts_per_step * args.group_size, args.over)
+    if "scheduler" in state:  # the unfinished trajectories carried over at the checkpoint
+        sched.load_state(state["scheduler"])
+    return sched
+
+
 def load_policy(args: Args, accel):
     """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
     only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
@@ -819,10 +701,7 @@ def main(args: Args) -> dict:
     state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
     if args.resume and engine is not None:
         engine.sync_weights(model)
-    sched = Scheduler(args.policy, args.prompts_per_step, args.group_size,
-                      args.slots or args.prompts_per_step * args.group_size, args.over)
-    if "scheduler" in state:  # the unfinished trajectories carried over at the checkpoint
-        sched.load_state(state["scheduler"])
+    sched = make_scheduler(args, state)
     start_step, history, gen_time = state.get("step", 0), state.get("history", []), state.get("gen_time", 0.0)
     tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
     timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)

@@ -496,6 +496,13 @@ def load_policy(args: Args, accel):
 
 
 # ---- main ----
+def probe_summary(history: list[dict], n_steps: int) -> dict:
+    """The probe's figures (R^2, baseline MSE, no-baseline MSE) averaged over the second half of this run's steps."""
+    late = [h for h in history if "probe/r2" in h][n_steps // 2:]  # the second half of the steps
+    return {f"probe_{key}": float(np.mean([h[f"probe/{key}"] for h in late])) if late else float("nan")
+            for key in ("r2", "baseline_mse", "no_baseline_mse")}
+
+
 def main(args: Args) -> dict:
     check_args(args)
     from accelerate import Accelerator
@@ -572,9 +579,7 @@ def main(args: Args) -> dict:
     if not is_main:
         return {}
     summary = common.summarize(history, gen_tokens, gen_time, time.time() - t_start)
-    late = [h for h in history if "probe/r2" in h][(args.steps - start_step) // 2:]  # the second half of the steps
-    for key in ("r2", "baseline_mse", "no_baseline_mse"):
-        summary[f"probe_{key}"] = float(np.mean([h[f"probe/{key}"] for h in late])) if late else float("nan")
+    summary.update(probe_summary(history, args.steps - start_step))
     common.save_curve(history, run_dir / "curve.png", f"POISE, {args.group_size} rollouts x {args.prompts_per_step} "
                       f"prompts, on {task.name} ({args.model})")
     return tracker.finish(summary)

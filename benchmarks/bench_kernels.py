@@ -12,8 +12,8 @@ For each kernel and shape it measures, side by side in one run:
     so the table shows how far each kernel is from the limit (ours / floor = 1 means at the roofline).
 Also the DualKV sweep of the DualKV paper (N in {8, 16, 32} responses, prompt P in {1K, 2K, 4K, 8K}, response
 R in {256, 1024}; forward + backward, ours vs SDPA on the replicated layout), speedup against the token
-reduction rho = N (P + R) / (P + N R): rows "dualkv_sweep" in kernels.csv, benchmarks/results/dualkv_sweep.md
-and dualkv_sweep.png.
+reduction rho = N (P + R) / (P + N R): rows "dualkv_sweep" in kernels.csv, and from them a table dualkv_sweep.md
+and a plot dualkv_sweep.png beside it (neither is committed yet: the sweep has not run on a GPU here).
 Rows go to benchmarks/results/kernels.csv (with GPU name, versions and commit, via _results.append_rows) and the
 table to benchmarks/results/kernels.md, which `python benchmarks/report.py` puts into benchmarks/README.md. A full
 run writes its own rows only; after `--only` (and with `--report-only`) the table is rebuilt from kernels.csv, so

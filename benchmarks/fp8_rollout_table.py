@@ -4,9 +4,9 @@
     python benchmarks/fp8_rollout_table.py --skip-train     # only the mismatch part
     python benchmarks/fp8_rollout_table.py --report-only    # rebuilds the tables from the CSV
 
-Mismatch (algos/fp8_rollout.py's FP8Engine, sample and mismatch_metrics; no training): the shipped tiny-sums model on
-the long-response task (`sums<n>`, one-digit operands, responses of about 8n - 7 characters) for n = 2..6 operands,
-32 prompts x 4 samples per (n, seed), 3 seeds. Rollout policies mu: fp32 (the same forward: plumbing only), bf16
+Mismatch (FP8Engine and sample of algos/_fp8_engine.py, mismatch_metrics of algos/fp8_rollout.py; no training): the
+shipped tiny-sums model on the long-response task (`sums<n>`, one-digit operands, responses of about 8n - 7
+characters) for n = 2..6 operands, 32 prompts x 4 samples per (n, seed), 3 seeds. Rollout policies mu: fp32 (the same forward: plumbing only), bf16
 (the whole copy), W8A8 FP8 (blockwise e4m3 linears), W8A8 + FP8 KV cache (e4m3, per-layer scales); trainers
 pi_train: fp32, or for "unified" the same W8A8 + KV graph (Jet-RL). Figures per token: the exact KL(mu || pi_train)
 over the vocabulary and |log pi_train - log mu|; per sequence: the std of sum_t log(pi_train / mu) (the log of the
@@ -14,7 +14,7 @@ sequence IS ratio). The spread exponent is the slope of log(spread) against log(
 (0.5 if per-token errors were independent). Shared-Gumbel decoding: each W8A8 rollout re-decoded by the fp32 policy
 from the same noise; first divergence, how often the reward is the same, and how often the two keep the order of a
 pair of same-prompt rollouts that the FP8 rewards separate (Sol-RL's premise: the low-precision pool ranks as the
-full-precision policy would).
+full-precision policy would; algos/fp8_sol_rl.py trains on that regeneration).
 
 Training (--train is the default unless --skip-train): algos/fp8_rollout.py from tiny-sums on `sums` (5 operands,
 max 48 new tokens), 20 rollout batches of 16 prompts x 8, held-out accuracy on 200 prompts every 10 batches, 3 seeds;

@@ -12,10 +12,11 @@ Sampling" (arXiv:2511.05589): a fixed pool of in-flight rollouts with cross-stag
 1.94x faster with comparable or better accuracy; AReaL's decoupled PPO ("AReaL: A Large-Scale Asynchronous
 Reinforcement Learning System for Language Reasoning", arXiv:2505.24298) keeps accuracy on stale samples.
 
-Simulator (algos/partial_rollout.py's compare_policies; no model): B = 32 groups of G = 8 per step on S = 256 slots,
-50 steps, APRIL over-provisioning 2x, CoPRIS pool = S; lengths lognormal (median 64 tokens, capped at 1024) with
-the tail knob sigma, or the sums task's operand mix ('sumsmix', 2..16 operands); cost presets gpu (a roofline
-estimate for a 7B model, training 10% of a synchronous step) and cpu (measured tiny-model decode costs).
+Simulator (compare_policies of algos/_slot_sim.py on algos/partial_rollout.py's Scheduler; no model): B = 32
+groups of G = 8 per step on S = 256 slots, 50 steps, APRIL over-provisioning 2x, CoPRIS pool = S; lengths lognormal
+(median 64 tokens, capped at 1024) with the tail knob sigma, or the sums task's operand mix ('sumsmix', 2..16
+operands); cost presets gpu (a roofline estimate for a 7B model, training 10% of a synchronous step) and cpu
+(measured tiny-model decode costs).
 
 Real loop (--train): algos/partial_rollout.py on sumsmix (1-digit operands, 2..16 of them) from tiny-sums,
 --max-new-tokens 64, --chunk 8, TRAIN_FLAGS below, one thread: sync, APRIL + recompute, CoPRIS + cross-stage
@@ -52,12 +53,13 @@ def sim_config(preset: str, lengths: str, sigma: float, policy: str) -> str:
 
 def run_sim(seeds) -> None:
     from algos import partial_rollout as pr
+    from algos._slot_sim import compare_policies
 
     for preset in ("gpu", "cpu"):
         for lengths, sigma in [("lognormal", s) for s in SIGMAS] + [("sumsmix", 0.0)]:
             for seed in seeds:
-                res = pr.compare_policies(lengths, sigma, preset, SIM["steps"], SIM["groups"], SIM["group_size"],
-                                          SIM["slots"], SIM["over"], seed)
+                res = compare_policies(pr.Scheduler, pr.Traj, lengths, sigma, preset, SIM["steps"], SIM["groups"],
+                                       SIM["group_size"], SIM["slots"], SIM["over"], seed)
                 for policy, r in res.items():
                     r = {**r, "throughput_ratio": r["tokens_per_s"] / res["sync"]["tokens_per_s"],
                          "speedup": res["sync"]["step_s"] / r["step_s"]}

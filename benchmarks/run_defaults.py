@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
 
 SCRIPTS = ["grpo", "ppo", "rloo", "dapo", "gspo", "opd", "async_opd", "self_opd", "spec_rl", "mc_grpo", "nat",
-           "grpo_sums", "unique_grpo", "poise", "fp8_rollout", "async_offpolicy_grpo", "espo", "tree_rollout_grpo",
-           "partial_rollout", "grpo_prompt_selection", "grpo_replay"]
+           "grpo_sums", "unique_grpo", "poise", "fp8_rollout", "fp8_sol_rl", "async_offpolicy_grpo", "espo",
+           "tree_rollout_grpo", "partial_rollout", "grpo_prompt_selection", "grpo_replay"]
 # runs that are not a script's bare default: name -> (script, its flags); the long-response task with its model
 VARIANTS = {"grpo_sums": ("grpo", ["--model", "tiny-sums", "--task", "sums", "--digits", "1", "--max-new-tokens", "48",
                                    "--steps", "100"])}

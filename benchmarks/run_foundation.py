@@ -5,7 +5,7 @@
     python benchmarks/report.py                         # puts the tables into benchmarks/README.md
 
 Writes benchmarks/results/foundation.csv (one row per run and figure, with provenance),
-benchmarks/results/grpo.md, benchmarks/results/sft.md and benchmarks/results/grpo_curve.png (seed 0).
+benchmarks/results/grpo.md (one table: the SFT and GRPO rows) and benchmarks/results/grpo_curve.png (seed 0).
 """
 from __future__ import annotations
 

@@ -128,6 +128,14 @@ def report() -> None:
     if not data:
         raise SystemExit(f"no rows in {RESULTS / CSV}: run the benchmark first")
     order = [n for n in MODELS if n in data]
+    lines = error_lines(data, order) + policy_eval_lines(data) + provenance_lines(meta, used)
+    MD.write_text("\n".join(lines) + "\n")
+    plot_errors(data, order)
+    print(f"wrote {MD.relative_to(ROOT)} and {PNG.relative_to(ROOT)}")
+
+
+def error_lines(data: dict, order: list[str]) -> list[str]:
+    """The error-against-horizon table of the world models (copy x_0 as the floor) and the paired comparisons."""
     lines = ["Pixel MSE (frames in [0, 1]) and agent-cell error rate (fraction of rollouts whose agent is in the "
              "wrong cell) at horizon h, rolled out from ground truth with the true actions; training horizon 8, "
              "so h = 16 and 32 are 2x and 4x beyond it. Mean ± std over the seeds counted in the last column "
@@ -156,6 +164,12 @@ def report() -> None:
                                    for h in HORIZONS[1:])
                       + "; pixel MSE at h = 32: " + f"{fmt(da.get('err_h32', []))} vs {fmt(db.get('err_h32', []))}"
                       + f" (copy x_0 {fmt(da.get('copy_err_h32', []))})."]
+    return lines
+
+
+def policy_eval_lines(data: dict) -> list[str]:
+    """The table of policy evaluation in a learned world model (empty without policy_eval rows)."""
+    lines = []
     pe_names = [n for n in PE_NAMES if n in data]
     if pe_names:
         n_pol = len([k for k in data[pe_names[0]] if k.startswith("real_success_")])
@@ -177,6 +191,12 @@ def report() -> None:
                            ("imagined_success", "imagined success per policy")):
             lines.append(f"| {label} | " + " | ".join(", ".join(
                 f"{np.mean(data[n][f'{key}_{i}']):.2f}" for i in range(n_pol)) for n in pe_names) + " |")
+    return lines
+
+
+def provenance_lines(meta: dict, used: list[dict]) -> list[str]:
+    """Notes on rows measured before a change of the models or of the metric, then commits, hardware and versions."""
+    lines = []
     any_row = next(iter(meta.values()))
     commits = ", ".join(f"`{c}`" for c in sorted({r["commit"] for r in used}))
     gated = {c: _contains(c, GATE_CHANGE) for c in {r["commit"] for r in read_rows(CSV)}}
@@ -199,8 +219,11 @@ def report() -> None:
                   "for `diffusion` and 0.93 for `ar-chained` at h=1, seed 0, without the action gate)."]
     lines += ["", f"Commits {commits}; {any_row['hardware']}, {any_row['versions']}; "
               "rows in `benchmarks/results/world_models.csv`; curves in `benchmarks/results/world_models.png`."]
-    MD.write_text("\n".join(lines) + "\n")
+    return lines
 
+
+def plot_errors(data: dict, order: list[str]) -> None:
+    """Pixel MSE and agent-cell error against the horizon, one line per model (band: min..max over seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -228,7 +251,6 @@ def report() -> None:
     fig.tight_layout()
     fig.savefig(PNG, dpi=90)
     plt.close(fig)
-    print(f"wrote {MD.relative_to(ROOT)} and {PNG.relative_to(ROOT)}")
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
-"""algos/fp8_rollout.py: FP8 quantisation bounds and identities, the rollout path, corrections, KL estimators,
-unified FP8 with straight-through gradients, Sol-RL regeneration, learning, bad input."""
+"""algos/fp8_rollout.py and its engine algos/_fp8_engine.py: FP8 quantisation bounds and identities, the rollout
+path, corrections, KL estimators, unified FP8 with straight-through gradients, learning, bad input (Sol-RL's
+regeneration: tests/test_fp8_sol_rl.py)."""
 import copy
 from dataclasses import replace
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import common
+from algos import _fp8_engine as fe
 from algos import fp8_rollout as f
 from algos import grpo
 from kernels.fp8_blockwise import fp8_blockwise_matmul, fp8_blockwise_matmul_ref, quantize_act, quantize_weight
@@ -53,10 +55,10 @@ def block_scales(x, rows: int):
 def test_qdq_matches_blockwise_loop_with_padding(shape):
     """Shapes that are not multiples of 128 are zero-padded: the partial blocks' scales use their real values only."""
     x = spread(shape)
-    assert torch.equal(f.qdq_act(x), naive_qdq(x, 1))
+    assert torch.equal(fe.qdq_act(x), naive_qdq(x, 1))
     w = spread(shape, 1)
-    assert torch.equal(f.qdq_weight(w), naive_qdq(w.bfloat16().float(), 128))  # the bf16 copy is quantised
-    assert f.qdq_act(x.view(1, *shape)).shape == (1, *shape)
+    assert torch.equal(fe.qdq_weight(w), naive_qdq(w.bfloat16().float(), 128))  # the bf16 copy is quantised
+    assert fe.qdq_act(x.view(1, *shape)).shape == (1, *shape)
 
 
 @pytest.mark.parametrize("shape", [(7, 260), (129, 384)])
@@ -66,10 +68,10 @@ def test_e4m3_error_bound(shape):
     128 x 128 weight blocks."""
     slack = 1 + 2 ** -20
     x = spread(shape)
-    err = (f.qdq_act(x) - x).abs()
+    err = (fe.qdq_act(x) - x).abs()
     assert (err <= slack * torch.maximum(2 ** -4 * x.abs(), 2 ** -10 * block_scales(x, 1))).all()
     w = spread(shape, 2).bfloat16().float()
-    err = (f.qdq_weight(w) - w).abs()
+    err = (fe.qdq_weight(w) - w).abs()
     assert (err <= slack * torch.maximum(2 ** -4 * w.abs(), 2 ** -10 * block_scales(w, 128))).all()
     assert err.max() > 0  # it does quantise
 
@@ -77,39 +79,39 @@ def test_e4m3_error_bound(shape):
 @pytest.mark.parametrize("fmt,mant,sub", [("e4m3", 3, 9), ("e5m2", 2, 16)])
 def test_static_scale_error_bound_per_format(fmt, mant, sub):
     """The KV-cache quantiser (fixed scale): |qdq(x) - x| <= max(2^-(m+1) |x|, 2^-(sub+1) s) within range."""
-    fmax = f.FP8_FORMATS[fmt][1]
+    fmax = fe.FP8_FORMATS[fmt][1]
     x = spread((64, 96))
     s = x.abs().max() / fmax
     slack = 1 + 2 ** -20  # q * s is rounded to fp32
-    err = (f.qdq_static(x, s, fmt) - x).abs()
+    err = (fe.qdq_static(x, s, fmt) - x).abs()
     assert (err <= slack * torch.maximum(2.0 ** -(mant + 1) * x.abs(), 2.0 ** -(sub + 1) * s)).all()
     per_head = x.abs().amax(1, keepdim=True).clamp(min=1e-12) / fmax  # a scale per row broadcasts the same way
-    err = (f.qdq_static(x, per_head, fmt) - x).abs()
+    err = (fe.qdq_static(x, per_head, fmt) - x).abs()
     assert (err <= slack * torch.maximum(2.0 ** -(mant + 1) * x.abs(), 2.0 ** -(sub + 1) * per_head)).all()
 
 
 def test_idempotent_and_power_of_two_equivariant():
     x, w = spread((9, 300), 3), spread((140, 300), 4)
     # idempotent: quantising a quantised tensor gives the same fp8 codes (its scale may move by an ulp)
-    assert torch.equal(quantize_act(f.qdq_act(x))[0].view(torch.uint8), quantize_act(x)[0].view(torch.uint8))
-    wq = f.qdq_weight(w)
+    assert torch.equal(quantize_act(fe.qdq_act(x))[0].view(torch.uint8), quantize_act(x)[0].view(torch.uint8))
+    wq = fe.qdq_weight(w)
     assert torch.equal(quantize_weight(wq)[0].view(torch.uint8), quantize_weight(w.bfloat16().float())[0].view(torch.uint8))
     s = torch.tensor(0.37)
-    once = f.qdq_static(x, s, "e5m2")
-    assert torch.equal(f.qdq_static(once, s, "e5m2"), once)
+    once = fe.qdq_static(x, s, "e5m2")
+    assert torch.equal(fe.qdq_static(once, s, "e5m2"), once)
     # scaling by 2^k scales the result by 2^k exactly (scales are amax / 448: a power of two passes through)
     for k in (-3, 1, 5):
-        assert torch.equal(f.qdq_act(x * 2.0 ** k), f.qdq_act(x) * 2.0 ** k)
-        assert torch.equal(f.qdq_weight(w * 2.0 ** k), f.qdq_weight(w) * 2.0 ** k)
+        assert torch.equal(fe.qdq_act(x * 2.0 ** k), fe.qdq_act(x) * 2.0 ** k)
+        assert torch.equal(fe.qdq_weight(w * 2.0 ** k), fe.qdq_weight(w) * 2.0 ** k)
 
 
 def test_clamp_before_cast_keeps_finite_input_finite():
     big = torch.tensor([[1e30, -3e38, 1.0, 0.0, 1e-40]])
-    for fmt, (_, fmax) in f.FP8_FORMATS.items():
-        out = f.qdq_static(big, torch.tensor(1.0), fmt)  # a frozen KV scale far too small for these values
+    for fmt, (_, fmax) in fe.FP8_FORMATS.items():
+        out = fe.qdq_static(big, torch.tensor(1.0), fmt)  # a frozen KV scale far too small for these values
         assert torch.isfinite(out).all(), fmt
         assert out[0, 0] == fmax and out[0, 1] == -fmax and out[0, 2] == 1.0
-    assert torch.isfinite(f.qdq_act(big)).all() and torch.isfinite(f.qdq_weight(big.expand(3, 5))).all()
+    assert torch.isfinite(fe.qdq_act(big)).all() and torch.isfinite(fe.qdq_weight(big.expand(3, 5))).all()
 
 
 def test_fake_quant_matmul_equals_sum_of_row_scaled_block_matmuls():
@@ -123,7 +125,7 @@ def test_fake_quant_matmul_equals_sum_of_row_scaled_block_matmuls():
         k = slice(kb * 128, (kb + 1) * 128)
         part = xq[:, k].double() @ wq[:, k].double().T
         loop += part * xs[:, kb:kb + 1].double() * ws.repeat_interleave(128, 0)[:130, kb][None].double()
-    fake = f.qdq_act(x) @ f.dequantize(wq, ws, 128).T
+    fake = fe.qdq_act(x) @ fe.dequantize(wq, ws, 128).T
     ref = fp8_blockwise_matmul_ref(xq, xs, wq, ws)
     tol = 1e-5 * (x.abs() @ w.abs().T).double()
     assert ((fake.double() - loop).abs() <= tol).all() and ((ref.double() - loop).abs() <= tol).all()
@@ -176,7 +178,7 @@ def test_kv_scales_frozen_within_a_step_and_recomputed_after_a_sync(tiny):
     args = f.Args(kv_fp8="e4m3", prompts_per_step=8, group_size=2)
     engine = f.FP8Engine(trainer, args)
     seen = []
-    call = f.KVScales.__call__
+    call = fe.KVScales.__call__
 
     def spy(self, k, v):
         out = call(self, k, v)
@@ -184,7 +186,7 @@ def test_kv_scales_frozen_within_a_step_and_recomputed_after_a_sync(tiny):
             seen.append(self.k.clone())
         return out
 
-    f.KVScales.__call__ = spy
+    fe.KVScales.__call__ = spy
     try:
         f.rollout(trainer, tok, task, args, np.random.default_rng(0), "cpu", engine)
         assert len(seen) > 2 and all(torch.equal(s, seen[0]) for s in seen)  # prefill sets it, decoding keeps it
@@ -199,7 +201,7 @@ def test_kv_scales_frozen_within_a_step_and_recomputed_after_a_sync(tiny):
         seen.clear()
         f.rollout(trainer, tok, task, args, np.random.default_rng(0), "cpu", engine)
     finally:
-        f.KVScales.__call__ = call
+        fe.KVScales.__call__ = call
     # the same prompts with layer 0's keys doubled (fp8 quantisation is exact under powers of two): twice the scale
     assert torch.equal(seen[0], 2 * first)
 
@@ -345,12 +347,12 @@ def test_straight_through_gradient_is_the_fp32_gradient_at_quantised_operands():
     torch.manual_seed(2)
     lin = torch.nn.Linear(200, 130, bias=False)
     x = torch.randn(2, 5, 200, requires_grad=True)
-    lin.__class__, lin.mode = f.FP8Linear, "ste"
+    lin.__class__, lin.mode = fe.FP8Linear, "ste"
     y = lin(x)
     g = torch.randn_like(y)
     (y * g).sum().backward()
-    xq = f.qdq_act(x.detach()).requires_grad_()
-    wq = f.qdq_weight(lin.weight.detach()).requires_grad_()
+    xq = fe.qdq_act(x.detach()).requires_grad_()
+    wq = fe.qdq_weight(lin.weight.detach()).requires_grad_()
     ((xq @ wq.T) * g).sum().backward()
     assert torch.allclose(x.grad, xq.grad, rtol=1e-5, atol=1e-6)
     assert torch.allclose(lin.weight.grad, wq.grad, rtol=1e-5, atol=1e-6)
@@ -358,23 +360,6 @@ def test_straight_through_gradient_is_the_fp32_gradient_at_quantised_operands():
     xs = quantize_act(x.detach().reshape(-1, 200))
     want = fp8_blockwise_matmul(*xs, *quantize_weight(lin.weight.detach().bfloat16().float()), torch.bfloat16)
     assert torch.equal(y.detach().reshape(-1, 130), want.float())
-
-
-# ---- Sol-RL ----
-def test_sol_regeneration_is_exactly_on_policy(tiny):
-    model, tok, task = tiny
-    args = f.Args(sol_candidates=8, group_size=4, prompts_per_step=6)
-    engine = f.FP8Engine(model, args)
-    torch.manual_seed(4)
-    b = f.sol_rollout(model, tok, task, args, np.random.default_rng(0), "cpu", engine)
-    assert b["completion_ids"].shape[0] == 24
-    lp = common.token_logprobs(model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"], b["completion_mask"])
-    assert ((lp - b["logprobs"]).abs() * b["completion_mask"]).max() < 1e-5  # behaviour = the fp32 trainer
-    # replaying the same noise through the same policy reproduces the same tokens
-    prompts = [p[m.bool()].tolist() for p, m in zip(b["prompt_ids"], b["prompt_mask"])]
-    again, _, _ = f.sample(model, tok, prompts, 1, args.max_new_tokens, 1.0, b["noise"])
-    assert torch.equal(again.completion_ids, b["completion_ids"])
-    assert 0.5 <= b["sol"]["sol/same_tokens_frac"] <= 1
 
 
 # ---- learning and bad input ----
@@ -398,7 +383,6 @@ def test_fp8_rollouts_with_token_tis_learn(tmp_path):
     ({"mis_low": 1.5}, "mis-low"),
     ({"tis_cap": 0.5}, "tis-cap"),
     ({"unified": True, "rollout_dtype": "bf16"}, "rollout-dtype fp8"),
-    ({"sol_candidates": 4}, "sol-candidates"),
     ({"diag_every": 0}, "diag-every"),
 ])
 def test_bad_input_names_the_flag(change, msg):

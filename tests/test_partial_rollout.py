@@ -1,6 +1,6 @@
-"""algos/partial_rollout.py: the slot simulator against closed forms, the scheduler's conservation, the --is
-corrections against grpo's loss and naive loops, behaviour log-probs against weight snapshots, the law of a
-continuation under new weights (chi-square), learning, resume, bad input."""
+"""algos/partial_rollout.py: the slot simulator (algos/_slot_sim.py, driving the script's Scheduler) against closed
+forms, the scheduler's conservation, the --is corrections against grpo's loss and naive loops, behaviour log-probs
+against weight snapshots, the law of a continuation under new weights (chi-square), learning, resume, bad input."""
 import copy
 from dataclasses import replace
 from types import SimpleNamespace
@@ -11,10 +11,16 @@ import torch
 from scipy import stats as sps
 
 import common
+from algos import _slot_sim as sim
 from algos import partial_rollout as pr
 
 
 # ---- the simulator ----
+def simulate(*args, **kw):
+    """The slot simulator driving the script's own Scheduler and Traj."""
+    return sim.simulate(pr.Scheduler, pr.Traj, *args, **kw)
+
+
 def fixed(lengths):
     """A length law that hands out `lengths` in order, G at a time (cycling)."""
     it = {"i": 0}
@@ -29,7 +35,7 @@ def fixed(lengths):
 def test_idle_fraction_hand_example():
     # one group of 4 responses of lengths 1, 2, 3, 4 on 4 slots: 16 slot-ticks, 10 busy -> idle 6/16;
     # tick costs c0 + c1 * busy = 1 + 0.5 * (4, 3, 2, 1) sum to 9 seconds for 10 tokens
-    r = pr.simulate("sync", fixed([1, 2, 3, 4]), 1, 1, 4, 4, c0=1.0, c1=0.5)
+    r = simulate("sync", fixed([1, 2, 3, 4]), 1, 1, 4, 4, c0=1.0, c1=0.5)
     assert r["idle_frac"] == pytest.approx(6 / 16)
     assert r["tokens_per_s"] == pytest.approx(10 / 9) and r["discarded_tokens"] == 0
 
@@ -38,7 +44,7 @@ def test_sync_idle_fraction_closed_form_random_lengths():
     # S = B * G slots: each step runs until its longest response; idle = 1 - sum L / (S * sum_steps max L)
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 60, size=5 * 3 * 4).tolist()
-    r = pr.simulate("sync", fixed(lengths), 5, 3, 4, 12, c0=1.0, c1=0.0)
+    r = simulate("sync", fixed(lengths), 5, 3, 4, 12, c0=1.0, c1=0.0)
     steps = np.array(lengths).reshape(5, 12)
     assert r["idle_frac"] == pytest.approx(1 - steps.sum() / (12 * steps.max(1).sum()))
     assert r["gen_s_per_step"] == pytest.approx(steps.max(1).mean())  # c1 = 0: one second per tick
@@ -47,18 +53,18 @@ def test_sync_idle_fraction_closed_form_random_lengths():
 @pytest.mark.parametrize("policy", ["april", "copris"])
 def test_partial_policies_equal_sync_when_all_lengths_are_equal(policy):
     args = (6, 4, 8, 32)  # steps, B, G, S = B * G
-    sync = pr.simulate("sync", fixed([17]), *args, over=2.0, c0=1.0, c1=0.1, train_s=3.0)
-    other = pr.simulate(policy, fixed([17]), *args, over=2.0, c0=1.0, c1=0.1, train_s=3.0)
+    sync = simulate("sync", fixed([17]), *args, over=2.0, c0=1.0, c1=0.1, train_s=3.0)
+    other = simulate(policy, fixed([17]), *args, over=2.0, c0=1.0, c1=0.1, train_s=3.0)
     assert sync == other
     # and they do differ once lengths differ (the comparison above can fail)
     law = fixed(list(range(1, 50, 3)))
-    assert pr.simulate(policy, law, *args, c0=1.0, c1=0.1)["tokens_per_s"] > \
-        pr.simulate("sync", fixed(list(range(1, 50, 3))), *args, c0=1.0, c1=0.1)["tokens_per_s"]
+    assert simulate(policy, law, *args, c0=1.0, c1=0.1)["tokens_per_s"] > \
+        simulate("sync", fixed(list(range(1, 50, 3))), *args, c0=1.0, c1=0.1)["tokens_per_s"]
 
 
 @pytest.mark.parametrize("policy", ["sync", "april", "copris", "async"])
 def test_no_token_is_discarded_and_versions_age(policy):
-    r = pr.simulate(policy, pr.draw_lengths("lognormal", 1.0, median=16, cap=256), 20, 8, 4, 32, over=2.0,
+    r = simulate(policy, sim.draw_lengths("lognormal", 1.0, median=16, cap=256), 20, 8, 4, 32, over=2.0,
                     c0=1.0, c1=0.05, train_s=20.0, seed=1)
     assert r["discarded_tokens"] == 0 and r["trained_tokens"] <= r["generated"]
     assert sum(r[f"age_frac_{a}"] for a in (0, 1, 2)) + r["age_frac_3plus"] == pytest.approx(1)
@@ -71,7 +77,8 @@ def test_no_token_is_discarded_and_versions_age(policy):
 
 
 def test_heavy_tail_raises_throughput_over_sync():
-    res = pr.compare_policies("lognormal", 1.0, "gpu", 20, 8, 4, 32, 2.0, 0, policies=("sync", "april", "copris"))
+    res = sim.compare_policies(pr.Scheduler, pr.Traj, "lognormal", 1.0, "gpu", 20, 8, 4, 32, 2.0, 0,
+                               policies=("sync", "april", "copris"))
     assert res["april"]["tokens_per_s"] > 1.1 * res["sync"]["tokens_per_s"]
     assert res["copris"]["tokens_per_s"] > 1.1 * res["sync"]["tokens_per_s"]
     assert res["copris"]["step_s"] < res["sync"]["step_s"]
@@ -82,7 +89,7 @@ def test_conservation_check_catches_a_lost_trajectory(monkeypatch):
         self.running = {}
     monkeypatch.setattr(pr.Scheduler, "end_step", lossy_end_step)
     with pytest.raises(AssertionError, match="lost"):
-        pr.simulate("april", pr.draw_lengths("lognormal", 1.0, median=16, cap=256), 5, 4, 4, 16, c0=1.0, seed=0)
+        simulate("april", sim.draw_lengths("lognormal", 1.0, median=16, cap=256), 5, 4, 4, 16, c0=1.0, seed=0)
 
 
 def test_interrupted_rows_resume_first_and_versions_never_decrease():
