@@ -1,7 +1,6 @@
 """Locally generated offline RL datasets in the D4RL layout, their environments, and score normalisation.
 
-Shared module (leading underscore: not a script). The offline RL scripts import it; it imports nothing
-from them.
+Shared module (leading underscore: not a script). The offline RL scripts import it; it imports nothing from them.
 
 Environments (all batched numpy, actions in [-1, 1]):
 - `pendulum`: gymnasium Pendulum-v1 dynamics (g=10, dt=0.05, torque = 2 * action, speed clipped at 8,
@@ -26,26 +25,24 @@ returns, reference returns). Names:
                          noise 0.1 (D4RL's medium policy is a SAC agent stopped at about a third of expert)
 - halfcheetah-medium-replay  the CEM population's episodes up to that generation (the search's replay)
 - halfcheetah-expert     the best CEM search mean, action noise 0.1
-The halfcheetah behaviour policies are linear (108 parameters) and trained by `train_cem` (about 2 minutes on
-one core, cached); their "expert" is far weaker than D4RL's. `MujocoBatch` also steps Hopper-v5 (checked
-against gymnasium like HalfCheetah), but no hopper datasets are built: within a few minutes the linear CEM
-search either learns to stand still (the survival bonus alone gives return 1,000) or, with the bonus left out
-of its fitness as ARS does, to dive forward and fall (return about 400), neither a locomotion behaviour.
-`rho > 0` replaces that fraction of episodes with bad behaviour (random actions on pendulum, the bad mode
-on the toy): the degraded variants.
+The halfcheetah behaviour policies are linear (108 parameters) and trained by `train_cem` (about 2 minutes on one
+core, cached); their "expert" is far weaker than D4RL's. `MujocoBatch` also steps Hopper-v5 (checked against gymnasium
+like HalfCheetah), but no hopper datasets are built: within a few minutes the linear CEM search either learns to stand
+still (the survival bonus alone gives return 1,000) or, with the bonus left out of its fitness as ARS does, to dive
+forward and fall (return about 400), neither a locomotion behaviour. `rho > 0` replaces that fraction of episodes with
+bad behaviour (random actions on pendulum, the bad mode on the toy): the degraded variants.
 
-Caching: `.cache/offline_data/<name>-<hash>.npz` + `.json`, keyed by a hash of the full config (and the
-generator version). The JSON stores the npz's sha256; a missing, truncated or altered file is detected and
-regenerated. Scores: raw return, normalised 100 * (R - R_random) / (R_expert - R_random) with this
-dataset's own reference policies, and D4RL's constants where a D4RL counterpart exists (indicative only:
-our data and environments are not D4RL's).
+Caching: `.cache/offline_data/<name>-<hash>.npz` + `.json`, keyed by a hash of the full config (and the generator
+version). The JSON stores the npz's sha256; a missing, truncated or altered file is detected and regenerated. Scores:
+raw return, normalised 100 * (R - R_random) / (R_expert - R_random) with this dataset's own reference policies, and
+D4RL's constants where a D4RL counterpart exists (indicative only: our data and environments are not D4RL's).
 
-The end of the file holds the plumbing the offline RL scripts (td3_bc, iql, driftql, ravl) share, none of
-their ideas: the Args fields they all have (`OfflineArgs`, and `TD3Args` for the scripts with TD3's critic;
-each script's `Args` extends one, checked by `check_offline_args`), the start of a run (`start_run`), the
-dataset as normalised tensors (`load_tensors`, `sample`), the networks (`mlp`, `Actor`, the twin-Q `Critic`),
-an optimiser step and the target-network update (`update`, `soft_update`), evaluation (`policy_fn`,
-`eval_policy`), and the end of a run (`summarise`, `save_curve`).
+The end of the file holds the plumbing the offline RL scripts (td3_bc, iql, driftql, ravl) share, none of their ideas:
+the Args fields they all have (`OfflineArgs`, and `TD3Args` for the scripts with TD3's critic; each script's `Args`
+extends one, checked by `check_offline_args`), the start of a run (`start_run`), the dataset as normalised tensors
+(`load_tensors`, `sample`), the networks (`mlp`, `Actor`, the twin-Q `Critic`), an optimiser step and the
+target-network update (`update`, `soft_update`), evaluation (`policy_fn`, `eval_policy`), and the end of a run
+(`summarise`, `save_curve`).
 """
 from __future__ import annotations
 
@@ -486,8 +483,7 @@ def _episode_policy(per_episode_eps, base, act_dim):
     return act_fn
 
 
-def generate(name: str, seed: int = 0, n_episodes: int | None = None, rho: float = 0.0,
-             bad_frac: float = 0.1):
+def generate(name: str, seed: int = 0, n_episodes: int | None = None, rho: float = 0.0, bad_frac: float = 0.1):
     """Build a dataset from scratch (no cache). See the module docstring for the names."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}: choose one of {', '.join(DATASETS)}")
@@ -553,8 +549,7 @@ def _meta(name, env_name, seed, n, rho, bad_frac, data, ep_ret):
     r_rand, r_exp = reference_returns(env_name)
     return {
         "generator": f"algos/_offline_data.py v{GENERATOR_VERSION}", "name": name, "env": env_name,
-        "seed": seed, "n_episodes": n, "rho": rho, "bad_frac": bad_frac,
-        "n_transitions": int(len(data["rewards"])),
+        "seed": seed, "n_episodes": n, "rho": rho, "bad_frac": bad_frac, "n_transitions": int(len(data["rewards"])),
         "behaviour_return_mean": float(ep_ret.mean()), "behaviour_return_std": float(ep_ret.std()),
         "behaviour_score": normalized_score(env_name, float(ep_ret.mean())),
         "behaviour_d4rl_score": d4rl_score(env_name, float(ep_ret.mean())),
@@ -799,9 +794,7 @@ def save_curve(path, hist: list[dict], title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(5, 3))
     ax.plot([h["step"] for h in hist], [h["eval/score"] for h in hist], marker="o")
-    ax.set_xlabel("gradient step")
-    ax.set_ylabel("normalised score")
-    ax.set_title(title)
+    ax.set(xlabel="gradient step", ylabel="normalised score", title=title)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

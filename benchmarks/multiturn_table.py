@@ -1,14 +1,16 @@
 """Multi-turn agents on the key-value lookup environment: multi-turn GRPO, ECHO, and stepwise advantages (flat
 groups, HGPO, LoGo) at equal sampled turns, plus the error of stepwise advantages against exact values.
 
-    python benchmarks/multiturn_table.py                  # 3 seeds x 7 runs (2 to 5 min each on 2 cores) + table
+    python benchmarks/multiturn_table.py                  # 3 seeds x 10 runs (2 to 5 min each on 2 cores) + table
     python benchmarks/multiturn_table.py --report-only    # rebuilds the table from the CSV
 
 Runs (every one from the shipped tiny-toolenv, 16 seeds x 8 episodes per rollout batch, lr 2e-4, temperature
 0.7, one thread):
-  multiturn_grpo   python algos/multiturn_grpo.py          trajectory-level advantages, the default 60 rollout batches
-  echo             python algos/echo.py                    the same plus 0.003 x the environment-token cross-entropy
-  echo-coef        python algos/echo.py --echo-coef C      the weight's sweep, C in ECHO_COEFS (the default is 0.003)
+  train            python algos/multiturn_grpo.py          trajectory-level advantages, the default 90 rollout batches
+                   python algos/echo.py                    the same plus 0.003 x the environment-token cross-entropy
+                   python algos/hgpo.py                    HGPO's stepwise advantages, the default 90 rollout batches
+  batches60        the first two at 60 rollout batches (--steps 60 --eval-every 20, the earlier default)
+  echo-coef        python algos/echo.py --echo-coef C --steps 60     the weight's sweep, C in ECHO_COEFS
   flat / hgpo / logo   python algos/hgpo.py --advantage ... --turn-budget TURNS --steps 200: stepwise advantages,
                    every arm stopped at the same number of sampled turns (LoGo's re-rolled turns count)
   advantage error  hgpo.advantage_mse on one rollout batch of the initial policy (16 seeds x 8 episodes, exact values
@@ -35,9 +37,10 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._results import RESULTS, append_rows, mean_std, read_rows  # noqa: E402
 
 CSV, NAME = "multiturn.csv", "multiturn"
-TURNS = 8000  # sampled-turn budget of the stepwise arms (about 16 rollout batches; the default 60 sample ~30,000)
+TURNS = 8000  # sampled-turn budget of the stepwise arms (about 16 rollout batches; the default 90 sample ~45,000)
 STEPWISE = ("flat", "hgpo", "logo")
 ECHO_COEFS = (0.1, 0.01)  # ECHO weights beside the default 0.003: 0.1 was the first default, and it collapses success
+B60 = "--steps 60 --eval-every 20"  # the earlier default length, kept for the weight sweep and its GRPO / ECHO rows
 
 
 def run(seeds, parts) -> None:
@@ -48,19 +51,23 @@ def run(seeds, parts) -> None:
     from algos import echo, hgpo, multiturn_grpo
 
     for seed in seeds:
+        out = f"runs/bench_multiturn/s{seed}"
         if "train" in parts:
-            s = multiturn_grpo.main(multiturn_grpo.Args(seed=seed, threads=1, out_dir=f"runs/bench_multiturn/s{seed}"))
-            append_rows(CSV, "multiturn", "algos/multiturn_grpo.py", "default", seed, s,
-                        f"python algos/multiturn_grpo.py --threads 1 --seed {seed}")
-            s = echo.main(echo.Args(seed=seed, threads=1, out_dir=f"runs/bench_multiturn/s{seed}"))
-            append_rows(CSV, "multiturn", "algos/echo.py", "default", seed, s,
-                        f"python algos/echo.py --threads 1 --seed {seed}")
+            for name, mod, kw in (("multiturn_grpo", multiturn_grpo, {}), ("echo", echo, {}), ("hgpo", hgpo, {})):
+                s = mod.main(mod.Args(seed=seed, threads=1, out_dir=out, **kw))
+                append_rows(CSV, "multiturn", f"algos/{name}.py", "default", seed, s,
+                            f"python algos/{name}.py --threads 1 --seed {seed}")
+        if "batches60" in parts:
+            for name, mod in (("multiturn_grpo", multiturn_grpo), ("echo", echo)):
+                s = mod.main(mod.Args(steps=60, eval_every=20, seed=seed, threads=1, exp_name=f"{name}_60", out_dir=out))
+                append_rows(CSV, "multiturn", f"algos/{name}.py", "steps=60", seed, s,
+                            f"python algos/{name}.py {B60} --threads 1 --seed {seed}")
         if "echo-coef" in parts:
             for c in ECHO_COEFS:
-                s = echo.main(echo.Args(echo_coef=c, seed=seed, threads=1, exp_name=f"echo_{c}",
-                                        out_dir=f"runs/bench_multiturn/s{seed}"))
-                append_rows(CSV, "multiturn", "algos/echo.py", f"echo_coef={c}", seed, s,
-                            f"python algos/echo.py --echo-coef {c} --threads 1 --seed {seed}")
+                s = echo.main(echo.Args(echo_coef=c, steps=60, eval_every=20, seed=seed, threads=1,
+                                        exp_name=f"echo_{c}", out_dir=out))
+                append_rows(CSV, "multiturn", "algos/echo.py", f"echo_coef={c} | steps=60", seed, s,
+                            f"python algos/echo.py --echo-coef {c} {B60} --threads 1 --seed {seed}")
         if "stepwise" in parts:
             for arm in STEPWISE:
                 s = hgpo.main(hgpo.Args(advantage=arm, turn_budget=TURNS, steps=200, seed=seed, threads=1,
@@ -92,18 +99,22 @@ def report() -> None:
 
     lines = ["| run | held-out success start | end | turn-1 / turn-4 (answer) accuracy end | held-out env-token CE start "
              "| end | sampled turns | wall s | seeds |", "|---|---|---|---|---|---|---|---|---|"]
-    keys = [("algos/multiturn_grpo.py", "default"), ("algos/echo.py", "default")] + \
-        [("algos/echo.py", f"echo_coef={c}") for c in ECHO_COEFS] + \
-        [("algos/hgpo.py", f"{a} | turns={TURNS}") for a in STEPWISE]
-    for key in keys:
+    labels = {("algos/multiturn_grpo.py", "default"): "`algos/multiturn_grpo.py` (90 batches)",
+              ("algos/echo.py", "default"): "`algos/echo.py` λ = 0.003 (90 batches)",
+              ("algos/hgpo.py", "default"): "`algos/hgpo.py` HGPO (90 batches)",
+              ("algos/multiturn_grpo.py", "steps=60"): "`algos/multiturn_grpo.py` (60 batches)",
+              ("algos/echo.py", "steps=60"): "`algos/echo.py` λ = 0.003 (60 batches)"}
+    labels.update({("algos/echo.py", f"echo_coef={c} | steps=60"): f"`algos/echo.py` λ = {c} (60 batches)"
+                   for c in ECHO_COEFS})
+    labels.update({("algos/hgpo.py", f"{a} | turns={TURNS}"): f"`algos/hgpo.py` {a} ({TURNS:,} turns)"
+                   for a in STEPWISE})
+    for key, label in labels.items():
         if key not in by:
             continue
-        label = f"`{key[0]}`" + ("" if key[1] == "default" else " " + key[1].split(" |")[0].replace("echo_coef=", "λ = "))
-        label += " λ = 0.003 (default)" if key == ("algos/echo.py", "default") else ""
         lines.append(f"| {label} | {col(key, 'eval_acc_start')} | {col(key, 'eval_acc_end')} | "
                      f"{col(key, 'eval_turn1_acc_end')} / {col(key, 'eval_turn4_acc_end')} | "
                      f"{col(key, 'eval_env_ce_start', 1, 2)} | {col(key, 'eval_env_ce_end', 1, 2)} | "
-                     f"{col(key, 'sampled_turns', 1, 0) if key[0] == 'algos/hgpo.py' else '-'} | "
+                     f"{col(key, 'sampled_turns', 1, 0) if 'turns=' in key[1] else '-'} | "
                      f"{col(key, 'wall_s', 1, 0)} | {len(by[key])} |")
     mse = ("algos/hgpo.py", "advantage error | initial policy")
     if mse in by:
@@ -121,7 +132,7 @@ def report() -> None:
               "turn limit 5, context limit 40 characters); policy `tiny-toolenv`; 300 held-out episodes, greedy. Env-token CE: "
               "cross-entropy (nats per token) of the observation tokens of 64 fixed held-out rollouts of the initial "
               f"policy. Stepwise arms stop at {TURNS:,} sampled turns. Hardware: {row['hardware']} (shared, one "
-              f"thread); {row['versions']}; commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; command: "
+              f"thread); {row['versions']}; commits {', '.join(sorted({r['commit'] for r in meta.values()}))}. Rows: `benchmarks/results/{CSV}`; command: "
               "`python benchmarks/multiturn_table.py`."]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -131,7 +142,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parts = ["mse", "train", "echo-coef", "stepwise"]
+    parts = ["mse", "train", "batches60", "echo-coef", "stepwise"]
     ap.add_argument("--parts", nargs="+", default=parts, choices=parts)
     a = ap.parse_args()
     if not a.report_only:
