@@ -1,7 +1,7 @@
 """Multi-turn agents on the key-value lookup environment: multi-turn GRPO, ECHO, and stepwise advantages (flat
 groups, HGPO, LoGo) at equal sampled turns, plus the error of stepwise advantages against exact values.
 
-    python benchmarks/multiturn_table.py                  # 3 seeds x 10 runs (2 to 5 min each on 2 cores) + table
+    python benchmarks/multiturn_table.py                  # 3 seeds x 11 runs (2 to 5 min each on 2 cores) + table
     python benchmarks/multiturn_table.py --report-only    # rebuilds the table from the CSV
 
 Runs (every one from the shipped tiny-toolenv, 16 seeds x 8 episodes per rollout batch, lr 2e-4, temperature
@@ -9,6 +9,7 @@ Runs (every one from the shipped tiny-toolenv, 16 seeds x 8 episodes per rollout
   train            python algos/multiturn_grpo.py          trajectory-level advantages, the default 90 rollout batches
                    python algos/echo.py                    the same plus 0.003 x the environment-token cross-entropy
                    python algos/hgpo.py                    HGPO's stepwise advantages, the default 90 rollout batches
+  flat90           python algos/hgpo.py --advantage flat      flat stepwise groups over HGPO's default 90 batches
   batches60        the first two at 60 rollout batches (--steps 60 --eval-every 20, the earlier default)
   echo-coef        python algos/echo.py --echo-coef C --steps 60     the weight's sweep, C in ECHO_COEFS
   flat / hgpo / logo   python algos/hgpo.py --advantage ... --turn-budget TURNS --steps 200: stepwise advantages,
@@ -57,6 +58,10 @@ def run(seeds, parts) -> None:
                 s = mod.main(mod.Args(seed=seed, threads=1, out_dir=out, **kw))
                 append_rows(CSV, "multiturn", f"algos/{name}.py", "default", seed, s,
                             f"python algos/{name}.py --threads 1 --seed {seed}")
+        if "flat90" in parts:
+            s = hgpo.main(hgpo.Args(advantage="flat", seed=seed, threads=1, exp_name="hgpo_flat90", out_dir=out))
+            append_rows(CSV, "multiturn", "algos/hgpo.py", "flat | default", seed, s,
+                        f"python algos/hgpo.py --advantage flat --threads 1 --seed {seed}")
         if "batches60" in parts:
             for name, mod in (("multiturn_grpo", multiturn_grpo), ("echo", echo)):
                 s = mod.main(mod.Args(steps=60, eval_every=20, seed=seed, threads=1, exp_name=f"{name}_60", out_dir=out))
@@ -102,6 +107,7 @@ def report() -> None:
     labels = {("algos/multiturn_grpo.py", "default"): "`algos/multiturn_grpo.py` (90 batches)",
               ("algos/echo.py", "default"): "`algos/echo.py` λ = 0.003 (90 batches)",
               ("algos/hgpo.py", "default"): "`algos/hgpo.py` HGPO (90 batches)",
+              ("algos/hgpo.py", "flat | default"): "`algos/hgpo.py` flat (90 batches)",
               ("algos/multiturn_grpo.py", "steps=60"): "`algos/multiturn_grpo.py` (60 batches)",
               ("algos/echo.py", "steps=60"): "`algos/echo.py` λ = 0.003 (60 batches)"}
     labels.update({("algos/echo.py", f"echo_coef={c} | steps=60"): f"`algos/echo.py` λ = {c} (60 batches)"
@@ -114,7 +120,7 @@ def report() -> None:
         lines.append(f"| {label} | {col(key, 'eval_acc_start')} | {col(key, 'eval_acc_end')} | "
                      f"{col(key, 'eval_turn1_acc_end')} / {col(key, 'eval_turn4_acc_end')} | "
                      f"{col(key, 'eval_env_ce_start', 1, 2)} | {col(key, 'eval_env_ce_end', 1, 2)} | "
-                     f"{col(key, 'sampled_turns', 1, 0) if 'turns=' in key[1] else '-'} | "
+                     f"{col(key, 'sampled_turns', 1, 0) if key[0] == 'algos/hgpo.py' else '-'} | "
                      f"{col(key, 'wall_s', 1, 0)} | {len(by[key])} |")
     mse = ("algos/hgpo.py", "advantage error | initial policy")
     if mse in by:
@@ -142,7 +148,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parts = ["mse", "train", "batches60", "echo-coef", "stepwise"]
+    parts = ["mse", "train", "flat90", "batches60", "echo-coef", "stepwise"]
     ap.add_argument("--parts", nargs="+", default=parts, choices=parts)
     a = ap.parse_args()
     if not a.report_only:
