@@ -33,6 +33,12 @@ CSV, MD, PNG = "world_models.csv", RESULTS / "world_models.md", RESULTS / "world
 HORIZONS = (1, 8, 16, 32)
 
 
+# the default's seven eps-greedy policies, then six that differ in kind (worldmodels/policy_eval.py, parse_policy):
+# a detour to a decoy object first, competent only near the goal, standing still at random
+KINDS = ("0", "0.1", "0.2", "0.35", "0.5", "0.7", "1", "detour=6", "detour=9", "near=2", "near=4", "stall=0.5",
+         "stall=0.7")
+
+
 def configs() -> dict:
     from worldmodels import ar_world_model, diffusion_world_model, live, policy_eval
 
@@ -50,6 +56,8 @@ def configs() -> dict:
                                   "python worldmodels/policy_eval.py --no-frozen-g"),
         "policy-eval-ungated": (policy_eval, dict(action_gate=False),
                                 "python worldmodels/policy_eval.py --no-action-gate"),
+        "policy-eval-kinds": (policy_eval, dict(policies=KINDS),
+                              "python worldmodels/policy_eval.py --policies " + " ".join(KINDS)),
     }
 
 
@@ -81,6 +89,7 @@ MODEL_CHANGE = "c3b6284"  # the commit where the agent-cell error became strict 
 GATE_CHANGE = "f62910b"  # the commit where the action began to enter multiplicatively (--action-gate by default)
 MODELS = ("ar", "ar-chained", "diffusion", "live", "diffusion-forcing")
 PE_NAMES = ("policy-eval", "policy-eval-no-consistency", "policy-eval-g-trained", "policy-eval-ungated")
+PE_KINDS = "policy-eval-kinds"
 
 
 @functools.cache
@@ -177,6 +186,21 @@ def report() -> None:
                            ("imagined_success", "imagined success per policy")):
             lines.append(f"| {label} | " + " | ".join(", ".join(
                 f"{np.mean(data[n][f'{key}_{i}']):.2f}" for i in range(n_pol)) for n in pe_names) + " |")
+    if PE_KINDS in data:
+        d = data[PE_KINDS]
+        lines += ["", f"Policies that differ in kind (`{PE_KINDS}`: the default model and training, evaluated on the "
+                  "seven eps-greedy policies and six others: `detour=K` walks the shortest path to a decoy object "
+                  "(a non-goal object) for K steps before heading for the goal, `near=D` takes the shortest path only "
+                  "within distance D of the goal and random moves elsewhere, `stall=P` takes the shortest path but "
+                  f"stands still with probability P; {len(d.get('pearson', []))} seeds):", "",
+                  "| policy | real success | imagined success |", "|---|---|---|"]
+        for i, spec in enumerate(KINDS):
+            lines.append(f"| `{spec}` | {fmt(d.get(f'real_success_{i}', []), 2)} | "
+                         f"{fmt(d.get(f'imagined_success_{i}', []), 2)} |")
+        lines += ["", "| figure | all 13 | the seven eps-greedy | the six others |", "|---|---|---|---|"]
+        for key, label in (("pearson", "Pearson r"), ("mmrv", "MMRV")):
+            lines.append(f"| {label} | " + " | ".join(fmt(d.get(k, []), 3) for k in (key, f"{key}_eps", f"{key}_kinds"))
+                         + " |")
     any_row = next(iter(meta.values()))
     commits = ", ".join(f"`{c}`" for c in sorted({r["commit"] for r in used}))
     gated = {c: _contains(c, GATE_CHANGE) for c in {r["commit"] for r in read_rows(CSV)}}
