@@ -44,8 +44,8 @@ Commands:
   accelerate launch --num_processes 4 algos/poise.py --model ... --device cuda        # several GPUs
 Expected: held-out greedy accuracy on 2-digit addition 38.8 -> 62.6 (+23.8 points) in the default run (200 rollout
 batches of 128 prompts x 2; 583 s on a heavily loaded shared 2-core machine, benchmarks/results/defaults.md).
-After 40 batches with the same generated tokens as GRPO (G = 8 x 32 prompts): 50.7 ± 0.7 vs 46.8 ± 6.1; with a
-quarter of them (2 x 32 prompts) 42.2 ± 8.0 (3 seeds, benchmarks/results/poise_unique.md).
+After 40 batches with the same generated tokens as GRPO (G = 8 x 32 prompts): 52.8 ± 1.3 vs 46.8 ± 6.1; with a
+quarter of them (2 x 32 prompts) 43.0 ± 6.3 (3 seeds, benchmarks/results/poise_unique.md).
 """
 from __future__ import annotations
 
