@@ -49,6 +49,8 @@ def configs() -> dict:
         "live": (live, dict(mode="live"), "python worldmodels/live.py"),
         "diffusion-forcing": (diffusion_world_model, dict(diffusion_forcing=True, ctx_sigma_eval=0.1),
                               "python worldmodels/diffusion_world_model.py --diffusion-forcing --ctx-sigma-eval 0.1"),
+        "diffusion-forcing-clean": (diffusion_world_model, dict(diffusion_forcing=True),
+                                    "python worldmodels/diffusion_world_model.py --diffusion-forcing"),
         "policy-eval": (policy_eval, dict(), "python worldmodels/policy_eval.py"),
         "policy-eval-no-consistency": (policy_eval, dict(consistency=0.0),
                                        "python worldmodels/policy_eval.py --consistency 0"),
@@ -87,7 +89,7 @@ def run(names: list[str], seeds: list[int], out_root: Path) -> None:
 
 MODEL_CHANGE = "c3b6284"  # the commit where the agent-cell error became strict (exactly one agent drawn)
 GATE_CHANGE = "f62910b"  # the commit where the action began to enter multiplicatively (--action-gate by default)
-MODELS = ("ar", "ar-chained", "diffusion", "live", "diffusion-forcing")
+MODELS = ("ar", "ar-chained", "diffusion", "live", "diffusion-forcing", "diffusion-forcing-clean")
 PE_NAMES = ("policy-eval", "policy-eval-no-consistency", "policy-eval-g-trained", "policy-eval-ungated")
 PE_KINDS = "policy-eval-kinds"
 
@@ -155,8 +157,10 @@ def report() -> None:
                      + " |" + " |" * (len(HORIZONS) + 2))
     pairs = [("teacher forcing", "ar", "chained training (Memory Forcing)", "ar-chained"),
              ("the denoiser without the cycle loss", "diffusion", "with it (LIVE)", "live"),
-             ("the denoiser with clean context", "diffusion", "with per-frame context noise (diffusion forcing)",
-              "diffusion-forcing")]
+             ("the denoiser trained on clean context", "diffusion", "trained with per-frame context noise (diffusion "
+              "forcing), 0.1 noise on the context at sampling", "diffusion-forcing"),
+             ("the denoiser trained on clean context", "diffusion", "trained with per-frame context noise (diffusion "
+              "forcing), clean context (noise level 0) at sampling", "diffusion-forcing-clean")]
     for a_name, a, b_name, b in pairs:
         if a in data and b in data:
             da, db = data[a], data[b]
