@@ -42,10 +42,10 @@ Commands:
   python algos/poise.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --engine vllm --device cuda \
       --max-new-tokens 512 --prompts-per-step 128 --lr 1e-6     # one GPU
   accelerate launch --num_processes 4 algos/poise.py --model ... --device cuda        # several GPUs
-Expected: held-out greedy accuracy on 2-digit addition 38.8 -> 62.6 (+23.8 points) in the default run (200 rollout
-batches of 128 prompts x 2; 583 s on a heavily loaded shared 2-core machine, benchmarks/results/defaults.md).
-After 40 batches with the same generated tokens as GRPO (G = 8 x 32 prompts): 50.7 ± 0.7 vs 46.8 ± 6.1; with a
-quarter of them (2 x 32 prompts) 42.2 ± 8.0 (3 seeds, benchmarks/results/poise_unique.md).
+Expected: held-out greedy accuracy on 2-digit addition 38.8 -> 63.6 (+24.8 points) in the default run (200 rollout
+batches of 128 prompts x 2; 62 s on a shared 2-core machine, benchmarks/results/defaults.md).
+After 40 batches with the same generated tokens as GRPO (G = 8 x 32 prompts): 52.8 ± 1.3 vs 46.8 ± 6.1; with a
+quarter of them (2 x 32 prompts) 43.0 ± 6.3 (3 seeds, benchmarks/results/poise_unique.md).
 """
 from __future__ import annotations
 

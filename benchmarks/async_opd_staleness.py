@@ -3,12 +3,14 @@
 Paper: "AsyncOPD: How Stale Can On-Policy Distillation Be?", arXiv:2606.24143.
 
     python benchmarks/async_opd_staleness.py                  # about 12 minutes per seed on 2 shared cores
+    python benchmarks/async_opd_staleness.py --only cache --seeds 0 1 2   # part 2 only, 3 seeds (about a minute)
     python benchmarks/async_opd_staleness.py --report-only    # rebuild the table from the committed CSV
     python benchmarks/report.py                               # paste it into benchmarks/README.md
 
 Part 1: algos/async_opd.py for variants fkl, rkl-stale, rkl-recompute, rkl-mc at staleness k in {0, 2, 8}.
-Part 2: on one real batch (tiny-0.6m rollouts scored by tiny-5m), the relative bias and variance of the
-per-position reverse-KL gradient estimators: sparse top-k for several k, 1-sample and 4-sample Monte Carlo.
+Part 2: on one real batch per seed (tiny-0.6m rollouts of that seed's prompts, scored by tiny-5m), the relative
+bias and variance of the per-position reverse-KL gradient estimators: sparse top-k for several k, 1-sample and
+4-sample Monte Carlo (the seed draws the prompts, the rollouts and the Monte-Carlo samples).
 The Monte-Carlo rows' raw bias (squared distance of the mean of n = DRAWS draws from the exact gradient)
 contains the noise floor Var/n that even an unbiased estimator keeps; the table also gives the bias net of it,
 raw - Var_hat/(n - 1), computed from the rows' rel_bias, rel_var and draws (rows without a `draws` figure were
@@ -35,35 +37,37 @@ STEPS, EVAL = 40, 300
 DRAWS, CACHE_PROMPTS = 256, 64  # part 2: draws per MC estimator, rollouts in the batch
 
 
-def run(seeds) -> None:
+def run(seeds, parts=("train", "cache")) -> None:
     from algos import async_opd as ao
 
-    for seed in seeds:
+    for seed in seeds if "train" in parts else []:
         for variant in VARIANTS:
             for k in STALENESS:
                 s = ao.main(ao.Args(seed=seed, variant=variant, staleness=k, steps=STEPS, eval_every=STEPS,
                                     eval_examples=EVAL, out_dir=f"runs/bench_async_opd/{variant}_k{k}_s{seed}"))
                 append_rows(CSV, "async_opd", "algos/async_opd.py", f"{variant}|k={k}", seed, s,
                             f"python algos/async_opd.py --variant {variant} --staleness {k} --steps {STEPS} --seed {seed}")
-    for r in cache_rows():
-        append_rows(CSV, "async_opd_cache", "algos/async_opd.py", f"{r['estimator']}|k={r['k']}|M={r['M']}", 0,
-                    {m: r[m] for m in ("rel_bias", "rel_var", "draws")},
-                    "python benchmarks/async_opd_staleness.py (cache_bias_variance)")
+    for seed in seeds if "cache" in parts else []:
+        for r in cache_rows(seed=seed):
+            append_rows(CSV, "async_opd_cache", "algos/async_opd.py", f"{r['estimator']}|k={r['k']}|M={r['M']}", seed,
+                        {m: r[m] for m in ("rel_bias", "rel_var", "draws")},
+                        f"python benchmarks/async_opd_staleness.py --only cache --seeds {seed} (cache_bias_variance)")
 
 
-def cache_rows(draws: int = DRAWS, n_prompts: int = CACHE_PROMPTS) -> list[dict]:
-    """Part 2: estimator bias and variance on one real batch (tiny-0.6m rollouts, tiny-5m scores)."""
+def cache_rows(draws: int = DRAWS, n_prompts: int = CACHE_PROMPTS, seed: int = 0) -> list[dict]:
+    """Part 2: estimator bias and variance on one real batch (tiny-0.6m rollouts, tiny-5m scores); `seed` draws
+    the prompts, the rollouts and the Monte-Carlo samples (seed 0: the batch of the first committed rows)."""
     import numpy as np
     import torch
 
     import common
     from algos import async_opd as ao
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     student, tok = common.load_model("tiny-0.6m")
     teacher, _ = common.load_model("tiny-5m")
     task = common.make_task("add")
-    exs = task.sample("train", n_prompts, np.random.default_rng(0))
+    exs = task.sample("train", n_prompts, np.random.default_rng(seed))
     ro = common.generate(student, tok, common.encode_prompts(tok, [e.prompt for e in exs]), 1, 8)
     b = {k: getattr(ro, k) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
     with torch.no_grad():
@@ -74,7 +78,8 @@ def cache_rows(draws: int = DRAWS, n_prompts: int = CACHE_PROMPTS) -> list[dict]
         s_logits = student.get_output_embeddings()(h[:, b["prompt_ids"].shape[1] - 1:-1])
         t_logp = ao.chunk_logprobs(teacher, ao.completion_hidden(teacher, **b))  # [B, C, V] of the 99-token tiny model
     keep = b["completion_mask"].bool()
-    return ao.cache_bias_variance(s_logits[keep], t_logp[keep], ks=(1, 4, 16, 0), mc=(1, 4), draws=draws)
+    return ao.cache_bias_variance(s_logits[keep], t_logp[keep], ks=(1, 4, 16, 0), mc=(1, 4), draws=draws,
+                                 seed=seed)
 
 
 def net_of_noise(rel_bias: float, rel_var: float, draws: float) -> float:
@@ -83,18 +88,24 @@ def net_of_noise(rel_bias: float, rel_var: float, draws: float) -> float:
     return rel_bias - rel_var / max(draws - 1, 1)
 
 
+def signed(vals: list[float]) -> str:
+    m = statistics.mean(vals)
+    return f"{m:+.4f}" if len(vals) == 1 else f"{m:+.4f} ± {statistics.stdev(vals):.4f}"
+
+
 def cache_table(by: dict) -> list[str]:
     """The part-2 table from {config: {metric: [values]}}."""
-    lines = ["| estimator (one real batch) | cache k | samples M | relative bias² (raw) | relative variance | "
-             "relative bias² net of noise |", "|---|---|---|---|---|---|"]
+    lines = ["| estimator (one real batch per seed) | cache k | samples M | relative bias² (raw) | relative variance | "
+             "relative bias² net of noise | seeds |", "|---|---|---|---|---|---|---|"]
     for config, f in by.items():
         if "rel_bias" not in f:
             continue
         est, k, m = config.split("|")
-        draws = statistics.mean(f["draws"]) if f.get("draws") else DRAWS
-        net = f"{net_of_noise(statistics.mean(f['rel_bias']), statistics.mean(f['rel_var']), draws):+.4f}"
+        draws = f["draws"] if len(f.get("draws", [])) == len(f["rel_bias"]) else [DRAWS] * len(f["rel_bias"])
+        net = [net_of_noise(b, v, d) for b, v, d in zip(f["rel_bias"], f["rel_var"], draws)]
         lines.append(f"| {est} | {k[2:] if est.startswith('sparse') else '-'} | {m[2:] if m != 'M=0' else '-'} | "
-                     f"{statistics.mean(f['rel_bias']):.4f} | {statistics.mean(f['rel_var']):.3f} | {net} |")
+                     f"{mean_std(f['rel_bias'], 1, 4)} | {mean_std(f['rel_var'], 1, 3)} | "
+                     f"{signed(net)} | {len(f['rel_bias'])} |")
     return lines
 
 
@@ -104,10 +115,12 @@ def fmt(vals, scale=100.0):
 
 def report() -> None:
     rows = read_rows(CSV)
+    latest = {(r["bench"], r["config"], r["metric"], r["seed"]): float(r["value"]) for r in rows}  # a later row wins
     by = defaultdict(lambda: defaultdict(list))
+    for (_, config, metric, _), v in latest.items():
+        by[config][metric].append(v)
     meta, meta_cache = None, None
     for r in rows:
-        by[r["config"]][r["metric"]].append(float(r["value"]))
         if r["bench"] == "async_opd":
             meta = r
         else:
@@ -151,7 +164,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--only", choices=["train", "cache"], default=None, help="run one of the two parts")
     a = ap.parse_args()
     if not a.report_only:
-        run(a.seeds)
+        run(a.seeds, ("train", "cache") if a.only is None else (a.only,))
     report()

@@ -11,7 +11,9 @@ characters) for n = 2..6 operands, 32 prompts x 4 samples per (n, seed), 3 seeds
 pi_train: fp32, or for "unified" the same W8A8 + KV graph (Jet-RL). Figures per token: the exact KL(mu || pi_train)
 over the vocabulary and |log pi_train - log mu|; per sequence: the std of sum_t log(pi_train / mu) (the log of the
 sequence IS ratio). The spread exponent is the slope of log(spread) against log(mean length) over the five lengths
-(0.5 if per-token errors were independent). Shared-Gumbel decoding: each W8A8 rollout re-decoded by the fp32 policy
+(0.5 if per-token errors were independent). Within one task (sums6, responses of about 41 tokens, the same prompts
+and policy throughout) the exact KL per token by response position (0-7, 8-15, 16-31, 32+): whether the mismatch
+grows with length where nothing but the position changes. Shared-Gumbel decoding: each W8A8 rollout re-decoded by the fp32 policy
 from the same noise; first divergence, how often the reward is the same, and how often the two keep the order of a
 pair of same-prompt rollouts that the FP8 rewards separate (Sol-RL's premise: the low-precision pool ranks as the
 full-precision policy would; algos/fp8_sol_rl.py trains on that regeneration).
@@ -49,6 +51,8 @@ ARMS = {"fp32 rollouts": dict(rollout_dtype="fp32", correction="none"),
 TRAIN = dict(model="tiny-sums", task="sums", digits=1, max_new_tokens=48, steps=20, prompts_per_step=16, group_size=8,
              eval_every=10, eval_examples=200, pass_k=0, eval_hard=False, threads=1, diag_every=5)
 PROMPTS, SAMPLES = 32, 4
+POSITIONS = ("0-7", "8-15", "16-31", "32+")  # algos/fp8_rollout.py's BUCKETS, as mismatch_metrics names them
+POS_ROWS = ("bf16", "W8A8", "W8A8 + KV")
 
 
 def pair_order(r_a, r_b, G: int) -> tuple[int, int]:
@@ -168,6 +172,12 @@ def report() -> None:
             if exps:
                 for s, e in zip(seeds, exps):
                     append_rows_once(row, s, e)
+        hi = f"sums{OPERANDS[-1]}"
+        lines += ["", f"| mu vs pi_train, within {hi} | " + " | ".join(f"KL/token, positions {b}" for b in POSITIONS)
+                  + " |", "|---|" + "---|" * len(POSITIONS)]
+        for row in POS_ROWS:
+            lines.append(f"| {row} | " + " | ".join(mean_std(vals(by, f"{row} | {hi}", f"kl_pos{b}"), 1e4, 2)
+                                                     for b in POSITIONS) + " |")
         lens = " / ".join(mean_std(vals(by, f"W8A8 | sums{n}", "length"), 1, 1) for n in OPERANDS)
         lines += ["", "| W8A8 rollouts re-decoded by fp32 from the same noise | " +
                   " | ".join(f"sums{n}" for n in OPERANDS) + " |", "|---|" + "---|" * len(OPERANDS)]
@@ -186,7 +196,9 @@ def report() -> None:
                   f"rounded to bf16), + KV = e4m3 KV cache with per-layer scales from the prefill; pi_train is fp32 "
                   f"except for unified (the W8A8 + KV graph with straight-through gradients). Spread exponent: slope of "
                   f"log std(sum_t log(pi/mu)) against log length per seed (0.5 = independent per-token errors; not fitted for fp32 "
-                  f"and unified, whose spreads are rounding noise). "
+                  f"and unified, whose spreads are rounding noise). Positions: the exact KL per token over the "
+                  f"response tokens at those positions of the {hi} rollouts (the same responses, so the prompts, the "
+                  f"policy and the task are fixed and only the length of the context changes). "
                   f"{row['versions']}; {row['hardware']}; commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; "
                   f"command: `python benchmarks/fp8_rollout_table.py --skip-train`."]
     tby, tmeta = collect("fp8_train")
@@ -227,6 +239,7 @@ def verdicts(by, tby) -> str:
     lo, hi = f"sums{OPERANDS[0]}", f"sums{OPERANDS[-1]}"
     kl = {r: m(f"{r} | {hi}", "exact") for r in ROWS}
     grow = order(m(f"W8A8 + KV | {hi}", "exact"), m(f"W8A8 + KV | {lo}", "exact"))
+    grow_pos = order(m(f"W8A8 + KV | {hi}", f"kl_pos{POSITIONS[-1]}"), m(f"W8A8 + KV | {hi}", f"kl_pos{POSITIONS[0]}"))
     exps = [e for e in (exponent(by, "W8A8", sd) for sd in by.get(f"W8A8 | {lo}", {})) if e is not None]
     acc = {a: m(a, "eval_acc_end", tby) for a in ARMS}
     e = (statistics.mean(exps), statistics.stdev(exps)) if len(exps) > 1 else (float("nan"), 0.0)
@@ -236,7 +249,8 @@ def verdicts(by, tby) -> str:
             f"alone, which is {order(kl['W8A8'], kl['bf16'])} bf16, which is {order(kl['bf16'], kl['unified'])} "
             f"unified FP8" + (" (unified sits at the rounding floor, below bf16, not between mixed and bf16)" if floor
                               else "") +
-            f"; the W8A8 + KV mismatch per token at {hi} is {grow} that at {lo} (Jet-RL: it grows with length); the "
+            f"; the W8A8 + KV mismatch per token at {hi} is {grow} that at {lo} (Jet-RL: it grows with length), and "
+            f"within {hi} at positions {POSITIONS[-1]} it is {grow_pos} that at positions {POSITIONS[0]}; the "
             f"sequence log-ratio spread of W8A8 grows with exponent {mean_std(exps, 1, 2)} in the length, {sqrt_t} "
             f"the sqrt(T) of independent per-token errors. Reward "
             f"curves: after {TRAIN['steps']} batches token-TIS ends {order(acc['FP8, token-TIS'], acc['fp32 rollouts'])} "

@@ -82,7 +82,7 @@ def col(runs, key, scale=100.0, digits=1):
 
 
 def verdict(by, a: str, b: str, key: str) -> str:
-    """benchmarks/report.py's rule for 'a > b' on the mean ± std over seeds of `key`."""
+    """benchmarks/report.py's rule for 'a > b' on the seed values of `key` (Welch 95% interval, >= 3 seeds)."""
     import statistics
 
     from benchmarks.report import expected_direction
@@ -118,7 +118,7 @@ def report() -> None:
                   f"POISE 2 x 128 above GRPO: {verdict(by, 'POISE, 2 x 128 prompts', 'GRPO, G=8 x 32 prompts', 'eval_acc_end')}"
                   f"; at a quarter of the tokens, POISE 2 x 32 above GRPO: "
                   f"{verdict(by, 'POISE, 2 x 32 prompts', 'GRPO, G=8 x 32 prompts', 'eval_acc_end')} (the rule of "
-                  f"benchmarks/report.py: the difference of the means against the larger std).", ""]
+                  f"benchmarks/report.py: the Welch 95% interval of the difference of the seed means).", ""]
     by, meta = collect("unique")
     if by:
         lines += ["| arm | greedy acc start | end | pass@1 (sampled) | pass@16 | AUC@16 | distinct correct strategies "

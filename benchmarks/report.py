@@ -294,11 +294,14 @@ HEADLINE = [
       "offline_rl.csv#ravl#learned/ravl#score_last#1@1", "offline_rl.csv#ravl#learned/none#score_last#1@1"]),
     ("World models", "world-models",
      "pixel MSE at 4x the training horizon: LIVE {0}, same denoiser without the cycle loss {1}, teacher-forced "
-     "predictor {2}; policy ranking in the learned model: Pearson {3}; verifier-gated chunks (FFDC) need {4} model "
-     "calls per episode vs {5} with 2-step chunks when the world is perturbed at 10% of steps",
+     "predictor {2}; policy ranking in the learned model: Pearson {3} over seven eps-greedy policies, {4} with six "
+     "that differ in kind added; verifier-gated chunks (FFDC) need {5} model calls per episode vs {6} with 2-step "
+     "chunks when the world is perturbed at 10% of steps",
      ["world_models.csv#live#{\"mode\": \"live\"}#err_h32#1@4", "world_models.csv#diffusion#{}#err_h32#1@4",
       "world_models.csv#ar#{}#err_h32#1@4",
       "world_models.csv#policy-eval#{}#pearson#1@2",
+      "world_models.csv#policy-eval-kinds#{\"policies\": [\"0\", \"0.1\", \"0.2\", \"0.35\", \"0.5\", \"0.7\", "
+      "\"1\", \"detour=6\", \"detour=9\", \"near=2\", \"near=4\", \"stall=0.5\", \"stall=0.7\"]}#pearson#1@2",
       "ffdc.csv#ffdc#{}#gated_r0.1_calls#1@2", "ffdc.csv#ffdc#{}#short_r0.1_calls#1@2"]),
 ]
 

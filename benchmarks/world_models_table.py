@@ -33,6 +33,12 @@ CSV, MD, PNG = "world_models.csv", RESULTS / "world_models.md", RESULTS / "world
 HORIZONS = (1, 8, 16, 32)
 
 
+# the default's seven eps-greedy policies, then six that differ in kind (worldmodels/policy_eval.py, parse_policy):
+# a detour to a decoy object first, competent only near the goal, standing still at random
+KINDS = ("0", "0.1", "0.2", "0.35", "0.5", "0.7", "1", "detour=6", "detour=9", "near=2", "near=4", "stall=0.5",
+         "stall=0.7")
+
+
 def configs() -> dict:
     from worldmodels import ar_world_model, diffusion_world_model, live, policy_eval
 
@@ -43,6 +49,8 @@ def configs() -> dict:
         "live": (live, dict(mode="live"), "python worldmodels/live.py"),
         "diffusion-forcing": (diffusion_world_model, dict(diffusion_forcing=True, ctx_sigma_eval=0.1),
                               "python worldmodels/diffusion_world_model.py --diffusion-forcing --ctx-sigma-eval 0.1"),
+        "diffusion-forcing-clean": (diffusion_world_model, dict(diffusion_forcing=True),
+                                    "python worldmodels/diffusion_world_model.py --diffusion-forcing"),
         "policy-eval": (policy_eval, dict(), "python worldmodels/policy_eval.py"),
         "policy-eval-no-consistency": (policy_eval, dict(consistency=0.0),
                                        "python worldmodels/policy_eval.py --consistency 0"),
@@ -50,6 +58,8 @@ def configs() -> dict:
                                   "python worldmodels/policy_eval.py --no-frozen-g"),
         "policy-eval-ungated": (policy_eval, dict(action_gate=False),
                                 "python worldmodels/policy_eval.py --no-action-gate"),
+        "policy-eval-kinds": (policy_eval, dict(policies=KINDS),
+                              "python worldmodels/policy_eval.py --policies " + " ".join(KINDS)),
     }
 
 
@@ -79,8 +89,9 @@ def run(names: list[str], seeds: list[int], out_root: Path) -> None:
 
 MODEL_CHANGE = "c3b6284"  # the commit where the agent-cell error became strict (exactly one agent drawn)
 GATE_CHANGE = "f62910b"  # the commit where the action began to enter multiplicatively (--action-gate by default)
-MODELS = ("ar", "ar-chained", "diffusion", "live", "diffusion-forcing")
+MODELS = ("ar", "ar-chained", "diffusion", "live", "diffusion-forcing", "diffusion-forcing-clean")
 PE_NAMES = ("policy-eval", "policy-eval-no-consistency", "policy-eval-g-trained", "policy-eval-ungated")
+PE_KINDS = "policy-eval-kinds"
 
 
 @functools.cache
@@ -154,8 +165,10 @@ def error_lines(data: dict, order: list[str]) -> list[str]:
                      + " |" + " |" * (len(HORIZONS) + 2))
     pairs = [("teacher forcing", "ar", "chained training (Memory Forcing)", "ar-chained"),
              ("the denoiser without the cycle loss", "diffusion", "with it (LIVE)", "live"),
-             ("the denoiser with clean context", "diffusion", "with per-frame context noise (diffusion forcing)",
-              "diffusion-forcing")]
+             ("the denoiser trained on clean context", "diffusion", "trained with per-frame context noise (diffusion "
+              "forcing), 0.1 noise on the context at sampling", "diffusion-forcing"),
+             ("the denoiser trained on clean context", "diffusion", "trained with per-frame context noise (diffusion "
+              "forcing), clean context (noise level 0) at sampling", "diffusion-forcing-clean")]
     for a_name, a, b_name, b in pairs:
         if a in data and b in data:
             da, db = data[a], data[b]
@@ -191,6 +204,21 @@ def policy_eval_lines(data: dict) -> list[str]:
                            ("imagined_success", "imagined success per policy")):
             lines.append(f"| {label} | " + " | ".join(", ".join(
                 f"{np.mean(data[n][f'{key}_{i}']):.2f}" for i in range(n_pol)) for n in pe_names) + " |")
+    if PE_KINDS in data:
+        d = data[PE_KINDS]
+        lines += ["", f"Policies that differ in kind (`{PE_KINDS}`: the default model and training, evaluated on the "
+                  "seven eps-greedy policies and six others: `detour=K` walks the shortest path to a decoy object "
+                  "(a non-goal object) for K steps before heading for the goal, `near=D` takes the shortest path only "
+                  "within distance D of the goal and random moves elsewhere, `stall=P` takes the shortest path but "
+                  f"stands still with probability P; {len(d.get('pearson', []))} seeds):", "",
+                  "| policy | real success | imagined success |", "|---|---|---|"]
+        for i, spec in enumerate(KINDS):
+            lines.append(f"| `{spec}` | {fmt(d.get(f'real_success_{i}', []), 2)} | "
+                         f"{fmt(d.get(f'imagined_success_{i}', []), 2)} |")
+        lines += ["", "| figure | all 13 | the seven eps-greedy | the six others |", "|---|---|---|---|"]
+        for key, label in (("pearson", "Pearson r"), ("mmrv", "MMRV")):
+            lines.append(f"| {label} | " + " | ".join(fmt(d.get(k, []), 3) for k in (key, f"{key}_eps", f"{key}_kinds"))
+                         + " |")
     return lines
 
 

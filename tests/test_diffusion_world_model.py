@@ -68,6 +68,39 @@ def test_rollout_feeds_samples_back_and_returns_frames_in_0_1():
     torch.testing.assert_close(roll, frames01[:, :1].expand(-1, 6, -1, -1, -1), atol=1e-5, rtol=0)
 
 
+class ContextRecorder(torch.nn.Module):
+    """Logs the context and context noise levels the sampler hands the denoiser at every Euler step."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def forward(self, x_noisy, sigma, ctx, ctx_sigma, action):
+        self.calls.append((ctx.clone(), ctx_sigma.clone()))
+        return torch.zeros_like(x_noisy)
+
+
+def test_sampling_conditions_on_clean_context_at_noise_level_zero():
+    """Diffusion forcing's sampling: the past frames enter as they are, labelled noise level 0, the label its
+    training gives the context frames it leaves clean (`noise_context`); only --ctx-sigma-eval noises them."""
+    g = torch.Generator().manual_seed(0)
+    ctx, a = torch.rand(4, 2, 3, 10, 10, generator=g) * 2 - 1, torch.zeros(4, dtype=torch.long)
+    rec = ContextRecorder()
+    dm.sample_next(rec, ctx, a, n_steps=3, gen=g)
+    assert len(rec.calls) == 3
+    for c, cs in rec.calls:
+        torch.testing.assert_close(c, ctx, atol=0, rtol=0)
+        assert (cs == 0).all()
+    noisy, sig = dm.noise_context(ctx, torch.Generator().manual_seed(1))
+    clean = sig == 0
+    assert clean.any() and torch.equal(noisy[clean], ctx[clean])  # training's clean frames: untouched, label 0
+    rec = ContextRecorder()
+    dm.sample_next(rec, ctx, a, n_steps=2, ctx_sigma_eval=0.1, gen=g)
+    (c1, cs1), (c2, _) = rec.calls
+    assert (cs1 == 0.1).all() and torch.equal(c1, c2)  # one noise draw per sampled frame, labelled 0.1
+    assert (c1 - ctx).std().item() == pytest.approx(0.1, rel=0.1)
+
+
 def test_karras_sigmas():
     s = dm.karras_sigmas(3)
     assert len(s) == 4 and s[0] == pytest.approx(dm.SIGMA_MAX) and s[-2] == pytest.approx(dm.SIGMA_MIN)

@@ -101,6 +101,31 @@ def test_true_dynamics_reproduce_real_success():
     assert pe.pearson(imag, real) == pytest.approx(1.0) and pe.mmrv(real, imag) == 0.0
 
 
+def test_policy_kinds_reduce_to_shortest_path_and_stand_still():
+    """detour=0, near=D beyond the map and stall=0 walk the shortest path exactly as eps=0 does; stall=1 never
+    moves; a mixed set is read and checked."""
+    cfg = EnvConfig()
+    ref, frames, _ = pe.run_real(cfg, "0", 50, 8, seed=3)
+    for spec in ("detour=0", "near=99", "stall=0", "eps=0"):
+        s, f, _ = pe.run_real(cfg, spec, 50, 8, seed=3)
+        np.testing.assert_array_equal(s, ref), np.testing.assert_array_equal(f, frames)
+    s, f, effs = pe.run_real(cfg, "stall=1", 50, 8, seed=3)
+    assert (effs == 4).all() and not s.any()
+    s, _, _ = pe.run_real(cfg, "detour=8", 200, 8, seed=3)
+    assert s.mean() < ref.mean() - 0.2  # eight steps towards the decoy cost the short episodes
+    assert pe.parse_policy("near=3") == ("near", 3.0) and pe.parse_policy(0.35) == ("eps", 0.35)
+    pe.check_args(pe.Args(policies=("0", "detour=6", "near=2", "stall=0.5")))
+
+
+def test_true_dynamics_reproduce_real_success_for_every_kind():
+    cfg, model = EnvConfig(), TrueModel(channels=4)
+    for i, spec in enumerate(("detour=5", "near=2", "stall=0.5")):
+        r, _, _ = pe.run_real(cfg, spec, 100, 10, seed=i)
+        s, term, _ = pe.run_imagined(model, cfg, spec, 100, 10, seed=i, thr=0.5)
+        np.testing.assert_array_equal(r, s)
+        assert not term.any()
+
+
 def test_training_reduces_losses(tmp_path):
     pe.main(pe.Args(steps=60, train_traj=100, episodes=10, policies=(0.0, 1.0), horizon=4, log_every=59,
                     out_dir=str(tmp_path)))
@@ -113,7 +138,8 @@ def test_training_reduces_losses(tmp_path):
 
 @pytest.mark.parametrize("kw,msg", [({"policies": (0.5,)}, "policies"), ({"policies": (0.0, 1.5)}, "policies"),
                                     ({"train_eps": 2.0}, "train-eps"), ({"term_threshold": 1.0}, "term-threshold"),
-                                    ({"episodes": 1}, "episodes")])
+                                    ({"episodes": 1}, "episodes"), ({"policies": ("0", "warp=2")}, "warp"),
+                                    ({"policies": ("0", "near=1.5")}, "near"), ({"policies": ("0", "stall=2")}, "stall")])
 def test_bad_args(kw, msg):
     with pytest.raises(ValueError, match=msg):
         pe.check_args(pe.Args(**kw))

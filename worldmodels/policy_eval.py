@@ -12,9 +12,12 @@ inverse-dynamics head g(x_t, x_{t+1}) -> action are trained together; the consis
 the action from the *predicted* next frame, which pushes f towards frames that show the requested move (g is
 held fixed in that term: it is trained on real transitions only, so f cannot satisfy it with frames that merely
 encode the action for a g that learned to read them).
-Seven scripted policies of graded quality (shortest path to the goal with a random action with probability
-eps) are then run in the real gridworld and, from the same initial frames, inside the model: the policy reads
-the agent cell from the imagined frame, and an episode succeeds when the (imagined) agent reaches the goal.
+Scripted policies are then run in the real gridworld and, from the same initial frames, inside the model: the
+policy reads the agent cell from the imagined frame, and an episode succeeds when the (imagined) agent reaches the
+goal. By default seven of graded quality (shortest path to the goal with a random action with probability eps);
+`--policies` adds policies that differ in kind (`policy_actions`): a detour to a decoy object for K steps before
+the goal (detour=K), the shortest path only within distance D of the goal and random moves elsewhere (near=D),
+the shortest path with a noop with probability P (stall=P).
 Test-time consistency: an imagined episode is terminated when g, applied to the imagined transition, gives
 the expected action a probability below `term_threshold`; terminated episodes are left out of the estimate.
 
@@ -49,6 +52,7 @@ Deviations:
 Commands:
   python worldmodels/policy_eval.py                    # ~2-3 min on 1 CPU thread
   python worldmodels/policy_eval.py --train-eps 0.3    # train on greedy-policy data too
+  python worldmodels/policy_eval.py --policies 0 0.5 1 detour=6 near=2 stall=0.5   # policies that differ in kind
   python worldmodels/policy_eval.py --device cuda --steps 10000 --channels 128
 Expected result (benchmarks/results/world_models.md, policy-evaluation table, 3 seeds): the default ranks the
 seven policies as the real gridworld does, Pearson 0.97 ± 0.01 and MMRV 0.00 ± 0.00 (imagined success 0.55 ...
@@ -56,11 +60,15 @@ seven policies as the real gridworld does, Pearson 0.97 ± 0.01 and MMRV 0.00 ±
 (Pearson 0.93, MMRV 0.06, two thirds of the episodes terminated). `--consistency 0` ranks as well (0.97 / 0.00)
 and tracks the agent better (one-step 0.97, open-loop agent error after 12 steps 0.36 vs 0.79): at this scale the
 consistency term costs agent tracking without improving the ranking. `--no-action-gate`: Pearson 0.77 ± 0.20,
-MMRV 0.18 ± 0.16. A perfect model gives r = 1 and MMRV = 0 exactly
-(tests/test_policy_eval.py::test_true_dynamics_reproduce_real_success).
+MMRV 0.18 ± 0.16. With six policies that differ in kind added to the seven (world_models_table.py's KINDS:
+detour=6, detour=9, near=2, near=4, stall=0.5, stall=0.7), the same model ranks the thirteen less well: Pearson
+0.87 ± 0.07, MMRV 0.13 ± 0.06, and the six others among themselves 0.59 ± 0.20 (3 seeds); it undercounts the
+detours most (imagined 0.18 against real 0.67 for detour=6). A perfect model gives r = 1 and MMRV = 0 exactly
+(tests/test_policy_eval.py::test_true_dynamics_reproduce_real_success and ..._for_every_kind).
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -76,8 +84,9 @@ import torch.nn.functional as F
 import tyro
 from tqdm import tqdm
 
-from worldmodels._envs import (MOVES, N_ACTIONS, N_CHANNELS, NOOP, EnvConfig, GridWorld, RunArgs, agent_cells, collect,
-                               conv_stack, distance_map, gated_planes, greedy_actions, optimiser, start_run)
+from worldmodels._envs import (GOAL, MOVES, N_ACTIONS, N_CHANNELS, NOOP, OBJECT, EnvConfig, GridWorld, RunArgs,
+                               agent_cells, collect, conv_stack, distance_map, gated_planes, greedy_actions, optimiser,
+                               start_run)
 
 
 # ---- args ----
@@ -93,8 +102,10 @@ class Args(RunArgs):  # the fields all world-model scripts share: RunArgs in wor
     """lambda_c in eq. (3); 0 turns forward-inverse consistency off"""
     frozen_g: bool = True
     """eq. (3) updates f only (g held fixed in it); --no-frozen-g lets it train g too"""
-    policies: tuple[float, ...] = (0.0, 0.1, 0.2, 0.35, 0.5, 0.7, 1.0)
-    """epsilon of each scripted policy (0 = shortest path, 1 = random)"""
+    policies: tuple[str, ...] = ("0", "0.1", "0.2", "0.35", "0.5", "0.7", "1")
+    """the scripted policies (`parse_policy`): a number is the epsilon of the eps-greedy shortest path (0 = shortest
+    path, 1 = random); detour=K (to a decoy object for K steps, then to the goal), near=D (shortest path within
+    distance D of the goal, random moves elsewhere), stall=P (shortest path, noop with probability P)"""
     episodes: int = 200
     """episodes per policy, real and imagined"""
     horizon: int = 12
@@ -110,8 +121,10 @@ class Args(RunArgs):  # the fields all world-model scripts share: RunArgs in wor
 
 
 def check_args(args: Args) -> EnvConfig:
-    if len(args.policies) < 2 or not all(0.0 <= e <= 1.0 for e in args.policies):
-        raise ValueError(f"--policies needs at least two epsilons in [0, 1], got {args.policies}")
+    if len(args.policies) < 2:
+        raise ValueError(f"--policies needs at least two policies, got {args.policies}")
+    for spec in args.policies:
+        parse_policy(spec)
     if args.train_eps is not None and not 0.0 <= args.train_eps <= 1.0:
         raise ValueError(f"--train-eps must be in [0, 1], got {args.train_eps}")
     if args.episodes < 2 or args.horizon < 1:
@@ -190,6 +203,54 @@ def mmrv(real, imagined) -> float:
     return float((np.abs(r[:, None] - r[None, :]) * flipped).max(1).mean())
 
 
+# ---- scripted policies ----
+POLICY_KINDS = ("eps", "detour", "near", "stall")
+
+
+def parse_policy(spec) -> tuple[str, float]:
+    """'0.2' or 'eps=0.2' -> ('eps', 0.2); 'detour=K', 'near=D' (whole numbers >= 0); 'stall=P' (P in [0, 1])."""
+    kind, _, val = str(spec).strip().rpartition("=")
+    kind = kind or "eps"
+    try:
+        v = float(val)
+    except ValueError:
+        v = math.nan
+    ok = kind in POLICY_KINDS and (0.0 <= v <= 1.0 if kind in ("eps", "stall") else v >= 0 and v == int(v))
+    if not ok:
+        raise ValueError(f"--policies: cannot read {spec!r}; a policy is a number in [0, 1] (eps), detour=K, near=D "
+                         "(whole numbers) or stall=P (P in [0, 1])")
+    return kind, v
+
+
+def policy_label(spec) -> str:
+    kind, v = parse_policy(spec)
+    return f"{kind}={v:g}"
+
+
+def decoy_cells(objects: np.ndarray) -> np.ndarray:
+    """(N, 2): each map's first non-goal object in raster order (the goal itself where there is none)."""
+    flat = objects.reshape(len(objects), -1)
+    idx = np.where((flat == OBJECT).any(1), (flat == OBJECT).argmax(1), (flat == GOAL).argmax(1))
+    return np.stack([idx // objects.shape[-1], idx % objects.shape[-1]], 1)
+
+
+def policy_actions(policy: tuple[str, float], dist: np.ndarray, dist_decoy: np.ndarray, cells: np.ndarray, t: int,
+                   rng: np.random.Generator) -> np.ndarray:
+    """Actions (N,) of a parsed policy at step t from the agent cells (N, 2) it reads; dist / dist_decoy: (N, M, M)
+    shortest-path distances to the goal and to the decoy object. eps draws from rng exactly as greedy_actions."""
+    kind, v = policy
+    n = len(cells)
+    if kind == "eps":
+        return greedy_actions(dist, cells, v, rng)
+    if kind == "detour":  # prefers the wrong target: shortest path to the decoy for the first K steps
+        return greedy_actions(dist_decoy if t < v else dist, cells, 0.0, rng)
+    best = greedy_actions(dist, cells, 0.0, rng)
+    if kind == "near":  # competent only close to the goal
+        d = dist[np.arange(n), cells[:, 0], cells[:, 1]]
+        return np.where(d <= v, best, rng.integers(0, 4, size=n))
+    return np.where(rng.random(n) < v, NOOP, best)  # stall: stands still with probability P
+
+
 # ---- rollouts ----
 def expected_action(walls: np.ndarray, cells: np.ndarray, acts: np.ndarray) -> np.ndarray:
     """The effective action the frame implies: noop where the target cell is a wall."""
@@ -198,33 +259,37 @@ def expected_action(walls: np.ndarray, cells: np.ndarray, acts: np.ndarray) -> n
     return np.where(walls[np.arange(n), tgt[:, 0], tgt[:, 1]], NOOP, acts)
 
 
-def run_real(cfg: EnvConfig, eps: float, n: int, horizon: int, seed: int):
-    """Real episodes. Returns success (n,), frames (n, T+1, C, F, F), effective actions (n, T)."""
+def run_real(cfg: EnvConfig, policy, n: int, horizon: int, seed: int):
+    """Real episodes of a policy spec. Returns success (n,), frames (n, T+1, C, F, F), effective actions (n, T)."""
     env = GridWorld(cfg, n, seed)
     rng = np.random.default_rng(seed + 7)
+    pol = parse_policy(policy)
+    dist_decoy = distance_map(env.walls, decoy_cells(env.objects)) if pol[0] == "detour" else None
     done = np.zeros(n, bool)
     frames, effs = [env.render()], []
-    for _ in range(horizon):
-        effs.append(env.step(greedy_actions(env.distance(), env.pos, eps, rng)))
+    for t in range(horizon):
+        effs.append(env.step(policy_actions(pol, env.distance(), dist_decoy, env.pos, t, rng)))
         frames.append(env.render())
         done |= env.at_goal()
     return done, np.stack(frames, 1), np.stack(effs, 1)
 
 
 @torch.no_grad()
-def run_imagined(model: WorldModel, cfg: EnvConfig, eps: float, n: int, horizon: int, seed: int, thr: float,
+def run_imagined(model: WorldModel, cfg: EnvConfig, policy, n: int, horizon: int, seed: int, thr: float,
                  feedback: str = "soft"):
     """Imagined episodes from the same initial frames. Returns success (n,), terminated (n,), frames."""
     env = GridWorld(cfg, n, seed)  # only its initial frame and static layout are used
     rng = np.random.default_rng(seed + 7)
+    pol = parse_policy(policy)
     walls, goal = env.walls, env.goal
     dist = distance_map(walls, goal)
+    dist_decoy = distance_map(walls, decoy_cells(env.objects)) if pol[0] == "detour" else None
     x = torch.from_numpy(env.render())
     done, term = np.zeros(n, bool), np.zeros(n, bool)
     frames = [x.numpy()]
-    for _ in range(horizon):
+    for t in range(horizon):
         cells = agent_cells(x.numpy(), cfg)
-        a = greedy_actions(dist, cells, eps, rng)
+        a = policy_actions(pol, dist, dist_decoy, cells, t, rng)
         nxt = feed(model(x, torch.from_numpy(a)), feedback)
         probs = torch.softmax(model.inverse(x, nxt), -1).numpy()
         exp_a = expected_action(walls, cells, a)
@@ -254,7 +319,7 @@ def next_state_check(model: WorldModel, cfg: EnvConfig, frames: np.ndarray, effs
             "open_loop_agent_acc": hit(open_loop).mean(0)}
 
 
-def save_figure(path: Path, real, imag, imag_term, eps, r, m) -> None:
+def save_figure(path: Path, real, imag, imag_term, labels, r, m) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -264,8 +329,8 @@ def save_figure(path: Path, real, imag, imag_term, eps, r, m) -> None:
     ax.plot([0, 1], [0, 1], ":", color="grey")
     ax.scatter(real, imag, label=f"imagined (r={r:.3f}, MMRV={m:.3f})")
     ax.scatter(real, imag_term, marker="x", label="with inverse-dynamics termination")
-    for e, x, y in zip(eps, real, imag):
-        ax.annotate(f"eps={e}", (x, y), fontsize=6, xytext=(3, -8), textcoords="offset points")
+    for e, x, y in zip(labels, real, imag):
+        ax.annotate(e, (x, y), fontsize=6, xytext=(3, -8), textcoords="offset points")
     ax.set_xlabel("real success"), ax.set_ylabel("world-model success"), ax.legend(fontsize=7)
     ax.set_title("Scripted policies evaluated in the world model", fontsize=9)
     fig.tight_layout()
@@ -314,10 +379,10 @@ def main(args: Args) -> dict:
 
     model.eval().cpu()
     real, imag, imag_t, term_frac, checks = [], [], [], [], []
-    for i, eps in enumerate(args.policies):
+    for i, spec in enumerate(args.policies):
         seed = args.seed + 20_000 + i
-        r_succ, r_frames, r_effs = run_real(cfg, eps, args.episodes, args.horizon, seed)
-        i_succ, i_term, _ = run_imagined(model, cfg, eps, args.episodes, args.horizon, seed, args.term_threshold,
+        r_succ, r_frames, r_effs = run_real(cfg, spec, args.episodes, args.horizon, seed)
+        i_succ, i_term, _ = run_imagined(model, cfg, spec, args.episodes, args.horizon, seed, args.term_threshold,
                                          args.feedback)
         keep = ~i_term
         real.append(r_succ.mean())
@@ -326,7 +391,7 @@ def main(args: Args) -> dict:
         term_frac.append(i_term.mean())
         checks.append(next_state_check(model, cfg, r_frames, r_effs, args.feedback))
         tracker.log({"eval/real_success": real[-1], "eval/imagined_success": imag[-1],
-                     "eval/imagined_success_term": imag_t[-1], "eval/terminated": term_frac[-1], "eval/eps": eps}, i)
+                     "eval/imagined_success_term": imag_t[-1], "eval/terminated": term_frac[-1]}, i)
     r, m = pearson(imag, real), mmrv(real, imag)
     rt, mt = pearson(imag_t, real), mmrv(real, imag_t)
     ol_mse = np.mean([c["open_loop_mse"] for c in checks], 0)
@@ -339,8 +404,14 @@ def main(args: Args) -> dict:
                "one_step_mse": float(np.mean([c["one_step_mse"] for c in checks])),
                "real_success": [float(v) for v in real], "imagined_success": [float(v) for v in imag],
                "imagined_success_term": [float(v) for v in imag_t]}
+    is_eps = np.array([parse_policy(p)[0] == "eps" for p in args.policies])
+    if 2 <= is_eps.sum() <= len(is_eps) - 2:  # a mixed set: the ranking within each part as well
+        for name, sel in (("eps", is_eps), ("kinds", ~is_eps)):
+            ri, si = np.asarray(real)[sel], np.asarray(imag)[sel]
+            summary[f"pearson_{name}"], summary[f"mmrv_{name}"] = pearson(si, ri), mmrv(ri, si)
     if args.save_png:
-        save_figure(Path(args.out_dir) / "policy_eval.png", real, imag, imag_t, args.policies, r, m)
+        save_figure(Path(args.out_dir) / "policy_eval.png", real, imag, imag_t,
+                    [policy_label(p) for p in args.policies], r, m)
     summary["wall_s"] = time.perf_counter() - t0
     return tracker.finish(summary)
 
