@@ -28,12 +28,13 @@ Deviations:
 - Everything else as algos/multiturn_grpo.py (trajectory-level group advantages, no KL by default).
 
 Commands:
-  python algos/echo.py                         # tiny default, 2-core CPU, ~5 minutes
+  python algos/echo.py                         # tiny default, 2-core CPU, 1-4 minutes
   python algos/echo.py --echo-coef 0           # multi-turn GRPO, with the same logging
 Expected (3 seeds, benchmarks/results/multiturn.md): after the default 90 rollout batches the held-out
 environment-token cross-entropy has fallen from 11.41 to 5.88 ± 0.03 nats per token (multi-turn GRPO: 11.01 ± 0.32),
 the paper's first claim, and held-out greedy success has risen from 53.3% to 71.9 ± 4.2% (+14.0, +19.3, +22.3
-points; multi-turn GRPO 68.3 ± 6.0), in 1-4 minutes on one thread; the gain over GRPO is inside the noise of 3 seeds.
+points; multi-turn GRPO 68.3 ± 6.0), in 1-4 minutes on one thread (51 s for seed 0 with the default 2 threads on an
+idle 2-core machine); the gain over GRPO is inside the noise of 3 seeds.
 At lambda = 0.1 (60 batches) the cross-entropy falls to 3.35 ± 0.05 and success collapses to 0.0% in every seed; at
 0.01 (60 batches, 1 seed) 55.7%.
 """

@@ -42,7 +42,7 @@ Deviations:
 - The environment is algos/_toolenv.py's key-value lookup (three turns), not ALFWorld or WebShop.
 
 Commands:
-  python algos/hgpo.py                                   # HGPO, tiny default, 2-core CPU, ~5 minutes
+  python algos/hgpo.py                                   # HGPO, tiny default, 2-core CPU, 1-4 minutes
   python algos/hgpo.py --advantage flat                  # flat stepwise groups
   python algos/hgpo.py --advantage logo --logo-k 4       # Memory-R2's LoGo (local re-rollouts)
   python algos/hgpo.py --advantage trajectory            # multi-turn GRPO's trajectory-level advantage
