@@ -1,19 +1,16 @@
-"""Shared plumbing for every script: seeding, devices, tasks and verifiers, model loading, the rollout
-seam, per-token log-probs, masked reductions, evaluation and summaries, the tracker, checkpoints, a timer, and
-the FSDP2 sharding of a run with several processes.
+"""Shared plumbing for every script: seeding, devices, the tracker, a timer, model loading, the sampler and the
+rollout seam, per-token log-probs, masked reductions, evaluation and summaries, the FSDP2 sharding of a run with
+several processes, and checkpoints. The LLM scripts' flags, tasks and optimiser step live in algos/_llm.py.
 
 Plumbing only: advantages, losses and rollout structures stay in the scripts, and a helper lives here only
-when at least three scripts need it as is. Budget: 860 lines (a test enforces it).
+when at least three scripts need it as is. Budget: 700 lines (a test enforces it).
 """
 from __future__ import annotations
 
 import copy
-import hashlib
-import itertools
 import json
 import os
 import random
-import re
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, is_dataclass
@@ -102,232 +99,6 @@ class Timer:
     def pop(self) -> dict[str, float]:
         out, self.totals = self.totals, {}
         return out
-
-
-# ---- tasks and verifiers ----
-@dataclass
-class Example:
-    prompt: str  # what the policy sees (before any chat template)
-    answer: str  # the reference final answer the verifier compares against
-    solution: str = ""  # the full target response (SFT target; privileged context for self-distillation)
-
-
-def addition_scratchpad(a: int, b: int) -> str:
-    """Digit-by-digit addition with carries, least significant digit first: 47+85 -> '7+5=12;4+8+1=13;=132'."""
-    steps, carry, da, db = [], 0, str(a)[::-1], str(b)[::-1]
-    for i in range(max(len(da), len(db))):
-        x, y = int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0
-        terms = f"{x}+{y}" + ("+1" if carry else "")
-        s = x + y + carry
-        steps.append(f"{terms}={s}")
-        carry = s // 10
-    return ";".join(steps) + f";={a + b}"
-
-
-class ArithmeticTask:
-    """Synthetic verifiable addition with a held-out split.
-
-    kind 'add': answer only ('23+45=' -> '68'). kind 'addsteps': a scratchpad first ('23+45:' ->
-    '3+5=8;2+4=6;=68'), so response length grows with `digits`. Operands are uniform in [0, 10^digits).
-    A pair belongs to the held-out split when a hash of the unordered pair is 0 mod 10, so train never sees a
-    held-out pair nor its commuted twin (b, a); raising `digits` is the out-of-distribution knob.
-    """
-
-    def __init__(self, kind: str = "add", digits: int = 2):
-        if kind not in ("add", "addsteps"):
-            raise ValueError(f"unknown arithmetic task {kind!r}: use 'add' or 'addsteps'")
-        if not 1 <= digits <= 9:
-            raise ValueError(f"digits must be in 1..9, got {digits}")
-        self.kind, self.digits, self.name = kind, digits, f"{kind}{digits}"
-
-    @staticmethod
-    def is_held_out(*operands: int) -> bool:
-        """True for about 1 in 10 operand multisets (order does not matter; SumsTask uses it too)."""
-        return int(hashlib.md5(",".join(map(str, sorted(operands))).encode()).hexdigest(), 16) % 10 == 0
-
-    def make(self, a: int, b: int) -> Example:
-        sep = "=" if self.kind == "add" else ":"
-        sol = str(a + b) if self.kind == "add" else addition_scratchpad(a, b)
-        return Example(prompt=f"{a}+{b}{sep}", answer=str(a + b), solution=sol)
-
-    def sample(self, split: str, n: int, rng: np.random.Generator) -> list[Example]:
-        """n examples from 'train' or 'test' (with replacement), drawn with `rng`."""
-        out, hi = [], 10 ** self.digits
-        while len(out) < n:
-            a, b = (int(x) for x in rng.integers(0, hi, size=2))
-            if self.is_held_out(a, b) == (split == "test"):
-                out.append(self.make(a, b))
-        return out
-
-    def verify(self, response: str, answer: str) -> tuple[float, dict]:
-        """Reward 1 for the exact final answer, else 0; components say whether the format was right."""
-        pattern = r"\d+" if self.kind == "add" else r"(\d\+\d(\+1)?=\d+;)+=\d+"
-        fmt = re.fullmatch(pattern, response.strip()) is not None
-        final = response.strip().rsplit("=", 1)[-1]
-        correct = fmt and final == answer
-        return float(correct), {"format": float(fmt), "correct": float(correct)}
-
-
-class SumsTask:
-    """Multi-operand sums with running totals, the long-response task: '17+5+30:' -> '17+5=22;22+30=52;=52'.
-    `operands` (2..16) and `digits` (operands uniform in [0, 10^digits)) set length and difficulty: a reference
-    response has on average (within 5%) (operands - 1) * (3 * digits + 5) + digits characters (9 for 2 one-digit
-    operands, 165 for 16 two-digit ones). operands='mix' draws the count per prompt from a truncated Zipf law,
-    P(n) ~ (n - 1)^-1.5 on 2..16 (P(2) = 0.48, P(n >= 9) = 0.11): a batch holds a few very long responses.
-    Held out: a hash of the sorted operands is 0 mod 10. Reward: 1 for the exact final answer in the format;
-    components 'format' and 'partial': the fraction of the prompt's running totals that the response's steps
-    get right, in order (0 when malformed). For that the answer (the final sum, a str) also carries the totals
-    (`answer.totals`); given a plain string, 'partial' grades against the operands the response wrote."""
-
-    class Answer(str):
-        """A final answer that also carries the reference running totals."""
-
-    MIX = np.arange(1, 16) ** -1.5 / (np.arange(1, 16) ** -1.5).sum()  # P(n) for n = 2..16
-
-    def __init__(self, operands: int | str = 5, digits: int = 2):
-        if not (operands == "mix" or isinstance(operands, int) and 2 <= operands <= 16) or not 1 <= digits <= 9:
-            raise ValueError(f"sums needs operands in 2..16 or 'mix' and digits in 1..9, got {operands!r}, {digits}")
-        self.kind, self.operands, self.digits, self.name = "sums", operands, digits, f"sums{operands}d{digits}"
-
-    def make(self, xs: list[int]) -> Example:
-        t = list(itertools.accumulate(xs))
-        sol = ";".join(f"{a}+{x}={b}" for a, x, b in zip(t, xs[1:], t[1:])) + f";={t[-1]}"
-        answer = SumsTask.Answer(t[-1])
-        answer.totals = t[1:]
-        return Example(prompt="+".join(map(str, xs)) + ":", answer=answer, solution=sol)
-
-    def sample(self, split: str, n: int, rng: np.random.Generator) -> list[Example]:
-        out = []
-        while len(out) < n:
-            k = int(rng.choice(np.arange(2, 17), p=self.MIX)) if self.operands == "mix" else self.operands
-            xs = [int(x) for x in rng.integers(0, 10 ** self.digits, size=k)]
-            if ArithmeticTask.is_held_out(*xs) == (split == "test"):
-                out.append(self.make(xs))
-        return out
-
-    def verify(self, response: str, answer: str) -> tuple[float, dict]:
-        r = response.strip()
-        fmt = re.fullmatch(r"(\d+\+\d+=\d+;)+=\d+", r) is not None
-        steps = [tuple(map(int, m)) for m in re.findall(r"(\d+)\+(\d+)=(\d+);", r)] if fmt else []
-        own = list(itertools.accumulate([steps[0][0]] + [x for _, x, _ in steps]))[1:] if steps else []
-        ref = getattr(answer, "totals", own)  # the prompt's running totals (missing steps count as wrong)
-        partial = sum(t == s for (_, _, t), s in zip(steps, ref)) / max(1, len(ref)) if fmt else 0.0
-        correct = fmt and r.rsplit("=", 1)[-1] == answer
-        return float(correct), {"format": float(fmt), "partial": float(partial), "correct": float(correct)}
-
-
-class WordProblemTask:
-    """GSM8K-style word problems, generated: one or two steps of +, - or x on small numbers, written as text for a
-    real pretrained chat model ('Mia has 12 pens. She buys 7 more ... How many pens does Mia have now?'). The reward
-    reads the last number of the response, as GSM8K graders do. Held out: a hash of (template, numbers) is 0 mod 10."""
-
-    TEMPLATES = (  # (text, answer from the numbers a, b, c)
-        ("{n} has {a} {x}. {p} buys {b} more. How many {x} does {n} have now?", lambda a, b, c: a + b),
-        ("{n} has {a} {x} and gives {b} of them to a friend. How many {x} does {n} have left?", lambda a, b, c: a - b),
-        ("{n} buys {a} boxes with {b} {x} in each box. How many {x} does {n} buy?", lambda a, b, c: a * b),
-        ("{n} has {a} {x}, buys {b} more and then gives away {c}. How many {x} does {n} have?",
-         lambda a, b, c: a + b - c),
-        ("{n} packs {a} bags of {b} {x} and finds {c} more. How many {x} are there in all?", lambda a, b, c: a * b + c),
-    )
-    NAMES, ITEMS = (("Mia", "She"), ("Tom", "He"), ("Ava", "She"), ("Leo", "He")), ("pens", "apples", "stamps", "cards")
-
-    def __init__(self):
-        self.kind, self.name = "words", "words"
-
-    def sample(self, split: str, n: int, rng: np.random.Generator) -> list[Example]:
-        out = []
-        while len(out) < n:
-            k, (name, pron), item = rng.integers(len(self.TEMPLATES)), self.NAMES[rng.integers(4)], rng.choice(self.ITEMS)
-            text, fn = self.TEMPLATES[k]
-            a, b = int(rng.integers(2, 20)), int(rng.integers(2, 10))
-            c = int(rng.integers(1, min(a, 10))) if "{c}" in text else 0  # the split hashes only what the text shows
-            if a <= b and k == 1 or ArithmeticTask.is_held_out(100 * int(k), a, b, c) != (split == "test"):
-                continue
-            prompt = text.format(n=name, p=pron, x=item, a=a, b=b, c=c) + " Give the answer as a number at the end."
-            out.append(Example(prompt, str(fn(a, b, c))))
-        return out
-
-    def verify(self, response: str, answer: str) -> tuple[float, dict]:
-        nums = re.findall(r"-?\d+(?:\.\d+)?", response.replace(",", ""))
-        correct = bool(nums) and float(nums[-1]) == float(answer)
-        return float(correct), {"format": float(bool(nums)), "correct": float(correct)}
-
-
-class DatasetTask:
-    """Prompt/answer records (a local JSONL file or GSM8K via `datasets`), checked with math-verify."""
-
-    def __init__(self, name: str, train: list[Example], test: list[Example]):
-        self.name, self.train, self.test, self.kind = name, train, test, "dataset"
-
-    def sample(self, split: str, n: int, rng: np.random.Generator) -> list[Example]:
-        pool = self.train if split == "train" else self.test
-        return [pool[i] for i in rng.integers(0, len(pool), size=n)]
-
-    def verify(self, response: str, answer: str) -> tuple[float, dict]:
-        from math_verify import parse, verify  # lazy: slow import, only real-data tasks need it
-
-        try:
-            correct = bool(verify(parse(answer), parse(response)))
-        except Exception:  # math-verify raises on some malformed inputs: a malformed answer is wrong
-            correct = False
-        return float(correct), {"format": float(bool(re.search(r"\d", response))), "correct": float(correct)}
-
-
-def load_jsonl_task(path: str, test_frac: float = 0.1) -> DatasetTask:
-    """Lines of JSON with 'prompt', 'answer' (optional 'solution'); the first `test_frac` of them held out."""
-    if not Path(path).is_file():
-        raise SystemExit(f"--task jsonl:{path}: no such file")
-    rows = []
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise SystemExit(f"--task jsonl:{path}: not UTF-8 text (byte {e.start}); save the file as UTF-8")
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"--task jsonl:{path}: line {i} is not valid JSON ({e.msg})")
-        if not isinstance(r, dict) or {"prompt", "answer"} - set(r):
-            raise SystemExit(f"--task jsonl:{path}: line {i} needs fields 'prompt' and 'answer' (found {line[:80]!r})")
-        if not all(isinstance(r.get(k, ""), str) for k in ("prompt", "answer", "solution")):
-            raise SystemExit(f"--task jsonl:{path}: line {i}: 'prompt', 'answer' (and 'solution') must be strings, "
-                             f"found {line[:80]!r}")
-        rows.append(Example(r["prompt"], r["answer"], r.get("solution") or ""))
-    if len(rows) < 2:
-        raise SystemExit(f"--task jsonl:{path}: need at least 2 records, found {len(rows)}")
-    n_test = max(1, int(len(rows) * test_frac))
-    return DatasetTask(f"jsonl:{Path(path).name}", rows[n_test:], rows[:n_test])
-
-
-def load_gsm8k() -> DatasetTask:
-    import datasets
-
-    try:
-        ds = datasets.load_dataset("openai/gsm8k", "main")
-    except Exception as e:
-        raise SystemExit(f"--task gsm8k: could not load 'openai/gsm8k' through datasets ({type(e).__name__}). "
-                         "Without network access, export it to JSONL once and use --task jsonl:PATH.")
-    conv = lambda r: Example(r["question"], r["answer"].split("####")[-1].strip(), r["answer"])  # noqa: E731
-    return DatasetTask("gsm8k", [conv(r) for r in ds["train"]], [conv(r) for r in ds["test"]])
-
-
-def make_task(name: str, digits: int = 2):
-    """'add', 'addsteps', 'sums<N>' (N operands, 2..16), 'sumsmix' (heavy-tailed N), 'sums' (= sums5), 'words' (word
-    problems for a pretrained chat model), 'jsonl:PATH' or 'gsm8k'. `digits` only applies to the arithmetic tasks (tiny-sums is made for 'sums' with digits=1)."""
-    if name in ("add", "addsteps"):
-        return ArithmeticTask(name, digits)
-    if re.fullmatch(r"sums(\d+|mix)?", name):
-        ops = name[4:] or "5"
-        return SumsTask(ops if ops == "mix" else int(ops), digits)
-    if name == "words":
-        return WordProblemTask()
-    if name.startswith("jsonl:"):
-        return load_jsonl_task(name[len("jsonl:"):])
-    if name == "gsm8k":
-        return load_gsm8k()
-    raise SystemExit(f"unknown task {name!r}: choose add, addsteps, sums, sums<N>, sumsmix, words, jsonl:PATH or gsm8k")
 
 
 # ---- models and tokenizers ----
@@ -453,34 +224,69 @@ class _BehaviourLogprobs:
         return torch.cat(self.cols + [self.prev.gather(1, completion_ids[:, -1:])], 1)
 
 
-def _bf16_sampler(model):
-    """The bf16 copy that the fast path decodes with (a static cache takes its model's dtype, and decoding reads
-    half the bytes), refreshed from the fp32 weights at every call: the same rounding as autocast's casts."""
-    sampler = model.__dict__.get("_bf16_sampler")  # not a registered submodule: not in model.parameters()
-    if sampler is None:
-        sampler = model.__dict__["_bf16_sampler"] = copy.deepcopy(model).to(model.amp_dtype).eval()
-        sampler.requires_grad_(False).zero_grad(set_to_none=True)
-        sampler.amp_dtype = None
-    torch._foreach_copy_(list(sampler.parameters()), list(model.parameters()))
-    return sampler
+class Sampler:
+    """The copy of the policy that generate() decodes with, owned in one place, and its refresh:
+    - the trainer itself (CPU, or fp32 on a GPU): `is_trainer`, refresh does nothing;
+    - a bf16 copy on one CUDA GPU under bf16 autocast (the static-cache fast path: a static cache takes its model's
+      dtype, and decoding reads half the bytes), refreshed from the fp32 weights before each call, the same rounding
+      as autocast's casts; if the static cache fails to compile, it falls back to the trainer, once;
+    - a full copy of a model that FSDP2 shards (bf16 on CUDA: 2 bytes per parameter on every rank), gathered one
+      parameter at a time by refresh() after every optimiser step (a collective: every rank calls it);
+    - a vLLM engine (algos/_vllm.py), whose weights refresh() sends after every optimiser step.
+    Build it before common.shard(model): a sharded copy is a deep copy of the full weights."""
+
+    def __init__(self, model, engine=None, sharded: bool = False, fast: bool | None = None):
+        cuda = next(model.parameters()).device.type == "cuda" or sharded and torch.cuda.is_available()
+        self.model, self.engine, self.full, self.bf16 = model, engine, None, None
+        self.fast = cuda if fast is None else fast  # static KV cache (a compiled decode step) on CUDA
+        self.half = cuda and getattr(model, "amp_dtype", None) is not None  # decode in bf16
+        if sharded and engine is None:  # not a submodule of the trainer: FSDP leaves it whole
+            full = copy.deepcopy(model).eval().requires_grad_(False)
+            self.full = (full.to(model.amp_dtype) if self.half else full).to("cuda" if cuda else "cpu")
+
+    @property
+    def is_trainer(self) -> bool:
+        """True when sampling is the trainer's own computation: the update needs no importance correction."""
+        return self.engine is None and not (self.half and (self.full is not None or self.fast))
+
+    def module(self):
+        """The module to decode with now (the one-GPU bf16 copy is made on first use, refreshed at every call)."""
+        if self.full is not None:
+            return self.full
+        if not (self.fast and self.half):
+            return self.model
+        if self.bf16 is None:  # not a submodule of the trainer: not in model.parameters() nor its state_dict
+            self.bf16 = copy.deepcopy(self.model).to(self.model.amp_dtype).eval().requires_grad_(False)
+        torch._foreach_copy_(list(self.bf16.parameters()), list(self.model.parameters()))
+        return self.bf16
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """After an optimiser step: gather a sharded model into its full copy; send the weights to vLLM."""
+        if self.full is not None:
+            for p, q in zip(self.model.parameters(), self.full.parameters()):
+                q.copy_(p.full_tensor())
+        if self.engine is not None:
+            self.engine.sync_weights(self.model)
 
 
 @torch.no_grad()
-def generate(model, tok, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int = 32,
-             temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False, engine=None,
-             fast: bool | None = None) -> Rollout:
-    """Sample `group_size` completions per prompt (token ids) with Hugging Face, or with `engine` (algos/_vllm.py).
+def generate(policy, tok, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int = 32,
+             temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Rollout:
+    """Sample `group_size` completions per prompt (token ids) from `policy`: a Sampler (its copy, its fast path or
+    its vLLM engine), or a bare model, which decodes as it is.
 
     The behaviour log-probs are those of the distribution actually sampled from (after temperature and top-p),
-    as importance ratios need. `fast` (default: on CUDA) uses a static KV cache, with which Hugging Face compiles
-    the decode step once and reuses it across calls and weight updates."""
-    if engine is not None:
-        return engine.generate(tok, prompts, group_size, max_new_tokens, temperature, top_p, greedy)
+    as importance ratios need. The fast path (a Sampler's, on CUDA) uses a static KV cache, with which Hugging Face
+    compiles the decode step once and reuses it across calls and weight updates."""
+    sampler = policy if isinstance(policy, Sampler) else Sampler(policy, fast=False)
+    if sampler.engine is not None:
+        return sampler.engine.generate(tok, prompts, group_size, max_new_tokens, temperature, top_p, greedy)
     from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-    sampler = model.__dict__.get("_sampler", model)  # a sharded model samples with its full copy (see shard)
-    device, limit = next(sampler.parameters()).device, getattr(model.config, "max_position_embeddings", None)
-    fast = (device.type == "cuda" and not getattr(model, "static_cache_failed", False)) if fast is None else fast
+    model, fast = sampler.model, sampler.fast
+    module = sampler.module()
+    device, limit = next(module.parameters()).device, getattr(model.config, "max_position_embeddings", None)
     if limit and max(map(len, prompts)) + max_new_tokens > limit:
         raise SystemExit(f"a prompt of {max(map(len, prompts))} tokens + {max_new_tokens} new tokens exceeds the "
                          f"model's context of {limit} positions: shorten the prompts or --max-new-tokens")
@@ -499,21 +305,19 @@ def generate(model, tok, prompts: list[list[int]], group_size: int = 1, max_new_
     gc = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=eos,
                           do_sample=not greedy, temperature=1.0, top_p=1.0, top_k=0,
                           cache_implementation="static" if fast else None)
-    if sampler is model and fast and getattr(model, "amp_dtype", None) is not None:
-        sampler = _bf16_sampler(model)
-    own, sampler.generation_config = sampler.generation_config, gc
+    own, module.generation_config = module.generation_config, gc
     try:
-        with autocast(sampler):
-            seqs = sampler.generate(input_ids=gen_ids, attention_mask=gen_mask, generation_config=gc,
-                                    logits_processor=LogitsProcessorList(warpers + [recorder]))
+        with autocast(model) if module is model else nullcontext():  # a copy already has the sampling dtype
+            seqs = module.generate(input_ids=gen_ids, attention_mask=gen_mask, generation_config=gc,
+                                   logits_processor=LogitsProcessorList(warpers + [recorder]))
     except Exception as e:  # noqa: BLE001 - a failed compile must not end a training run: fall back, once
-        if not fast or getattr(model, "static_cache_failed", False):
+        if not fast:
             raise
         print(f"static-cache generate failed ({type(e).__name__}: {str(e)[:200]}); using the dynamic cache")
-        model.static_cache_failed = True
-        return generate(model, tok, prompts, group_size, max_new_tokens, temperature, top_p, greedy, fast=False)
+        sampler.fast = False
+        return generate(sampler, tok, prompts, group_size, max_new_tokens, temperature, top_p, greedy)
     finally:
-        sampler.generation_config = own
+        module.generation_config = own
     comp = seqs[:, gen_ids.shape[1]:]
     logprobs = recorder.logprobs(comp)
     cmask = _completion_mask(comp, eos)
@@ -608,19 +412,21 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 
 # ---- evaluation ----
 @torch.no_grad()
-def evaluate(model, tok, task, examples: list[Example], max_new_tokens: int, pass_k: int = 0,
-             batch_size: int = 256, temperature: float = 1.0, engine=None) -> dict:
-    """Greedy accuracy on `examples`; with pass_k > 0 also pass@k from k samples per prompt."""
+def evaluate(policy, tok, task, examples: list, max_new_tokens: int, pass_k: int = 0, batch_size: int = 256,
+             temperature: float = 1.0) -> dict:
+    """Greedy accuracy on `examples`; with pass_k > 0 also pass@k from k samples per prompt. `policy`: a Sampler or
+    a model (as generate takes it)."""
+    model = policy.model if isinstance(policy, Sampler) else policy
     was_training = model.training
     model.eval()
     greedy_hits, pass_hits = [], []
     for s in range(0, len(examples), batch_size):
         batch = examples[s:s + batch_size]
         prompts = encode_prompts(tok, [e.prompt for e in batch])
-        ro = generate(model, tok, prompts, 1, max_new_tokens, greedy=True, engine=engine)
+        ro = generate(policy, tok, prompts, 1, max_new_tokens, greedy=True)
         greedy_hits += [task.verify(t, e.answer)[0] for t, e in zip(ro.texts, batch)]
         if pass_k:
-            ro = generate(model, tok, prompts, pass_k, max_new_tokens, temperature=temperature, engine=engine)
+            ro = generate(policy, tok, prompts, pass_k, max_new_tokens, temperature=temperature)
             r = np.array([task.verify(t, batch[i // pass_k].answer)[0] for i, t in enumerate(ro.texts)])
             pass_hits += list(r.reshape(-1, pass_k).max(1))
     model.train(was_training)
@@ -630,7 +436,7 @@ def evaluate(model, tok, task, examples: list[Example], max_new_tokens: int, pas
     return out
 
 
-def held_out_sets(task, n: int, hard_task=None) -> dict[str, list[Example]]:
+def held_out_sets(task, n: int, hard_task=None) -> dict[str, list]:
     """The fixed held-out prompts of every script: `n` from the task, min(n, 300) from the harder task."""
     rng = np.random.default_rng(12345)  # the same prompts in every script and every run
     sets = {"main": task.sample("test", n, rng)}
@@ -639,16 +445,15 @@ def held_out_sets(task, n: int, hard_task=None) -> dict[str, list[Example]]:
     return sets
 
 
-def run_eval(model, tok, task, sets: dict, max_new_tokens: int, pass_k: int = 0, temperature: float = 1.0,
-             hard_task=None, engine=None) -> dict:
+def run_eval(policy, tok, task, sets: dict, max_new_tokens: int, pass_k: int = 0, temperature: float = 1.0,
+             hard_task=None) -> dict:
     """eval/acc (greedy), eval/pass@k (first 100 prompts) and eval/acc_hard (2 more tokens of budget)."""
-    out = {"eval/acc": evaluate(model, tok, task, sets["main"], max_new_tokens, engine=engine)["acc"]}
+    out = {"eval/acc": evaluate(policy, tok, task, sets["main"], max_new_tokens)["acc"]}
     if pass_k:
-        res = evaluate(model, tok, task, sets["main"][:100], max_new_tokens, pass_k=pass_k, temperature=temperature,
-                       engine=engine)
+        res = evaluate(policy, tok, task, sets["main"][:100], max_new_tokens, pass_k=pass_k, temperature=temperature)
         out[f"eval/pass@{pass_k}"] = res[f"pass@{pass_k}"]
     if hard_task is not None and "hard" in sets:
-        out["eval/acc_hard"] = evaluate(model, tok, hard_task, sets["hard"], max_new_tokens + 2, engine=engine)["acc"]
+        out["eval/acc_hard"] = evaluate(policy, tok, hard_task, sets["hard"], max_new_tokens + 2)["acc"]
     return out
 
 
@@ -722,22 +527,16 @@ def is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def shard(model, accel, sampler: bool = True):
+def shard(model, accel):
     """FSDP2 (torch's fully_shard) over all processes: a unit per decoder layer (the model's _no_split_modules), the
     root holding embeddings, final norm and lm_head; weights, gradients and AdamW state are split across ranks.
-    Gradients are summed, not averaged: the losses already divide by step-global counts. sampler=True keeps a full
-    copy for generate() (bf16 on CUDA under autocast: 2 bytes per parameter), which sync_sampler refreshes after
-    every optimiser step. With one process the model is returned as it is."""
+    Gradients are summed, not averaged: the losses already divide by step-global counts. With one process the
+    model is returned as it is. A Sampler that decodes with a full copy is built before this."""
     if accel.num_processes == 1 or model is None:
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if sampler:
-        full = copy.deepcopy(model).eval().requires_grad_(False)
-        if accel.device.type == "cuda" and model.amp_dtype is not None:
-            full, full.amp_dtype = full.to(model.amp_dtype), None
-        model.__dict__["_sampler"] = full.to(accel.device)  # not a submodule: FSDP leaves it whole
     mesh = init_device_mesh(accel.device.type, (accel.num_processes,))
     units = set(getattr(model, "_no_split_modules", None) or [])
     for m in [*(m for m in model.modules() if type(m).__name__ in units), model]:
@@ -745,21 +544,6 @@ def shard(model, accel, sampler: bool = True):
         m.set_gradient_divide_factor(1.0)  # each unit reduces its own gradients: sum them, do not average
         m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
     return model
-
-
-def sampler_is_trainer(model) -> bool:
-    """False when generate() decodes with another computation than the trainer's forward: on CUDA under bf16
-    autocast it samples from a bf16 copy of the weights (the static-cache fast path, or a sharded model's copy)."""
-    return not (next(model.parameters()).device.type == "cuda" and getattr(model, "amp_dtype", None) is not None
-                and not getattr(model, "static_cache_failed", False))
-
-
-@torch.no_grad()
-def sync_sampler(model) -> None:
-    """Gather a sharded model's weights into its sampler copy, one parameter at a time (a collective: every rank)."""
-    full = model.__dict__.get("_sampler")
-    for p, q in zip(model.parameters(), full.parameters()) if full is not None else ():
-        q.copy_(p.full_tensor())
 
 
 # ---- checkpoints ----
@@ -812,7 +596,6 @@ def _dcp(model, optimizer, path: Path, save: bool, extra=None) -> None:
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(root, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}))
-    sync_sampler(model)
 
 
 def load_checkpoint(path: str | Path, model, optimizer=None, extra=None) -> dict:

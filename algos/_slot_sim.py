@@ -19,6 +19,7 @@ from collections import Counter
 import numpy as np
 
 import common
+from algos import _llm as llm
 
 # (c0 s per tick, c1 s per busy slot per tick, training s per step). cpu: tiny-sums decode steps measured on one
 # thread of the 2-core test machine (4.3 ms at 1 row, 26 ms at 256 rows), training 1.0 s per 256-sequence step.
@@ -34,7 +35,7 @@ def draw_lengths(kind: str, sigma: float, median: int = 64, cap: int = 1024):
     reference length (characters + EOS) of one sums-task prompt with the operand-count mix, for the whole group."""
     if kind == "lognormal":
         return lambda rng, G: np.clip(np.round(median * np.exp(sigma * rng.standard_normal(G))), 1, cap).astype(int)
-    task = common.SumsTask("mix", 1)
+    task = llm.SumsTask("mix", 1)
     return lambda rng, G: np.full(G, len(task.sample("train", 1, rng)[0].solution) + 1)
 
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 import common
+from algos import _llm as llm
 
 LIMIT_REWARD = 0.0  # reward of an episode ended by the turn or the context limit (and of a wrong answer)
 ERROR_OBS = "err;"
@@ -113,7 +114,7 @@ class LookupEnv:
 
 # ---- SFT traces ----
 @dataclass
-class TraceExample(common.Example):
+class TraceExample(llm.Example):
     """An expert episode for algos/sft.py: `turns` = [(action, observation), ...]; only actions are trained on."""
     turns: list = field(default_factory=list)
     seed: int = 0

@@ -92,6 +92,7 @@ import tyro
 from tqdm import tqdm
 
 import common
+from algos import _llm as llm
 
 VARIANTS = ("fkl", "rkl-stale", "rkl-tis", "rkl-recompute", "rkl-mc", "rkl-sparse")
 
@@ -516,8 +517,8 @@ def main(args: Args) -> dict:
     torch.set_num_threads(args.threads)
     common.set_seed(args.seed)
     device = common.get_device(args.device)
-    task = common.make_task(args.task, args.digits)
-    hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    task = llm.make_task(args.task, args.digits)
+    hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
     model, tok = common.load_model(args.model, device, args.dtype)
     teacher, tok_t = common.load_model(args.teacher, device, args.dtype)

@@ -74,6 +74,7 @@ import tyro
 from tqdm import tqdm
 
 import common
+from algos import _llm as llm
 from algos._vllm import VLLMEngine
 
 
@@ -449,8 +450,8 @@ def main(args: Args) -> dict:
     rank, is_main = accel.process_index, accel.is_main_process
     torch.set_num_threads(args.threads)
     common.set_seed(args.seed)
-    task = common.make_task(args.task, args.digits)
-    hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    task = llm.make_task(args.task, args.digits)
+    hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
     model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
     engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \

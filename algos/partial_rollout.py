@@ -93,6 +93,7 @@ import tyro
 from tqdm import tqdm
 
 import common
+from algos import _llm as llm
 from algos._slot_sim import compare_policies
 from algos._vllm import VLLMEngine
 
@@ -476,10 +477,10 @@ class Scheduler:
         for g, ts in s["groups"].items():
             self.groups[int(g)] = []
             for d in ts:
-                answer = common.SumsTask.Answer(d["ex"][1]) if d["ex"][2] is not None else d["ex"][1]
+                answer = llm.SumsTask.Answer(d["ex"][1]) if d["ex"][2] is not None else d["ex"][1]
                 if d["ex"][2] is not None:
                     answer.totals = d["ex"][2]
-                t = Traj(int(g), d["prompt"], common.Example(d["ex"][0], answer), 0, d["n"], d["segs"], d["tokens"],
+                t = Traj(int(g), d["prompt"], llm.Example(d["ex"][0], answer), 0, d["n"], d["segs"], d["tokens"],
                          d["logps"], d["done"], d["finish"])
                 self.groups[int(g)].append(t)
                 if d["q"] >= 0:
@@ -684,8 +685,8 @@ def main(args: Args) -> dict:
     sim = simulator_summary(args) if args.sim and is_main else {}
     if args.steps == 0:
         return sim
-    task = common.make_task(args.task, args.digits)
-    hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    task = llm.make_task(args.task, args.digits)
+    hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
     model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
     engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \

@@ -75,6 +75,7 @@ import tyro
 from tqdm import tqdm
 
 import common
+from algos import _llm as llm
 
 
 @dataclass
@@ -157,11 +158,11 @@ def check_args(args: Args) -> None:
 
 
 # ---- privileged context ----
-def privileged_prompt(ex: common.Example, task, mode: str) -> str:
+def privileged_prompt(ex: llm.Example, task, mode: str) -> str:
     """The teacher's prompt: x plus the worked solution (or the answer). Never shown to the student."""
     if getattr(task, "kind", None) == "add" and mode == "solution":
         a, b = (int(v) for v in ex.prompt.rstrip("=").split("+"))
-        pad = common.addition_scratchpad(a, b)
+        pad = llm.addition_scratchpad(a, b)
         return f"{a}+{b}:" + pad[:pad.rindex("=") + 1]  # the scratchpad-reading format the model knows
     ctx = ex.answer if mode == "answer" or not ex.solution else ex.solution
     if getattr(task, "kind", None) == "add":
@@ -391,7 +392,7 @@ def repeat_frac(texts: list[str], n: int = 3) -> float:
 @torch.no_grad()
 def privileged_eval(model, tok, task, examples, args) -> float:
     """Greedy accuracy of the teacher view: the same model given the privileged prompt."""
-    exs = [common.Example(privileged_prompt(e, task, args.privileged), e.answer, e.solution) for e in examples]
+    exs = [llm.Example(privileged_prompt(e, task, args.privileged), e.answer, e.solution) for e in examples]
     return common.evaluate(model, tok, task, exs, args.max_new_tokens)["acc"]
 
 
@@ -486,11 +487,11 @@ def main(args: Args) -> dict:
     torch.set_num_threads(args.threads)
     common.set_seed(args.seed)
     device = common.get_device(args.device)
-    task = common.make_task(args.task, args.digits)
+    task = llm.make_task(args.task, args.digits)
     if args.mode == "trace" and getattr(task, "kind", None) not in ("add", "addsteps"):
         raise SystemExit("--mode trace marks critical spans programmatically: only the arithmetic tasks "
                          "(add, addsteps) have span marks")
-    hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
     model, tok = common.load_model(args.model, device, args.dtype)
     model.train()

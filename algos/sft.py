@@ -44,6 +44,7 @@ import tyro
 from tqdm import tqdm
 
 import common
+from algos import _llm as llm
 from algos._toolenv import TraceTask
 
 # Architectures for the shipped tiny models (LlamaForCausalLM, character vocabulary of 99 tokens).
@@ -120,7 +121,7 @@ def check_args(args: Args) -> None:
 
 
 # ---- the idea: masked next-token likelihood ----
-def build_batch(tok, examples: list[common.Example]):
+def build_batch(tok, examples: list[llm.Example]):
     """Right-padded [B, T] ids with a loss mask that is 1 only on response tokens (and the final EOS)."""
     prompts = common.encode_prompts(tok, [e.prompt for e in examples])
     responses = [tok(e.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for e in examples]
@@ -230,7 +231,7 @@ def main(args: Args) -> dict:
     torch.set_num_threads(args.threads)
     common.set_seed(args.seed)
     device = common.get_device(args.device)
-    tasks = [TraceTask() if name == "toolenv" else common.make_task(name, args.digits) for name in args.tasks]
+    tasks = [TraceTask() if name == "toolenv" else llm.make_task(name, args.digits) for name in args.tasks]
     if args.model in NEW_MODELS or args.model in NEW_MOE_MODELS:
         model, tok = new_model(args.model, args.seed)
         model.to(device)

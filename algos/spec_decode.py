@@ -74,6 +74,7 @@ import torch
 import tyro
 
 import common
+from algos import _llm as llm
 from algos._speculative import ModelDrafter, NgramDrafter, spec_generate, to_rollout, tokens_per_call_theory
 
 
@@ -150,7 +151,7 @@ def main(args: Args) -> dict:
     torch.set_num_threads(args.threads)
     common.set_seed(args.seed)
     device = common.get_device(args.device)
-    task = common.make_task(args.task, args.digits)
+    task = llm.make_task(args.task, args.digits)
     target, tok = common.load_model(args.model, device, args.dtype)
     target.eval()
     drafter = None

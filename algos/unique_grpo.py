@@ -75,6 +75,7 @@ import tyro
 from tqdm import tqdm
 
 import common
+from algos import _llm as llm
 from algos._vllm import VLLMEngine
 
 
@@ -236,18 +237,18 @@ class ReachTask:
         """(text, strategy) of every valid expression (distinct texts)."""
         return sorted({(t, s) for t, v, s in self.expressions(tuple(sorted(nums))) if v == target})
 
-    def sample(self, split: str, n: int, rng: np.random.Generator) -> list[common.Example]:
+    def sample(self, split: str, n: int, rng: np.random.Generator) -> list[llm.Example]:
         out = []
         while len(out) < n:
             nums = tuple(int(x) for x in rng.integers(1, self.max_value + 1, size=self.numbers))
             exprs = self.expressions(tuple(sorted(nums)))
             target = exprs[int(rng.integers(len(exprs)))][1]
-            if target < 0 or common.ArithmeticTask.is_held_out(*nums, 100 + target) != (split == "test"):
+            if target < 0 or llm.ArithmeticTask.is_held_out(*nums, 100 + target) != (split == "test"):
                 continue
             sols = self.solutions(nums, target)
             if len({s for _, s in sols}) >= self.min_strategies:
                 prompt = ",".join(map(str, nums)) + f">{target}"
-                out.append(common.Example(prompt + ":", prompt, sols[int(rng.integers(len(sols)))][0]))
+                out.append(llm.Example(prompt + ":", prompt, sols[int(rng.integers(len(sols)))][0]))
         return out
 
     def verify(self, response: str, answer: str) -> tuple[float, dict]:
@@ -262,8 +263,8 @@ class ReachTask:
 
 
 def make_task(name: str, digits: int = 2):
-    """reach (this file's ReachTask) or any of common.make_task's tasks."""
-    return ReachTask() if name == "reach" else common.make_task(name, digits)
+    """reach (this file's ReachTask) or any of llm.make_task's tasks."""
+    return ReachTask() if name == "reach" else llm.make_task(name, digits)
 
 
 # ---- the idea: strategy clusters and uniqueness weights ----
@@ -535,7 +536,7 @@ def main(args: Args) -> dict:
     torch.set_num_threads(args.threads)
     common.set_seed(args.seed)
     task = make_task(args.task, args.digits)
-    hard_task = common.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
+    hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
     model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
     engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \

@@ -61,12 +61,13 @@ def cache_rows(draws: int = DRAWS, n_prompts: int = CACHE_PROMPTS, seed: int = 0
     import torch
 
     import common
+    from algos import _llm as llm
     from algos import async_opd as ao
 
     torch.manual_seed(seed)
     student, tok = common.load_model("tiny-0.6m")
     teacher, _ = common.load_model("tiny-5m")
-    task = common.make_task("add")
+    task = llm.make_task("add")
     exs = task.sample("train", n_prompts, np.random.default_rng(seed))
     ro = common.generate(student, tok, common.encode_prompts(tok, [e.prompt for e in exs]), 1, 8)
     b = {k: getattr(ro, k) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}

@@ -97,8 +97,9 @@ def task_prompts(n: int):
     import numpy as np
 
     import common
+    from algos import _llm as llm
 
-    return common.make_task("add", 2).sample("train", n, np.random.default_rng(0))
+    return llm.make_task("add", 2).sample("train", n, np.random.default_rng(0))
 
 
 # ---- workers (one process each) ----
@@ -177,7 +178,7 @@ def worker_trl(folder: str, new_tokens: int, steps: int, warmup: int, setting: s
 
     import common
 
-    task = common.make_task("add", 2)
+    task = llm.make_task("add", 2)
     examples = task_prompts(PROMPTS * (warmup + steps))
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": e.prompt}], "answer": e.answer}
                               for e in examples])

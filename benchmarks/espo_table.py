@@ -97,12 +97,13 @@ def probe(seeds, n: int = 512) -> None:
     import torch
 
     import common
+    from algos import _llm as llm
     from algos import espo
 
     torch.set_num_threads(1)
     args = espo.Args()
     model, tok = common.load_model(args.model)
-    task = common.make_task(args.task, args.digits)
+    task = llm.make_task(args.task, args.digits)
     for seed in seeds:
         probe_seed(seed, n, args, model, tok, task)
 

@@ -72,13 +72,14 @@ def run_mismatch(seeds) -> None:
     import torch
 
     import common
+    from algos import _llm as llm
     from algos import fp8_rollout as f
 
     torch.set_num_threads(1)
     model, tok = common.load_model("tiny-sums")
     for seed in seeds:
         for n in OPERANDS:
-            task = common.make_task(f"sums{n}", 1)
+            task = llm.make_task(f"sums{n}", 1)
             for label, (dtype, kv) in MODES.items():
                 args = f.Args(model="tiny-sums", task=f"sums{n}", digits=1, max_new_tokens=48, rollout_dtype=dtype,
                               kv_fp8=kv, prompts_per_step=PROMPTS, group_size=SAMPLES, correction="none")

@@ -44,10 +44,11 @@ def premise(max_new_tokens: int, n: int = 256) -> dict:
     import torch
 
     import common
+    from algos import _llm as llm
 
     torch.manual_seed(0)
     model, tok = common.load_model(MODEL)
-    task = common.make_task(TASK, DIGITS)
+    task = llm.make_task(TASK, DIGITS)
     ex = task.sample("train", n, np.random.default_rng(0))
     ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in ex]), 1, max_new_tokens)
     r = np.array([task.verify(t, e.answer)[0] for t, e in zip(ro.texts, ex)])

@@ -37,8 +37,9 @@ def run(n: int) -> None:
     import torch
 
     import common
+    from algos import _llm as llm
 
-    task = common.make_task("add", 2)
+    task = llm.make_task("add", 2)
     examples = common.held_out_sets(task, n)["main"]
     pairs = [tuple(int(x) for x in e.prompt.rstrip("=").split("+")) for e in examples]
     seen = [not held_out_before(a, b) for a, b in pairs]  # in the old training split

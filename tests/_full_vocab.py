@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 import common
+from algos import _llm as llm
 
 
 def full_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=1.0):
@@ -21,7 +22,7 @@ def tiny_rollout(n_prompts=4, group=2, seed=0, max_new_tokens=8):
     """tiny-0.6m (student), tiny-5m (teacher) and one student rollout batch on `add` (opd.py's batch keys)."""
     student, tok = common.load_model("tiny-0.6m")
     teacher, _ = common.load_model("tiny-5m")
-    task = common.make_task("add")
+    task = llm.make_task("add")
     exs = task.sample("train", n_prompts, np.random.default_rng(seed))
     torch.manual_seed(seed)
     ro = common.generate(student, tok, common.encode_prompts(tok, [e.prompt for e in exs]), group, max_new_tokens)

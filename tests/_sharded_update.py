@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common  # noqa: E402
+from algos import _llm as llm  # noqa: E402
 
 
 def main(script: str, out: str, steps: int = 3) -> None:
@@ -35,22 +36,23 @@ def main(script: str, out: str, steps: int = 3) -> None:
     model.train()
     # the global batch: sampled once from the initial weights, the same on every rank
     torch.manual_seed(0)
-    batch = mod.rollout(model, tok, common.make_task("add", 2), args, np.random.default_rng(0), "cpu")
+    batch = mod.rollout(common.Sampler(model), tok, llm.make_task("add", 2), args, np.random.default_rng(0), "cpu")
     per_rank = batch["completion_ids"].shape[0] // accel.num_processes  # whole groups: B / ranks is a multiple of G
     rows = slice(accel.process_index * per_rank, (accel.process_index + 1) * per_rank)
     batch = {k: v[rows] for k, v in batch.items()}
     ref = mod.copy.deepcopy(model).eval().requires_grad_(False)
-    extra = {}
+    extra, sampler = {}, common.Sampler(model, sharded=accel.num_processes > 1)  # built before sharding
     if script == "ppo":
-        extra["critic"] = common.shard(mod.Critic(model).train(), accel, sampler=False)
+        extra["critic"] = common.shard(mod.Critic(model).train(), accel)
         groups = [{"params": list(common.shard(model, accel).parameters())},
                   {"params": list(extra["critic"].parameters())}]
         opt, loss_fn = torch.optim.AdamW(groups, lr=args.lr), mod.ppo_loss
     else:
         model = common.shard(model, accel)
         opt, loss_fn = torch.optim.AdamW(model.parameters(), lr=args.lr), mod.grpo_loss
-    ref = common.shard(ref, accel, sampler=False)
-    history = [mod.update(model, opt, batch, loss_fn, args, step, accel, ref, **extra) for step in range(1, steps + 1)]
+    ref = common.shard(ref, accel)
+    history = [mod.update(model, opt, batch, loss_fn, args, step, accel, sampler, ref, **extra)
+               for step in range(1, steps + 1)]
     full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for n, p in [*model.named_parameters(), *((f"critic.{n}", p) for n, p in
                                                       (extra["critic"].named_parameters() if extra else []))]}

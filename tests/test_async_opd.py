@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import common
+from algos import _llm as llm
 from _full_vocab import assert_close, chunked_step, full_gradient, full_logprobs, tiny_rollout
 from algos import async_opd as ao
 
@@ -187,7 +188,7 @@ def test_chunked_mc_draws_equal_draws_from_the_whole_distribution(monkeypatch):
     """rollout draws rkl-mc's tokens chunk by chunk over positions: the same tokens, from the same generator, as one
     draw from the whole [B, C, V] behaviour distribution, and the same behaviour log-probs."""
     behaviour, tok = common.load_model("tiny-0.6m")
-    task = common.make_task("add")
+    task = llm.make_task("add")
     args = ao.Args(variant="rkl-mc", mc_samples=3, prompts_per_step=3, group_size=2)
     monkeypatch.setattr(common, "LOGPROB_CHUNK_MB", 5 * 4 * 99 / 2**20)  # 5 positions per chunk
     assert common.chunk_positions(99) == 5

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common
+from algos import _llm as llm
 
 
 # ---- seeding and device ----
@@ -24,13 +25,13 @@ def test_get_device():
 
 # ---- tasks ----
 def test_scratchpad_format_and_carries():
-    assert common.addition_scratchpad(47, 85) == "7+5=12;4+8+1=13;=132"
-    assert common.addition_scratchpad(5, 123) == "5+3=8;0+2=2;0+1=1;=128"
+    assert llm.addition_scratchpad(47, 85) == "7+5=12;4+8+1=13;=132"
+    assert llm.addition_scratchpad(5, 123) == "5+3=8;0+2=2;0+1=1;=128"
 
 
 @pytest.mark.parametrize("kind", ["add", "addsteps"])
 def test_arithmetic_verifier_right_wrong_malformed(kind):
-    task = common.ArithmeticTask(kind, 2)
+    task = llm.ArithmeticTask(kind, 2)
     ex = task.make(47, 85)
     assert task.verify(ex.solution, ex.answer) == (1.0, {"format": 1.0, "correct": 1.0})
     wrong = ex.solution[:-1] + "3"
@@ -41,12 +42,12 @@ def test_arithmetic_verifier_right_wrong_malformed(kind):
 
 
 def test_addsteps_needs_scratchpad():
-    task = common.ArithmeticTask("addsteps", 2)
+    task = llm.ArithmeticTask("addsteps", 2)
     assert task.verify("132", "132")[0] == 0.0  # the bare answer is not the scratchpad format
 
 
 def test_split_disjoint_and_deterministic():
-    task = common.ArithmeticTask("add", 2)
+    task = llm.ArithmeticTask("add", 2)
     tr = task.sample("train", 500, np.random.default_rng(0))
     te = task.sample("test", 200, np.random.default_rng(0))
     assert {e.prompt for e in tr}.isdisjoint({e.prompt for e in te})
@@ -55,53 +56,53 @@ def test_split_disjoint_and_deterministic():
 
 
 def test_make_task_and_bad_names(tmp_path):
-    assert common.make_task("addsteps", 3).name == "addsteps3"
+    assert llm.make_task("addsteps", 3).name == "addsteps3"
     with pytest.raises(SystemExit, match="unknown task"):
-        common.make_task("subtract")
+        llm.make_task("subtract")
     with pytest.raises(ValueError, match="digits"):
-        common.ArithmeticTask("add", 0)
+        llm.ArithmeticTask("add", 0)
 
 
 def test_jsonl_task_and_math_verify(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": str(i / 2)}) for i in range(20)))
-    task = common.make_task(f"jsonl:{p}")
+    task = llm.make_task(f"jsonl:{p}")
     assert len(task.train) == 18 and len(task.test) == 2
     ex = task.sample("train", 1, np.random.default_rng(0))[0]
     assert task.verify(f"The answer is {ex.answer}", ex.answer)[0] == 1.0
     assert task.verify("The answer is 12345", ex.answer)[0] == 0.0
-    assert common.DatasetTask("t", [], []).verify("$\\frac{1}{2}$", "0.5")[0] == 1.0
+    assert llm.DatasetTask("t", [], []).verify("$\\frac{1}{2}$", "0.5")[0] == 1.0
 
 
 def test_jsonl_bad_input(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n" + json.dumps({"question": "x", "answer": "3"}))
     with pytest.raises(SystemExit, match="prompt"):
-        common.make_task(f"jsonl:{p}")
+        llm.make_task(f"jsonl:{p}")
     with pytest.raises(SystemExit, match="no such file"):
-        common.make_task(f"jsonl:{tmp_path / 'missing.jsonl'}")
+        llm.make_task(f"jsonl:{tmp_path / 'missing.jsonl'}")
     (tmp_path / "broken.jsonl").write_text("{not json\n")
     with pytest.raises(SystemExit, match="broken.jsonl"):
-        common.make_task(f"jsonl:{tmp_path / 'broken.jsonl'}")
+        llm.make_task(f"jsonl:{tmp_path / 'broken.jsonl'}")
 
 
 def test_add_split_keeps_commuted_pairs_together():
-    task = common.ArithmeticTask("add", 2)  # b+a must not leak into train when a+b is held out
+    task = llm.ArithmeticTask("add", 2)  # b+a must not leak into train when a+b is held out
     assert all(task.is_held_out(a, b) == task.is_held_out(b, a) for a in range(100) for b in range(100))
 
 
 def test_jsonl_empty_and_malformed_line_are_named(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(SystemExit, match=r"empty\.jsonl: need at least 2 records, found 0"):
-        common.make_task(f"jsonl:{tmp_path / 'empty.jsonl'}")
+        llm.make_task(f"jsonl:{tmp_path / 'empty.jsonl'}")
     good = json.dumps({"prompt": "q", "answer": "1"})
     (tmp_path / "bad3.jsonl").write_text(f"{good}\n{good}\n{{'prompt': 1}}\n{good}\n")
     with pytest.raises(SystemExit, match=r"bad3\.jsonl: line 3 is not valid JSON"):
-        common.make_task(f"jsonl:{tmp_path / 'bad3.jsonl'}")
+        llm.make_task(f"jsonl:{tmp_path / 'bad3.jsonl'}")
 
 
 def test_sums_verifier_hand_made_cases():
-    task = common.make_task("sums3", 2)
+    task = llm.make_task("sums3", 2)
     ex = task.make([17, 5, 30])
     assert (ex.prompt, ex.solution, ex.answer) == ("17+5+30:", "17+5=22;22+30=52;=52", "52")
     cases = {ex.solution: (1, 1, 1), "17+5=22;22+30=53;=53": (0, 1, 0.5),  # wrong intermediate total
@@ -113,38 +114,38 @@ def test_sums_verifier_hand_made_cases():
     for response, (reward, fmt, partial) in cases.items():
         r, comp = task.verify(response, ex.answer)
         assert (r, comp["format"], comp["partial"]) == (reward, fmt, partial), response
-    assert isinstance(ex.answer, common.SumsTask.Answer) and ex.answer.totals == [22, 52]
+    assert isinstance(ex.answer, llm.SumsTask.Answer) and ex.answer.totals == [22, 52]
     assert task.verify("17+5=22;22+31=53;=53", "53")[1]["partial"] == 1.0  # a plain str: the response's own operands
 
 
 def test_sums_length_knob_and_bad_settings():
     for digits in (1, 2, 3):
         for n in range(2, 17):
-            sols = [e.solution for e in common.SumsTask(n, digits).sample("train", 200, np.random.default_rng(n))]
+            sols = [e.solution for e in llm.SumsTask(n, digits).sample("train", 200, np.random.default_rng(n))]
             promised = (n - 1) * (3 * digits + 5) + digits  # the docstring's formula
             assert abs(np.mean([len(s) for s in sols]) - promised) <= 0.05 * promised, (n, digits)
             assert all(s.count(";") == n - 1 for s in sols)
-    assert common.make_task("sums").name == "sums5d2" and common.make_task("sumsmix", 1).name == "sumsmixd1"
+    assert llm.make_task("sums").name == "sums5d2" and llm.make_task("sumsmix", 1).name == "sumsmixd1"
     for bad in [("sums1", 2), ("sums17", 2), ("sums4", 0)]:
         with pytest.raises(ValueError, match="operands in 2..16"):
-            common.make_task(*bad)
+            llm.make_task(*bad)
 
 
 @pytest.mark.parametrize("operands", [2, 3, "mix"])
 def test_sums_split_never_shares_a_multiset(operands):
-    task = common.SumsTask(operands, 1)  # 1 digit: few multisets, so any leak would show
+    task = llm.SumsTask(operands, 1)  # 1 digit: few multisets, so any leak would show
     key = lambda e: tuple(sorted(map(int, e.prompt[:-1].split("+"))))  # noqa: E731
     train = {key(e) for e in task.sample("train", 3000, np.random.default_rng(0))}
     test = {key(e) for e in task.sample("test", 300, np.random.default_rng(1))}
     assert train.isdisjoint(test) and len(test) >= 3
-    assert common.ArithmeticTask.is_held_out(3, 1, 2) == common.ArithmeticTask.is_held_out(2, 3, 1)
+    assert llm.ArithmeticTask.is_held_out(3, 1, 2) == llm.ArithmeticTask.is_held_out(2, 3, 1)
 
 
 def test_sums_mix_is_heavy_tailed():
-    exs = common.make_task("sumsmix", 2).sample("train", 4096, np.random.default_rng(0))
+    exs = llm.make_task("sumsmix", 2).sample("train", 4096, np.random.default_rng(0))
     n = np.array([e.prompt.count("+") + 1 for e in exs])
     freq = np.bincount(n, minlength=17)[2:] / len(n)
-    assert np.abs(freq - common.SumsTask.MIX).sum() < 0.06  # the stated law (about twice its sampling noise)
+    assert np.abs(freq - llm.SumsTask.MIX).sum() < 0.06  # the stated law (about twice its sampling noise)
     assert 0.44 < freq[0] < 0.51 and 0.09 < (n >= 9).mean() < 0.12 and n.max() == 16
     lengths = np.array([len(e.solution) for e in exs]).reshape(-1, 64)  # batches of 64 responses
     assert np.median(lengths.max(1) / np.median(lengths, 1)) > 5  # a few responses far longer than the typical one
@@ -154,7 +155,7 @@ def test_gsm8k_offline_is_a_clear_message(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     try:
-        task = common.load_gsm8k()
+        task = llm.load_gsm8k()
     except SystemExit as e:
         assert "gsm8k" in str(e) and "jsonl" in str(e)
     else:  # a machine with the data cached
@@ -277,7 +278,7 @@ def test_masked_reductions():
 
 def test_evaluate_counts_exact_answers(tiny, monkeypatch):
     model, tok = tiny
-    task = common.ArithmeticTask("add", 2)
+    task = llm.ArithmeticTask("add", 2)
     exs = task.sample("test", 6, np.random.default_rng(0))
     texts = iter([[e.answer if i % 2 == 0 else "0" for i, e in enumerate(exs)]])
     real = common.generate
@@ -293,7 +294,7 @@ def test_evaluate_counts_exact_answers(tiny, monkeypatch):
 
 def test_evaluate_pass_k_runs(tiny):
     model, tok = tiny
-    task = common.ArithmeticTask("add", 2)
+    task = llm.ArithmeticTask("add", 2)
     res = common.evaluate(model, tok, task, task.sample("test", 10, np.random.default_rng(0)), 5, pass_k=4)
     assert set(res) == {"acc", "pass@4"} and 0 <= res["acc"] <= 1 and 0 <= res["pass@4"] <= 1
     # pass@k counts a prompt solved if any of k samples is right: with a perfect verifier stub it is 1
@@ -303,7 +304,7 @@ def test_evaluate_pass_k_runs(tiny):
 
 
 def test_held_out_sets_fixed_and_from_the_test_split():
-    task, hard = common.ArithmeticTask("add", 2), common.ArithmeticTask("add", 3)
+    task, hard = llm.ArithmeticTask("add", 2), llm.ArithmeticTask("add", 3)
     a, b = common.held_out_sets(task, 40, hard), common.held_out_sets(task, 40, hard)
     assert [e.prompt for e in a["main"]] == [e.prompt for e in b["main"]]  # every script sees the same prompts
     assert len(a["main"]) == 40 and len(a["hard"]) == 40 and "hard" not in common.held_out_sets(task, 5)
@@ -314,7 +315,7 @@ def test_held_out_sets_fixed_and_from_the_test_split():
 
 def test_run_eval_keys_and_budgets(tiny, monkeypatch):
     model, tok = tiny
-    task, hard = common.ArithmeticTask("add", 2), common.ArithmeticTask("add", 3)
+    task, hard = llm.ArithmeticTask("add", 2), llm.ArithmeticTask("add", 3)
     sets = common.held_out_sets(task, 6, hard)
     calls = []
     monkeypatch.setattr(common, "evaluate", lambda m, t, tk, exs, budget, pass_k=0, **kw: calls.append(
@@ -397,7 +398,7 @@ def test_checkpoint_roundtrip(tmp_path, tiny):
 
 def test_to_py_example_and_rollout_types():
     assert common._to_py(torch.tensor([1.0, 2.0])) == [1.0, 2.0] and common._to_py(np.int64(3)) == 3
-    ex = common.Example("1+1=", "2")
+    ex = llm.Example("1+1=", "2")
     assert ex.solution == ""
     ro = common.Rollout(*(torch.zeros(1, 1),) * 5, ["stop"], ["2"])
     assert ro.finish_reasons == ["stop"]
@@ -407,7 +408,7 @@ def test_load_jsonl_task_direct(tmp_path):
     p = tmp_path / "one.jsonl"
     p.write_text(json.dumps({"prompt": "q", "answer": "1"}) + "\n")
     with pytest.raises(SystemExit, match="at least 2"):
-        common.load_jsonl_task(str(p))
+        llm.load_jsonl_task(str(p))
 
 
 def test_resolve_model_path():
@@ -441,7 +442,7 @@ def test_recorded_logprobs_and_tokens_equal_the_previous_path(tiny, temperature,
     torch.manual_seed(3)
     comp_old, lp_old = _old_generate(model, tok, prompts, 4, 10, temperature, top_p)
     torch.manual_seed(3)
-    ro = common.generate(model, tok, prompts, 4, 10, temperature, top_p, fast=False)
+    ro = common.generate(model, tok, prompts, 4, 10, temperature, top_p)
     m = ro.completion_mask.bool()
     assert torch.equal(ro.completion_ids[m], comp_old[:, :ro.completion_ids.shape[1]][m])
     torch.testing.assert_close(ro.logprobs[m], lp_old[:, :ro.completion_ids.shape[1]][m], rtol=0, atol=1e-6)
@@ -453,9 +454,9 @@ def test_static_cache_path_samples_the_same_tokens_on_cpu(tiny):
     model, tok = tiny
     prompts = common.encode_prompts(tok, ["12+34=", "5+6=", "70+8=", "1+1="])
     torch.manual_seed(5)
-    slow = common.generate(model, tok, prompts, 4, 10, 0.8, fast=False)
+    slow = common.generate(common.Sampler(model, fast=False), tok, prompts, 4, 10, 0.8)
     torch.manual_seed(5)
-    fast = common.generate(model, tok, prompts, 4, 10, 0.8, fast=True)
+    fast = common.generate(common.Sampler(model, fast=True), tok, prompts, 4, 10, 0.8)
     assert torch.equal(slow.completion_ids, fast.completion_ids)
     torch.testing.assert_close(fast.logprobs, slow.logprobs, rtol=0, atol=1e-5)
     trainer = common.token_logprobs(model, fast.prompt_ids, fast.prompt_mask, fast.completion_ids,
@@ -510,19 +511,23 @@ def test_behaviour_logprobs_recorder_by_hand():
 
 
 def test_bf16_sampler_is_a_refreshed_unregistered_copy():
-    """The fast path with bf16 decodes with a bf16 copy: not among the trainer's parameters, refreshed from the fp32
-    weights at every call, and its behaviour log-probs close to the trainer's bf16-autocast ones."""
+    """The fast path with bf16 decodes with a bf16 copy owned by the Sampler: nothing is added to the trainer (its
+    parameters, state_dict and __dict__ are unchanged), the copy is refreshed from the fp32 weights at every call,
+    the sampler says it is not the trainer, and its behaviour log-probs are close to the trainer's bf16-autocast
+    ones."""
     model, tok = common.load_model("tiny-0.6m", "cpu", "bf16")
-    n_params = len(list(model.parameters()))
+    n_params, attrs = len(list(model.parameters())), set(model.__dict__)
     prompts = common.encode_prompts(tok, ["12+34=", "5+6="])
-    ro = common.generate(model, tok, prompts, 4, 8, fast=True)
-    sampler = model.__dict__["_bf16_sampler"]
-    assert len(list(model.parameters())) == n_params and "_bf16_sampler" not in model.state_dict()
-    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in sampler.parameters())
+    sampler = common.Sampler(model, fast=True)
+    sampler.half = True  # what a CUDA device under bf16 sets; the CPU runs the same code path
+    assert not sampler.is_trainer and common.Sampler(model).is_trainer  # CPU default: the trainer's own forward
+    ro = common.generate(sampler, tok, prompts, 4, 8)
+    assert len(list(model.parameters())) == n_params and set(model.__dict__) == attrs
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in sampler.bf16.parameters())
     with torch.no_grad():
         next(model.parameters()).add_(0.5)  # an optimiser step
-    common.generate(model, tok, prompts, 1, 2, fast=True)
-    assert all(torch.equal(ps, pt.to(torch.bfloat16)) for ps, pt in zip(sampler.parameters(), model.parameters()))
+    common.generate(sampler, tok, prompts, 1, 2)
+    assert all(torch.equal(ps, pt.to(torch.bfloat16)) for ps, pt in zip(sampler.bf16.parameters(), model.parameters()))
     with torch.no_grad():
         next(model.parameters()).sub_(0.5)
     trainer = common.token_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
@@ -532,8 +537,8 @@ def test_bf16_sampler_is_a_refreshed_unregistered_copy():
 
 # ---- real inputs: tasks for a pretrained model, EOS sets, context limits, bad files ----
 def test_word_problems_split_and_last_number_verifier():
-    task = common.make_task("words")
-    assert isinstance(task, common.WordProblemTask)
+    task = llm.make_task("words")
+    assert isinstance(task, llm.WordProblemTask)
     a, b = task.sample("train", 200, np.random.default_rng(0)), task.sample("test", 200, np.random.default_rng(0))
     assert [e.prompt for e in a] == [e.prompt for e in task.sample("train", 200, np.random.default_rng(0))]
     assert not {e.prompt for e in a} & {e.prompt for e in b}  # the held-out split never reaches training
@@ -548,10 +553,10 @@ def test_jsonl_fields_must_be_strings_and_text_utf8(tmp_path):
     good = json.dumps({"prompt": "q", "answer": "1"})
     (tmp_path / "ints.jsonl").write_text(f"{good}\n" + json.dumps({"prompt": 53, "answer": 2}) + "\n")
     with pytest.raises(SystemExit, match=r"ints\.jsonl: line 2: 'prompt', 'answer' .* must be strings"):
-        common.make_task(f"jsonl:{tmp_path / 'ints.jsonl'}")
+        llm.make_task(f"jsonl:{tmp_path / 'ints.jsonl'}")
     (tmp_path / "latin1.jsonl").write_bytes(good.encode() + b"\n" + '{"prompt": "caf\u00e9", "answer": "1"}'.encode("latin-1"))
     with pytest.raises(SystemExit, match=r"latin1\.jsonl: not UTF-8"):
-        common.make_task(f"jsonl:{tmp_path / 'latin1.jsonl'}")
+        llm.make_task(f"jsonl:{tmp_path / 'latin1.jsonl'}")
 
 
 def test_eos_ids_union_of_tokenizer_and_generation_config(tiny):
@@ -620,8 +625,9 @@ def test_one_process_is_not_sharded(tiny):
     one = type("Accel", (), {"num_processes": 1})()
     assert common.shard(model, one) is model and not common.is_sharded(model)
     assert common.shard(None, one) is None
-    common.sync_sampler(model)  # no copy to refresh: a no-op
-    assert common.sampler_is_trainer(model)  # CPU: generate decodes with the trainer's own forward
+    sampler = common.Sampler(model)
+    sampler.refresh()  # no copy to refresh: a no-op
+    assert sampler.is_trainer and sampler.module() is model  # CPU: generate decodes with the trainer's own forward
 
 
 def test_sharded_checkpoint_roundtrip_in_one_process(tmp_path, tiny):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import common
+from algos import _llm as llm
 from algos import dapo, grpo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +74,7 @@ def test_concat_and_select_keep_log_probs():
     """Rollouts of several rounds (different prompt and completion widths) stack without changing log-probs."""
     torch.manual_seed(0)
     model, tok = common.load_model("tiny-0.6m")
-    task = common.make_task("add")
+    task = llm.make_task("add")
     a = common.generate(model, tok, common.encode_prompts(tok, ["1+2=", "3+4="]), 2, 4)
     b = common.generate(model, tok, common.encode_prompts(tok, ["12+34=", "56+78="]), 2, 7)
     both = common.concat_rollouts([a, b], tok.pad_token_id)
@@ -99,7 +100,7 @@ class ScriptedTask:
         self.rewards = iter(rewards)
 
     def sample(self, split, n, rng):
-        return [common.Example(f"{i}+1=", str(i + 1)) for i in range(n)]
+        return [llm.Example(f"{i}+1=", str(i + 1)) for i in range(n)]
 
     def verify(self, response, answer):
         return float(next(self.rewards)), {}

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import common
+from algos import _llm as llm
 from algos import espo, ppo
 
 
@@ -67,7 +68,7 @@ def sums_model():
 
 def test_online_stop_equals_the_rule_after_the_fact(sums_model):
     model, tok = sums_model
-    task = common.make_task("sums", 1)
+    task = llm.make_task("sums", 1)
     prompts = common.encode_prompts(tok, [e.prompt for e in task.sample("train", 48, np.random.default_rng(0))])
     torch.manual_seed(1)
     ro, g, stop_at = espo.generate_with_stops(model, tok, prompts, 1, 48, 1.0, 1.0, threshold=0.6, alpha=0.5)
@@ -92,7 +93,7 @@ def test_sampler_records_step_by_step_what_the_full_scores_gave(sums_model):
     from _vocab_bound import LargestVocabTensor
 
     model, tok = sums_model
-    task = common.make_task("sums", 1)
+    task = llm.make_task("sums", 1)
     prompts = common.encode_prompts(tok, [e.prompt for e in task.sample("train", 3, np.random.default_rng(0))])
     torch.manual_seed(2)
     with LargestVocabTensor(model) as seen:
@@ -134,7 +135,7 @@ def test_terminal_reward_and_td_errors_at_a_stop_hand_made():
 
 def test_rollout_gives_stopped_rows_the_terminal_reward(sums_model):
     model, tok = sums_model
-    task = common.make_task("sums", 1)
+    task = llm.make_task("sums", 1)
     args = espo.Args(prompts_per_step=48, stop_reward=-0.5)
     torch.manual_seed(2)
     batch = espo.rollout(model, tok, task, args, np.random.default_rng(3), torch.device("cpu"), threshold=0.6)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+from algos import _llm as llm
 from algos import _fp8_engine as fe
 from algos import fp8_rollout as f
 from algos import grpo
@@ -136,7 +137,7 @@ def test_fake_quant_matmul_equals_sum_of_row_scaled_block_matmuls():
 def tiny():
     torch.manual_seed(0)
     model, tok = common.load_model("tiny-0.6m")
-    return model, tok, common.make_task("add", 2)
+    return model, tok, llm.make_task("add", 2)
 
 
 def rollout_of(tiny, **kw):
@@ -320,7 +321,7 @@ def test_one_precision_path_under_bf16():
     trainer's (mean |d logp| <= 1e-5; 1e-2 when the sampler ran outside the autocast), and unified FP8 gives exactly
     the trainer's log-probs (the fp8 simulation inside runs without autocast, as on the GPU kernel)."""
     model, tok = common.load_model("tiny-0.6m", dtype="bf16")
-    task = common.make_task("add", 2)
+    task = llm.make_task("add", 2)
     for kw in ({"rollout_dtype": "fp32"}, {"unified": True}):
         args = f.Args(prompts_per_step=8, group_size=4, **kw)
         engine = f.FP8Engine(model, args)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+from algos import _llm as llm
 from algos import fp8_sol_rl as s
 
 
@@ -16,7 +17,7 @@ from algos import fp8_sol_rl as s
 def tiny():
     torch.manual_seed(0)
     model, tok = common.load_model("tiny-0.6m")
-    return model, tok, common.make_task("add", 2)
+    return model, tok, llm.make_task("add", 2)
 
 
 def test_sol_regeneration_is_exactly_on_policy(tiny):

@@ -99,6 +99,35 @@ def test_k3_kl():
     assert torch.allclose(exact, est, atol=1e-6)
 
 
+def test_truncated_is_weight_against_loop():
+    """w_t = min(pi_old / pi_sampler, C) token by token, with no gradient; equal log-probs give exactly 1."""
+    torch.manual_seed(0)
+    old, behaviour = (torch.randn(4, 6) * 0.5).requires_grad_(), torch.randn(4, 6) * 0.5
+    w = grpo.truncated_is_weight(old, behaviour, 2.0)
+    assert not w.requires_grad
+    for i in range(4):
+        for t in range(6):
+            assert w[i, t].item() == pytest.approx(min(math.exp(old[i, t].item() - behaviour[i, t].item()), 2.0),
+                                                   rel=1e-5)
+    assert (w == 2.0).any() and (w < 1).any()  # the draw exercises both sides of the cap
+    assert torch.equal(grpo.truncated_is_weight(behaviour, behaviour, 2.0), torch.ones(4, 6))
+
+
+def test_sampler_gap_sums():
+    """The mismatch and importance-weight sums of one micro-batch, against a loop over the masked tokens."""
+    torch.manual_seed(1)
+    old, behaviour = torch.randn(3, 5), torch.randn(3, 5)
+    mask = (torch.arange(5)[None] < torch.tensor([[2], [5], [3]])).float()
+    w = grpo.truncated_is_weight(old, behaviour, 1.5)
+    out = grpo.sampler_gap(old, behaviour, w, mask, 1.5)
+    toks = [(i, t) for i in range(3) for t in range(5) if mask[i, t]]
+    assert out["gap/tokens"] == len(toks) == 10
+    assert out["gap/sum"] == pytest.approx(sum(abs(old[i, t] - behaviour[i, t]).item() for i, t in toks), rel=1e-5)
+    assert out["gap/is_w"] == pytest.approx(sum(w[i, t].item() for i, t in toks), rel=1e-5)
+    assert out["gap/is_cut"] == sum(w[i, t].item() >= 1.5 for i, t in toks)
+    assert "gap/is_w" not in grpo.sampler_gap(old, behaviour, None, mask, 1.5)  # no correction: no weight sums
+
+
 # ---- learning, resume, tracking ----
 SMALL = grpo.Args(steps=80, prompts_per_step=32, group_size=8, eval_every=40, eval_examples=300, pass_k=0,
                   eval_hard=False, out_dir="", exp_name="t")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+from algos import _llm as llm
 from algos import grpo
 from algos import grpo_prompt_selection as ps
 
@@ -17,7 +18,7 @@ SMALL = ps.Args(steps=50, prompts_per_step=32, group_size=8, eval_every=50, eval
 
 
 def ex(i):
-    return common.Example(f"{i}+1=", str(i + 1))
+    return llm.Example(f"{i}+1=", str(i + 1))
 
 
 def group(prompt, rewards):
@@ -192,7 +193,7 @@ def test_pilot_commit_rollout_assembles_groups_from_both_rounds():
 # ---- equals algos/grpo.py ----
 def test_uniform_rollout_equals_grpo_rollout():
     model, tok = common.load_model("tiny-0.6m")
-    task, args = common.make_task("add"), replace(SMALL, selector="uniform", pool_size=0)
+    task, args = llm.make_task("add"), replace(SMALL, selector="uniform", pool_size=0)
     out = []
     for fn in (lambda rng: grpo.rollout(model, tok, task, grpo.Args(), rng, "cpu"),
                lambda rng: ps.rollout(model, tok, task, args, rng, "cpu", None, ps.Uniform(args), None, 1)):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+from algos import _llm as llm
 from algos import grpo
 from algos import grpo_replay as rp
 
@@ -108,7 +109,7 @@ def test_samples_older_than_the_maximum_age_are_never_used(reuse, max_age):
 # ---- equals algos/grpo.py; RLEP groups ----
 def test_reuse_one_rollout_equals_grpo_rollout():
     model, tok = common.load_model("tiny-0.6m")
-    task, args = common.make_task("add"), replace(SMALL, reuse=1, pool_size=0)
+    task, args = llm.make_task("add"), replace(SMALL, reuse=1, pool_size=0)
     out = []
     for fn in (lambda rng: grpo.rollout(model, tok, task, grpo.Args(), rng, "cpu"),
                lambda rng: rp.rollout(model, tok, task, args, rng, "cpu", None, None, [], None, 1)):
@@ -149,7 +150,7 @@ def test_replay_run_halves_generation_and_keeps_ages(tmp_path):
 def test_rlep_rows_and_mixed_group_advantages():
     torch.manual_seed(0)
     model, tok = common.load_model("tiny-0.6m")
-    task = common.make_task("add")
+    task = llm.make_task("add")
     args = replace(SMALL, reuse=1, prompts_per_step=4, group_size=4, rlep_replay=2, pool_size=16)
     pool = rp.make_pool(task, args)
     enc = lambda text: tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # noqa: E731
@@ -178,7 +179,7 @@ def test_rlep_two_phases(tmp_path):
                   experience_samples=4)
     rp.main(replace(cfg, experience_out=str(exp), out_dir=str(tmp_path / "a")))
     saved = json.loads(exp.read_text())
-    task = common.make_task("add")
+    task = llm.make_task("add")
     _, tok = common.load_model("tiny-0.6m")
     pool = {e.prompt: e.answer for e in rp.make_pool(task, cfg)}
     assert saved and set(saved) <= set(pool)

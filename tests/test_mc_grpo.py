@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+from algos import _llm as llm
 from algos import grpo, mc_grpo as m
 
 
@@ -87,7 +88,7 @@ def test_the_pivot_gets_zero_gradient_and_dropping_it_changes_nothing_else():
 @pytest.fixture(scope="module")
 def tiny():
     model, tok = common.load_model("tiny-0.6m", torch.device("cpu"))
-    return model, tok, common.make_task("add", 2)
+    return model, tok, llm.make_task("add", 2)
 
 
 def test_rollout_drops_one_pivot_per_group(tiny, monkeypatch):
@@ -190,7 +191,7 @@ def test_mc_grpo_learns(tmp_path):
 def test_partial_reward_is_the_mean_of_exact_and_partial_credit_plus_unbiased_noise():
     """--reward partial on '8+6+5:' (totals 14, 19): a right response 1, one right step of two and a wrong final
     answer (0 + 1/2) / 2, a malformed one 0; --reward-noise adds zero-mean noise of that std."""
-    task = common.make_task("sums3", 1)
+    task = llm.make_task("sums3", 1)
     ex = task.make([8, 6, 5])
     scores = [task.verify(t, ex.answer) for t in ("8+6=14;14+5=19;=19", "8+6=14;14+5=18;=18", "nineteen")]
     args = replace(SMALL, task="sums3", digits=1, reward="partial")

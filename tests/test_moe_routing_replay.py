@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
+from algos import _llm as llm  # noqa: E402
 from algos import moe_routing_replay as mrr  # noqa: E402
 
 torch.set_num_threads(1)
@@ -25,7 +26,7 @@ def small_args(**kw):
 @pytest.fixture(scope="module")
 def tiny():
     model, tok = common.load_model("tiny-moe", "cpu", "fp32")
-    return model, tok, common.make_task("add", 2)
+    return model, tok, llm.make_task("add", 2)
 
 
 def roll(model, tok, task, args, noise=0.0, dtype="fp32", predictors=None, pr2_scale=1.0, seed=0):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import common
+from algos import _llm as llm
 from algos import grpo, multiturn_grpo as mt
 
 ACCEL = SimpleNamespace(num_processes=1)
@@ -51,7 +52,7 @@ def test_one_turn_without_tool_calls_equals_grpo_step(tiny):
     model, tok = tiny
     gargs = grpo.Args(prompts_per_step=4, group_size=4, threads=1, max_new_tokens=4, device="cpu")
     torch.manual_seed(2)
-    batch = grpo.rollout(model, tok, common.make_task("add", 2), gargs, np.random.default_rng(0), torch.device("cpu"))
+    batch = grpo.rollout(model, tok, llm.make_task("add", 2), gargs, np.random.default_rng(0), torch.device("cpu"))
     batch["adv"] = torch.randn_like(batch["adv"])
     mbatch = {**batch, "action_mask": batch["completion_mask"], "obs_mask": torch.zeros_like(batch["completion_mask"])}
     margs = mt.Args(prompts_per_step=4, group_size=4, threads=1, max_new_tokens=4, device="cpu", micro_batch_size=5,

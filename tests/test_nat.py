@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
+from algos import _llm as llm  # noqa: E402
 from algos import grpo, nat  # noqa: E402
 
 
@@ -149,7 +150,7 @@ def rollout_batch(selector):
     common.set_seed(0)
     args = nat.Args(prompts_per_step=8, group_size=4, micro_batch_size=5, selector=selector, lr=0.0,
                     max_grad_norm=1e9, threads=1)
-    task = common.make_task(args.task, args.digits)
+    task = llm.make_task(args.task, args.digits)
     model, tok = common.load_model(args.model, torch.device("cpu"))
     batch = nat.rollout(model, tok, task, args, __import__("numpy").random.default_rng(0), torch.device("cpu"))
     return args, model, batch

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common
+from algos import _llm as llm
 from _full_vocab import assert_close, chunked_step, full_gradient, full_logprobs, tiny_rollout
 from algos import opd
 
@@ -140,7 +141,7 @@ def test_update_normalises_over_the_whole_step(monkeypatch):
 
     student, tok = common.load_model("tiny-0.6m")
     teacher, _ = common.load_model("tiny-5m")
-    task = common.make_task("add")
+    task = llm.make_task("add")
     torch.manual_seed(0)
     prompts = common.encode_prompts(tok, [e.prompt for e in task.sample("train", 6, np.random.default_rng(0))])
     ro = common.generate(student, tok, prompts, 2, 8)

@@ -11,6 +11,7 @@ import torch
 from scipy import stats as sps
 
 import common
+from algos import _llm as llm
 from algos import _slot_sim as sim
 from algos import partial_rollout as pr
 
@@ -187,7 +188,7 @@ def tiny():
 
 def rollout_steps(model, tok, args, steps, perturb=True, seed=0):
     """Run the real rollout for `steps` steps, changing the weights between steps; returns (batches, snapshots)."""
-    task = common.make_task(args.task, args.digits)
+    task = llm.make_task(args.task, args.digits)
     sched = pr.Scheduler(args.policy, args.prompts_per_step, args.group_size, args.slots, args.over)
     snaps, batches = [], []
     g = torch.Generator().manual_seed(seed)
@@ -262,7 +263,7 @@ def test_continuation_follows_the_new_weights_chi_square():
     with torch.no_grad():
         for m in (A, B):
             m.lm_head.weight.mul_(60)  # far from uniform
-    task = SimpleNamespace(sample=lambda split, n, rng: [common.Example("p", "a")] * n,
+    task = SimpleNamespace(sample=lambda split, n, rng: [llm.Example("p", "a")] * n,
                            verify=lambda text, answer: (0.0, {}))
     N = 12000
     args = pr.Args(policy="copris", prompts_per_step=1, group_size=2, slots=N, chunk=1, max_new_tokens=2)

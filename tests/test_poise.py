@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+from algos import _llm as llm
 from algos import poise as m
 
 
@@ -44,7 +45,7 @@ def test_baseline_of_rollout_i_never_moves_with_its_own_features(n):
 @pytest.fixture(scope="module")
 def tiny():
     model, tok = common.load_model("tiny-0.6m", torch.device("cpu"))
-    return model, tok, common.make_task("add", 2)
+    return model, tok, llm.make_task("add", 2)
 
 
 def test_rollout_i_completion_moves_only_its_features_and_never_its_baseline(tiny):

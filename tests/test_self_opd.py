@@ -9,12 +9,13 @@ import pytest
 import torch
 
 import common
+from algos import _llm as llm
 from _full_vocab import assert_close, chunked_step, full_gradient, full_logprobs
 from algos import self_opd as so
 
 
 def test_privileged_prompt_is_the_worked_solution():
-    task = common.make_task("add")
+    task = llm.make_task("add")
     ex = task.make(47, 85)
     assert so.privileged_prompt(ex, task, "solution") == "47+85:7+5=12;4+8+1=13;="
     assert so.privileged_prompt(ex, task, "answer") == "47+85=132\n47+85="
@@ -53,14 +54,14 @@ def test_trace_loss_identical_views_is_pure_grpo():
 
 
 def test_critical_masks_mark_carries_and_first_error():
-    task = common.make_task("add")
+    task = llm.make_task("add")
     exs = [task.make(47, 85), task.make(47, 85), task.make(12, 13)]
     key, err = so.critical_masks(task, exs, ["132", "142", "25"], [1.0, 0.0, 1.0], 5)
     assert key[0].tolist() == [1, 1, 0, 0, 0]  # 132: the hundreds and tens digits receive carries
     assert err[1].tolist() == [0, 1, 0, 0, 0]  # 142 vs 132: first wrong character
     assert key[2].sum() == 0 and err[2].sum() == 0 and err[0].sum() == 0
     assert so.error_mask(err, 2, torch.ones(3, 5))[1].tolist() == [0, 1, 1, 0, 0]
-    steps = common.make_task("addsteps")
+    steps = llm.make_task("addsteps")
     key, _ = so.critical_masks(steps, [steps.make(47, 85)], ["7+5=12;4+8+1=13;=132"], [1.0], 24)
     t = "7+5=12;4+8+1=13;=132"
     assert [t[j] for j in key[0].nonzero().flatten().tolist()] == ["1", "1", "3"]  # "+1" term, carried digits
@@ -76,7 +77,7 @@ def test_critical_masks_mark_carries_and_first_error():
     (23, 41, "3+1=4;2+4+1=6;=64", []),  # a "+1" written where no carry exists is not a carry span
 ])
 def test_carry_spans_mark_only_real_carries(a, b, text, marked):
-    task = common.make_task("addsteps", digits=3)
+    task = llm.make_task("addsteps", digits=3)
     key, _ = so.critical_masks(task, [task.make(a, b)], [text], [1.0], 30)
     assert key[0].nonzero().flatten().tolist() == marked, [text[j] for j in key[0].nonzero().flatten().tolist()]
     assert all(text[j] in "0123456789" for j in marked)
@@ -95,7 +96,7 @@ def test_privileged_context_never_reaches_the_student(tmp_path, monkeypatch, pri
     below comes from training. Checked exactly, token for token: every rollout is sampled from a plain prompt x;
     every forward with gradient sees exactly x + that rollout's completion; the teacher's forward (no
     gradient) sees x* + the same completion."""
-    task = common.make_task("add")
+    task = llm.make_task("add")
     events = []  # in call order: ("rollout", prompts, Rollout) and ("forward", ids, grad enabled)
     generate, load_model = common.generate, common.load_model
 
@@ -156,7 +157,7 @@ def test_chunked_update_equals_the_full_tensor_computation(monkeypatch, policy, 
     from algos import grpo
 
     model, tok = policy
-    task = common.make_task("add")
+    task = llm.make_task("add")
     args = so.Args(mode=mode, prompts_per_step=4, group_size=2, kl_clip=0.5)
     torch.manual_seed(0)
     batch, = so.rollout(model, tok, task, args, np.random.default_rng(1), "cpu", step=1)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common
+from algos import _llm as llm
 from algos import sft
 
 
@@ -20,7 +21,7 @@ def test_char_tokenizer_roundtrip():
 
 def test_build_batch_masks_prompt_and_keeps_eos():
     tok = sft.build_char_tokenizer()
-    exs = [common.Example("1+2=", "3", "3"), common.Example("10+20:", "30", "0+0=0;1+2=3;=30")]
+    exs = [llm.Example("1+2=", "3", "3"), llm.Example("10+20:", "30", "0+0=0;1+2=3;=30")]
     ids, attn, loss_mask = sft.build_batch(tok, exs)
     for i, e in enumerate(exs):
         n_p = len(tok(e.prompt)["input_ids"])
@@ -70,7 +71,7 @@ def test_chunked_sft_loss_equals_the_full_tensor_computation(monkeypatch):
     """The NLL chunk by chunk over positions (3 per chunk, each recomputed in the backward) has the value and the
     gradient of the previous computation on the whole [B, T, V] logits of the model's forward (1e-5)."""
     model, tok = common.load_model("tiny-0.6m")
-    task = common.make_task("addsteps")
+    task = llm.make_task("addsteps")
     ids, attn, loss_mask = sft.build_batch(tok, task.sample("train", 6, np.random.default_rng(0)))
     monkeypatch.setattr(common, "LOGPROB_CHUNK_MB", 3 * 4 * 99 / 2**20)
     assert common.chunk_positions(99) == 3 and ids.numel() > 30
@@ -109,7 +110,7 @@ def test_sft_learns_sums_and_reports_pass_k(tmp_path):
 
 def test_tiny_sums_half_solves_the_default_sums_task():
     model, tok = common.load_model("tiny-sums")
-    task = common.make_task("sums", 1)  # 5 one-digit operands, as in the model card
+    task = llm.make_task("sums", 1)  # 5 one-digit operands, as in the model card
     torch.manual_seed(0)
     res = common.evaluate(model, tok, task, task.sample("test", 200, np.random.default_rng(12345)), 40, pass_k=8)
     # the card's figures (300 prompts): 49% greedy, 89% pass@8; RL needs both the misses and the room

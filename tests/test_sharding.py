@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import common
+from algos import _llm as llm
 from algos import grpo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,7 +81,7 @@ def tiny_batch():
     torch.manual_seed(0)
     model, tok = common.load_model("tiny-0.6m", "cpu")
     args = replace(grpo.Args(), prompts_per_step=4, group_size=4, max_new_tokens=8)
-    batch = grpo.rollout(model, tok, common.make_task("add", 2), args, np.random.default_rng(0), "cpu")
+    batch = grpo.rollout(common.Sampler(model), tok, llm.make_task("add", 2), args, np.random.default_rng(0), "cpu")
     return model, batch
 
 
@@ -105,15 +106,23 @@ class _OneProcess:
     num_processes = 1
 
 
+class _Engine:
+    """A stand-in rollout engine: the sampler is another computation than the trainer's."""
+
+    def sync_weights(self, model):
+        pass
+
+
 def test_sampler_trainer_correction(tiny_batch):
     """Same computation (CPU, the HF sampler): no weight, today's update. A sampler whose log-probs differ (a fake
     engine: --engine vllm with perturbed behaviour log-probs): each token's loss is weighted by
     min(pi_old / pi_sampler, C), checked against a naive loop over tokens, with its statistics logged."""
     model, batch = tiny_batch
     args = replace(grpo.Args(), prompts_per_step=4, group_size=4, max_new_tokens=8, lr=0.0)
-    assert common.sampler_is_trainer(model)
+    same = common.Sampler(model)
+    assert same.is_trainer
     out = grpo.update(copy.deepcopy(model).train(), torch.optim.SGD(model.parameters(), lr=0.0), batch,
-                      grpo.grpo_loss, args, 1, _OneProcess())
+                      grpo.grpo_loss, args, 1, _OneProcess(), same)
     assert "rollout/is_weight_mean" not in out
 
     torch.manual_seed(1)
@@ -121,7 +130,7 @@ def test_sampler_trainer_correction(tiny_batch):
                 * batch["completion_mask"])
     m = copy.deepcopy(model).train()
     out = grpo.update(m, torch.optim.SGD(m.parameters(), lr=0.0), fake, grpo.grpo_loss,
-                      replace(args, engine="vllm", sampler_is_cap=2.0), 1, _OneProcess())
+                      replace(args, sampler_is_cap=2.0), 1, _OneProcess(), common.Sampler(m, engine=_Engine()))
     with torch.no_grad():
         old = common.token_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
                                     batch["completion_mask"])

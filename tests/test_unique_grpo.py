@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+from algos import _llm as llm
 from algos import grpo, unique_grpo as m
 
 
@@ -136,7 +137,7 @@ def test_diversity_eval_counts_strategies(tiny, monkeypatch):
     """Four fixed samples for each of two prompts '3,5,8,1>11': three right answers in two strategies ('+' twice,
     '++-' once), then none right. pass@k per prompt 3/4, 1, 1, 1 and 0, 0, 0, 0; distinct right strategies 2 and 0."""
     model, tok, task = tiny
-    ex = common.Example(prompt="3,5,8,1>11:", answer="3,5,8,1>11", solution="8+3")
+    ex = llm.Example(prompt="3,5,8,1>11:", answer="3,5,8,1>11", solution="8+3")
     texts = ["8+3", "3+8", "5+8-3+1", "8+5"] + ["8+5", "1+1", "x", "3+5"]
     monkeypatch.setattr(m.common, "generate", lambda *a, **k: type("Ro", (), {"texts": texts})())
     out = m.diversity_eval(model, tok, task, [ex, ex], 4, 8, 1.0)

@@ -31,16 +31,28 @@ def parent_lines(path: Path) -> list[tuple[str, set[str]]]:
     return out
 
 
-def args_fields(path: Path) -> dict[str, str]:
-    """Each field of the script's `Args` dataclass -> the dump of its annotation, default and docstring."""
-    tree = ast.parse(path.read_text())
-    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args"), None)
+def class_fields(tree: ast.Module, name: str) -> dict[str, str]:
+    """Each field of the module's class `name` -> the dump of its annotation, default and docstring; fields of a base
+    class defined in an underscore helper of algos/ (LLMArgs in algos/_llm.py) come first, as the dataclass sees them."""
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
     body, out = (cls.body if cls else []), {}
+    for base in cls.bases if cls else []:
+        base_name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")
+        for helper in sorted((ROOT / "algos").glob("_*.py")):
+            helper_tree = ast.parse(helper.read_text())
+            if any(isinstance(n, ast.ClassDef) and n.name == base_name for n in helper_tree.body):
+                out.update(class_fields(helper_tree, base_name))
+                break
     for i, n in enumerate(body):
         if isinstance(n, ast.AnnAssign):
             doc = body[i + 1] if i + 1 < len(body) and isinstance(body[i + 1], ast.Expr) else None
             out[n.target.id] = ast.dump(n) + (ast.dump(doc) if doc else "")
     return out
+
+
+def args_fields(path: Path) -> dict[str, str]:
+    """Each field of the script's `Args` dataclass, inherited ones included -> its annotation, default and docstring."""
+    return class_fields(ast.parse(path.read_text()), "Args")
 
 
 def top_level(path: Path) -> dict[str, ast.AST]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+from algos import _llm as llm
 from algos import _vllm
 
 
@@ -72,7 +73,9 @@ def test_generate_returns_a_rollout(fake_vllm):
     _, tok = common.load_model("tiny-0.6m")
     eng = _vllm.VLLMEngine("tiny")
     prompts = [[1, 2, 3], [4, 5]]
-    ro = common.generate(None, tok, prompts, group_size=3, max_new_tokens=4, temperature=0.7, engine=eng)
+    model, _ = common.load_model("tiny-0.6m")
+    ro = common.generate(common.Sampler(model, engine=eng), tok, prompts, group_size=3, max_new_tokens=4,
+                         temperature=0.7)
     prompts_sent, sp = fake_vllm.instances[0].calls[0]
     assert [p["prompt_token_ids"] for p in prompts_sent] == prompts  # token ids, not text
     assert (sp.n, sp.max_tokens, sp.temperature, sp.logprobs) == (3, 4, 0.7, 0)
@@ -94,16 +97,16 @@ def test_grpo_pushes_weights_after_every_step(fake_vllm, monkeypatch, tmp_path):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # check_args wants a GPU for vLLM
     # the fake's completions are never right: reward their length parity instead, so the update moves the weights
-    monkeypatch.setattr(common.ArithmeticTask, "verify", lambda self, text, answer: (float(len(text) % 2), {}))
+    monkeypatch.setattr(llm.ArithmeticTask, "verify", lambda self, text, answer: (float(len(text) % 2), {}))
     args = grpo.Args(engine="vllm", device="cpu", steps=2, prompts_per_step=4, group_size=2, eval_every=100,
                      eval_examples=8, pass_k=0, eval_hard=False, out_dir=str(tmp_path), threads=1)
     grpo.main(args)
-    llm = fake_vllm.instances[0]
-    assert len(llm.loaded) == 2 and llm.resets == 2  # one push per step
+    fake = fake_vllm.instances[0]
+    assert len(fake.loaded) == 2 and fake.resets == 2  # one push per step
     model, _ = common.load_model("tiny-0.6m")
     names = {n for n, _ in model.named_parameters()}
-    assert set(llm.loaded[-1]) == names
-    first, last = llm.loaded
+    assert set(fake.loaded[-1]) == names
+    first, last = fake.loaded
     assert any(not torch.equal(first[n], last[n]) for n in names)  # the second push carries the updated weights
     common.load_checkpoint(tmp_path / "grpo" / "checkpoint", model)  # the trainer's final weights
     assert all(torch.equal(last[n], p) for n, p in model.named_parameters())

@@ -1,0 +1,396 @@
+"""The LLM scripts' shared plumbing: the flags every one of them takes (LLMArgs), the tasks and verifiers, loading a
+policy with its sampler, and the optimiser step. Like common.py it holds no algorithm's idea, only what the LLM
+scripts need as is; the offline-RL and world-model scripts never import it.
+
+A script writes `class Args(LLMArgs)` holding only its method's fields and the defaults it changes; tyro keeps the
+command line flat (`python algos/grpo.py --help` lists every flag, inherited ones included).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal
+
+import numpy as np
+import torch
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import common  # noqa: E402
+
+
+# ---- tasks and verifiers ----
+@dataclass
+class Example:
+    prompt: str  # what the policy sees (before any chat template)
+    answer: str  # the reference final answer the verifier compares against
+    solution: str = ""  # the full target response (SFT target; privileged context for self-distillation)
+
+
+def addition_scratchpad(a: int, b: int) -> str:
+    """Digit-by-digit addition with carries, least significant digit first: 47+85 -> '7+5=12;4+8+1=13;=132'."""
+    steps, carry, da, db = [], 0, str(a)[::-1], str(b)[::-1]
+    for i in range(max(len(da), len(db))):
+        x, y = int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0
+        terms = f"{x}+{y}" + ("+1" if carry else "")
+        s = x + y + carry
+        steps.append(f"{terms}={s}")
+        carry = s // 10
+    return ";".join(steps) + f";={a + b}"
+
+
+class ArithmeticTask:
+    """Synthetic verifiable addition with a held-out split.
+
+    kind 'add': answer only ('23+45=' -> '68'). kind 'addsteps': a scratchpad first ('23+45:' ->
+    '3+5=8;2+4=6;=68'), so response length grows with `digits`. Operands are uniform in [0, 10^digits).
+    A pair belongs to the held-out split when a hash of the unordered pair is 0 mod 10, so train never sees a
+    held-out pair nor its commuted twin (b, a); raising `digits` is the out-of-distribution knob.
+    """
+
+    def __init__(self, kind: str = "add", digits: int = 2):
+        if kind not in ("add", "addsteps"):
+            raise ValueError(f"unknown arithmetic task {kind!r}: use 'add' or 'addsteps'")
+        if not 1 <= digits <= 9:
+            raise ValueError(f"digits must be in 1..9, got {digits}")
+        self.kind, self.digits, self.name = kind, digits, f"{kind}{digits}"
+
+    @staticmethod
+    def is_held_out(*operands: int) -> bool:
+        """True for about 1 in 10 operand multisets (order does not matter; SumsTask uses it too)."""
+        return int(hashlib.md5(",".join(map(str, sorted(operands))).encode()).hexdigest(), 16) % 10 == 0
+
+    def make(self, a: int, b: int) -> Example:
+        sep = "=" if self.kind == "add" else ":"
+        sol = str(a + b) if self.kind == "add" else addition_scratchpad(a, b)
+        return Example(prompt=f"{a}+{b}{sep}", answer=str(a + b), solution=sol)
+
+    def sample(self, split: str, n: int, rng: np.random.Generator) -> list[Example]:
+        """n examples from 'train' or 'test' (with replacement), drawn with `rng`."""
+        out, hi = [], 10 ** self.digits
+        while len(out) < n:
+            a, b = (int(x) for x in rng.integers(0, hi, size=2))
+            if self.is_held_out(a, b) == (split == "test"):
+                out.append(self.make(a, b))
+        return out
+
+    def verify(self, response: str, answer: str) -> tuple[float, dict]:
+        """Reward 1 for the exact final answer, else 0; components say whether the format was right."""
+        pattern = r"\d+" if self.kind == "add" else r"(\d\+\d(\+1)?=\d+;)+=\d+"
+        fmt = re.fullmatch(pattern, response.strip()) is not None
+        final = response.strip().rsplit("=", 1)[-1]
+        correct = fmt and final == answer
+        return float(correct), {"format": float(fmt), "correct": float(correct)}
+
+
+class SumsTask:
+    """Multi-operand sums with running totals, the long-response task: '17+5+30:' -> '17+5=22;22+30=52;=52'.
+    `operands` (2..16) and `digits` (operands uniform in [0, 10^digits)) set length and difficulty: a reference
+    response has on average (within 5%) (operands - 1) * (3 * digits + 5) + digits characters (9 for 2 one-digit
+    operands, 165 for 16 two-digit ones). operands='mix' draws the count per prompt from a truncated Zipf law,
+    P(n) ~ (n - 1)^-1.5 on 2..16 (P(2) = 0.48, P(n >= 9) = 0.11): a batch holds a few very long responses.
+    Held out: a hash of the sorted operands is 0 mod 10. Reward: 1 for the exact final answer in the format;
+    components 'format' and 'partial': the fraction of the prompt's running totals that the response's steps
+    get right, in order (0 when malformed). For that the answer (the final sum, a str) also carries the totals
+    (`answer.totals`); given a plain string, 'partial' grades against the operands the response wrote."""
+
+    class Answer(str):
+        """A final answer that also carries the reference running totals."""
+
+    MIX = np.arange(1, 16) ** -1.5 / (np.arange(1, 16) ** -1.5).sum()  # P(n) for n = 2..16
+
+    def __init__(self, operands: int | str = 5, digits: int = 2):
+        if not (operands == "mix" or isinstance(operands, int) and 2 <= operands <= 16) or not 1 <= digits <= 9:
+            raise ValueError(f"sums needs operands in 2..16 or 'mix' and digits in 1..9, got {operands!r}, {digits}")
+        self.kind, self.operands, self.digits, self.name = "sums", operands, digits, f"sums{operands}d{digits}"
+
+    def make(self, xs: list[int]) -> Example:
+        t = list(itertools.accumulate(xs))
+        sol = ";".join(f"{a}+{x}={b}" for a, x, b in zip(t, xs[1:], t[1:])) + f";={t[-1]}"
+        answer = SumsTask.Answer(t[-1])
+        answer.totals = t[1:]
+        return Example(prompt="+".join(map(str, xs)) + ":", answer=answer, solution=sol)
+
+    def sample(self, split: str, n: int, rng: np.random.Generator) -> list[Example]:
+        out = []
+        while len(out) < n:
+            k = int(rng.choice(np.arange(2, 17), p=self.MIX)) if self.operands == "mix" else self.operands
+            xs = [int(x) for x in rng.integers(0, 10 ** self.digits, size=k)]
+            if ArithmeticTask.is_held_out(*xs) == (split == "test"):
+                out.append(self.make(xs))
+        return out
+
+    def verify(self, response: str, answer: str) -> tuple[float, dict]:
+        r = response.strip()
+        fmt = re.fullmatch(r"(\d+\+\d+=\d+;)+=\d+", r) is not None
+        steps = [tuple(map(int, m)) for m in re.findall(r"(\d+)\+(\d+)=(\d+);", r)] if fmt else []
+        own = list(itertools.accumulate([steps[0][0]] + [x for _, x, _ in steps]))[1:] if steps else []
+        ref = getattr(answer, "totals", own)  # the prompt's running totals (missing steps count as wrong)
+        partial = sum(t == s for (_, _, t), s in zip(steps, ref)) / max(1, len(ref)) if fmt else 0.0
+        correct = fmt and r.rsplit("=", 1)[-1] == answer
+        return float(correct), {"format": float(fmt), "partial": float(partial), "correct": float(correct)}
+
+
+class WordProblemTask:
+    """GSM8K-style word problems, generated: one or two steps of +, - or x on small numbers, written as text for a
+    real pretrained chat model ('Mia has 12 pens. She buys 7 more ... How many pens does Mia have now?'). The reward
+    reads the last number of the response, as GSM8K graders do. Held out: a hash of (template, numbers) is 0 mod 10."""
+
+    TEMPLATES = (  # (text, answer from the numbers a, b, c)
+        ("{n} has {a} {x}. {p} buys {b} more. How many {x} does {n} have now?", lambda a, b, c: a + b),
+        ("{n} has {a} {x} and gives {b} of them to a friend. How many {x} does {n} have left?", lambda a, b, c: a - b),
+        ("{n} buys {a} boxes with {b} {x} in each box. How many {x} does {n} buy?", lambda a, b, c: a * b),
+        ("{n} has {a} {x}, buys {b} more and then gives away {c}. How many {x} does {n} have?",
+         lambda a, b, c: a + b - c),
+        ("{n} packs {a} bags of {b} {x} and finds {c} more. How many {x} are there in all?", lambda a, b, c: a * b + c),
+    )
+    NAMES, ITEMS = (("Mia", "She"), ("Tom", "He"), ("Ava", "She"), ("Leo", "He")), ("pens", "apples", "stamps", "cards")
+
+    def __init__(self):
+        self.kind, self.name = "words", "words"
+
+    def sample(self, split: str, n: int, rng: np.random.Generator) -> list[Example]:
+        out = []
+        while len(out) < n:
+            k, (name, pron), item = rng.integers(len(self.TEMPLATES)), self.NAMES[rng.integers(4)], rng.choice(self.ITEMS)
+            text, fn = self.TEMPLATES[k]
+            a, b = int(rng.integers(2, 20)), int(rng.integers(2, 10))
+            c = int(rng.integers(1, min(a, 10))) if "{c}" in text else 0  # the split hashes only what the text shows
+            if a <= b and k == 1 or ArithmeticTask.is_held_out(100 * int(k), a, b, c) != (split == "test"):
+                continue
+            prompt = text.format(n=name, p=pron, x=item, a=a, b=b, c=c) + " Give the answer as a number at the end."
+            out.append(Example(prompt, str(fn(a, b, c))))
+        return out
+
+    def verify(self, response: str, answer: str) -> tuple[float, dict]:
+        nums = re.findall(r"-?\d+(?:\.\d+)?", response.replace(",", ""))
+        correct = bool(nums) and float(nums[-1]) == float(answer)
+        return float(correct), {"format": float(bool(nums)), "correct": float(correct)}
+
+
+class DatasetTask:
+    """Prompt/answer records (a local JSONL file or GSM8K via `datasets`), checked with math-verify."""
+
+    def __init__(self, name: str, train: list[Example], test: list[Example]):
+        self.name, self.train, self.test, self.kind = name, train, test, "dataset"
+
+    def sample(self, split: str, n: int, rng: np.random.Generator) -> list[Example]:
+        pool = self.train if split == "train" else self.test
+        return [pool[i] for i in rng.integers(0, len(pool), size=n)]
+
+    def verify(self, response: str, answer: str) -> tuple[float, dict]:
+        from math_verify import parse, verify  # lazy: slow import, only real-data tasks need it
+
+        try:
+            correct = bool(verify(parse(answer), parse(response)))
+        except Exception:  # math-verify raises on some malformed inputs: a malformed answer is wrong
+            correct = False
+        return float(correct), {"format": float(bool(re.search(r"\d", response))), "correct": float(correct)}
+
+
+def load_jsonl_task(path: str, test_frac: float = 0.1) -> DatasetTask:
+    """Lines of JSON with 'prompt', 'answer' (optional 'solution'); the first `test_frac` of them held out."""
+    if not Path(path).is_file():
+        raise SystemExit(f"--task jsonl:{path}: no such file")
+    rows = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"--task jsonl:{path}: not UTF-8 text (byte {e.start}); save the file as UTF-8")
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--task jsonl:{path}: line {i} is not valid JSON ({e.msg})")
+        if not isinstance(r, dict) or {"prompt", "answer"} - set(r):
+            raise SystemExit(f"--task jsonl:{path}: line {i} needs fields 'prompt' and 'answer' (found {line[:80]!r})")
+        if not all(isinstance(r.get(k, ""), str) for k in ("prompt", "answer", "solution")):
+            raise SystemExit(f"--task jsonl:{path}: line {i}: 'prompt', 'answer' (and 'solution') must be strings, "
+                             f"found {line[:80]!r}")
+        rows.append(Example(r["prompt"], r["answer"], r.get("solution") or ""))
+    if len(rows) < 2:
+        raise SystemExit(f"--task jsonl:{path}: need at least 2 records, found {len(rows)}")
+    n_test = max(1, int(len(rows) * test_frac))
+    return DatasetTask(f"jsonl:{Path(path).name}", rows[n_test:], rows[:n_test])
+
+
+def load_gsm8k() -> DatasetTask:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset("openai/gsm8k", "main")
+    except Exception as e:
+        raise SystemExit(f"--task gsm8k: could not load 'openai/gsm8k' through datasets ({type(e).__name__}). "
+                         "Without network access, export it to JSONL once and use --task jsonl:PATH.")
+    conv = lambda r: Example(r["question"], r["answer"].split("####")[-1].strip(), r["answer"])  # noqa: E731
+    return DatasetTask("gsm8k", [conv(r) for r in ds["train"]], [conv(r) for r in ds["test"]])
+
+
+def make_task(name: str, digits: int = 2):
+    """A task by name (TASKS): 'add', 'addsteps', 'sums<N>' (N operands, 2..16), 'sumsmix' (heavy-tailed N), 'sums'
+    (= sums5), 'words' (word problems for a pretrained chat model), 'jsonl:PATH' or 'gsm8k'. `digits` only applies to
+    the arithmetic tasks (tiny-sums is made for 'sums' with digits=1)."""
+    if name in ("add", "addsteps"):
+        return ArithmeticTask(name, digits)
+    if re.fullmatch(r"sums(\d+|mix)?", name):
+        ops = name[4:] or "5"
+        return SumsTask(ops if ops == "mix" else int(ops), digits)
+    if name == "words":
+        return WordProblemTask()
+    if name.startswith("jsonl:"):
+        return load_jsonl_task(name[len("jsonl:"):])
+    if name == "gsm8k":
+        return load_gsm8k()
+    raise SystemExit(f"unknown task {name!r}: choose {TASKS}")
+
+TASKS = "add, addsteps, sums (= sums5), sums<N> (N operands, 2..16), sumsmix, words, jsonl:PATH or gsm8k"
+"""Every name make_task takes: the --task help is made from it, so it cannot go stale."""
+
+
+# ---- the flags every LLM script takes ----
+@dataclass
+class LLMArgs:
+    """Plumbing flags: run bookkeeping, model and device, engine, optimiser and schedule, micro-batching, evaluation,
+    checkpoints. A script's Args extends it with its method's fields."""
+    exp_name: str = ""
+    """name of the run: the output folder is out_dir/exp_name (empty: the script's own name)"""
+    seed: int = 0
+    """random seed: prompts and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
+    track: bool = False
+    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
+    out_dir: str = "runs"
+    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
+    model: str = "tiny-0.6m"
+    """tiny-0.6m, tiny-5m, tiny-sums, smollm2-135m, a Hugging Face id or a local path"""
+    task: Annotated[str, tyro.conf.arg(help=f"training and held-out task: {TASKS}")] = "add"
+    digits: int = 2
+    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
+    device: str = "auto"
+    """auto (CUDA if present), cpu or cuda"""
+    threads: int = 2
+    """torch CPU threads per process"""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+    engine: Literal["hf", "vllm"] = "hf"
+    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
+    vllm_gpu_memory: float = 0.3
+    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
+    max_new_tokens: int = 8
+    """generation budget per completion"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer scores with the same temperature)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    steps: int = 400
+    """rollout batches"""
+    micro_batch_size: int = 256
+    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
+    lr: float = 1e-4
+    """peak learning rate (AdamW); 1e-3 collapses the tiny policy, real LLMs want about 1e-6"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
+    warmup_steps: int = 0
+    """linear warm-up (optimiser steps)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    grad_checkpointing: bool = False
+    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
+    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
+    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
+    eval_every: int = 25
+    """rollout batches between held-out evaluations"""
+    eval_examples: int = 500
+    """held-out prompts for greedy accuracy"""
+    pass_k: int = 8
+    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
+    eval_hard: bool = True
+    """also evaluate one digit harder than training (out of distribution)"""
+    save_every: int = 0
+    """rollout batches between checkpoints (0 = only at the end)"""
+    resume: str = ""
+    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
+
+    def __post_init__(self):
+        if not self.exp_name:  # the script's file name: algos/grpo.py -> grpo
+            self.exp_name = Path(getattr(sys.modules.get(type(self).__module__), "__file__", "run")).stem
+
+
+# ---- loading, the optimiser step, step-global counts ----
+def load_policy(args: LLMArgs, accel, with_ref: bool = False):
+    """(policy in train mode, tokenizer, frozen reference or None, Sampler): gradient checkpointing when asked, the
+    reference only when asked (a KL term), the sampler (common.Sampler: the trainer, a bf16 copy, a gathered copy
+    or a vLLM engine), then policy and reference sharded with FSDP2 when several processes run (common.shard)."""
+    model, tok = common.load_model(args.model, accel.device, args.dtype)
+    model.train()
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if with_ref else None
+    engine = None
+    if args.engine == "vllm":
+        from algos._vllm import VLLMEngine
+
+        engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory,
+                            seed=args.seed + accel.process_index)
+    sampler = common.Sampler(model, engine, sharded=accel.num_processes > 1)
+    return common.shard(model, accel), tok, common.shard(ref_model, accel), sampler
+
+
+def lr_factor(step: int, total: int, args: LLMArgs) -> float:
+    """Linear warm-up over --warmup-steps, then constant or cosine decay to 10% at optimiser step `total`."""
+    if step < args.warmup_steps:
+        return (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return 1.0
+    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def optimizer_step(model, opt, args: LLMArgs, step: int, total: int, sampler=None) -> float:
+    """NaN guard, clip, scheduled lr (optimiser step `step` of `total`), step, then the sampler's refresh; returns
+    the gradient norm. With several processes FSDP2 has already summed the gradients over ranks (the loss used
+    step-global normalisers) and the norm is the global one."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
+    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
+        raise SystemExit(f"non-finite loss or gradient at optimiser step {step}; the last checkpoint is "
+                         "intact. Lower --lr or check the rewards.")
+    for group in opt.param_groups:
+        group["lr"] = args.lr * lr_factor(step, total, args)
+    opt.step()
+    if sampler is not None:
+        sampler.refresh()
+    return grad_norm
+
+
+def make_optimizer(params, args: LLMArgs) -> torch.optim.Optimizer:
+    """AdamW at --lr with --weight-decay (the schedule is applied by optimizer_step)."""
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+
+
+def all_ranks_sum(values: dict, accel, device=None) -> dict:
+    """{name: sum over all ranks} of this rank's floats (every rank calls it; one process returns them as they are)."""
+    if accel.num_processes == 1:
+        return dict(values)
+    keys = sorted(values)
+    t = accel.reduce(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device), "sum")
+    return dict(zip(keys, t.tolist()))
+
+
+def step_counts(completion_mask: torch.Tensor, accel) -> tuple[int, int]:
+    """(sequences, tokens) of one optimiser step over all ranks: the step-global normaliser, so that gradient
+    accumulation and data parallelism leave the objective unchanged."""
+    c = all_ranks_sum({"seqs": completion_mask.shape[0], "tokens": float(completion_mask.sum())}, accel,
+                      completion_mask.device)
+    return int(c["seqs"]), int(c["tokens"])
