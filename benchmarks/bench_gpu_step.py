@@ -140,7 +140,7 @@ def worker_ours(folder: str, new_tokens: int, steps: int, warmup: int, smoke: bo
         for i in range(1 if smoke else 2):  # the first call warms up
             sync()
             t0 = time.perf_counter()
-            ro = common.generate(model, tok, prompts, GROUP, new_tokens, fast=False)
+            ro = common.generate(model, tok, prompts, GROUP, new_tokens)  # a bare model: no static cache
             sync()
             times.append(time.perf_counter() - t0)
             print(f"  rollout {name} call {i}: {times[-1]:.2f} s", flush=True)

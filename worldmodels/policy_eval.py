@@ -64,7 +64,7 @@ MMRV 0.18 ± 0.16. With six policies that differ in kind added to the seven (wor
 detour=6, detour=9, near=2, near=4, stall=0.5, stall=0.7), the same model ranks the thirteen less well: Pearson
 0.87 ± 0.07, MMRV 0.13 ± 0.06, and the six others among themselves 0.59 ± 0.20 (3 seeds); it undercounts the
 detours most (imagined 0.18 against real 0.67 for detour=6). A perfect model gives r = 1 and MMRV = 0 exactly
-(tests/test_policy_eval.py::test_true_dynamics_reproduce_real_success and ..._for_every_kind).
+(tests/test_wm_policy_eval.py::test_true_dynamics_reproduce_real_success and ..._for_every_kind).
 """
 from __future__ import annotations
 
