@@ -168,10 +168,11 @@ def encode_obs(tok, text: str) -> list[int]:
 
 
 @torch.no_grad()
-def play(model, tok, envs: list[LookupEnv], contexts: list[list[int]], max_action_tokens: int,
-         temperature: float = 1.0, greedy: bool = False, engine=None, first_turn: int = 0) -> list[Episode]:
+def play(policy, tok, envs: list[LookupEnv], contexts: list[list[int]], max_action_tokens: int,
+         temperature: float = 1.0, greedy: bool = False, first_turn: int = 0) -> list[Episode]:
     """Run every (env, context) to the end, one batched generation per turn: the sampled action (with its
-    behaviour log-probs) and then the environment's observation tokens are appended to each context."""
+    behaviour log-probs) and then the environment's observation tokens are appended to each context. `policy`: a
+    common.Sampler (its copy or its vLLM engine) or a model, as common.generate takes it."""
     eps = [Episode(env) for env in envs]
     ctx = [list(c) for c in contexts]
     t = first_turn
@@ -179,8 +180,8 @@ def play(model, tok, envs: list[LookupEnv], contexts: list[list[int]], max_actio
         live = [i for i, e in enumerate(eps) if not e.env.done]
         if not live:
             return eps
-        ro = common.generate(model, tok, [ctx[i] for i in live], 1, max_action_tokens, temperature,
-                             greedy=greedy, engine=engine)
+        ro = common.generate(policy, tok, [ctx[i] for i in live], 1, max_action_tokens, temperature,
+                             greedy=greedy)
         for row, i in enumerate(live):
             e, n = eps[i], int(ro.completion_mask[row].sum())
             a_ids = ro.completion_ids[row, :n].tolist()
@@ -198,14 +199,15 @@ def play(model, tok, envs: list[LookupEnv], contexts: list[list[int]], max_actio
         t += 1
 
 
-def evaluate(model, tok, env: LookupEnv, seeds: list[int], max_action_tokens: int, engine=None) -> dict:
+def evaluate(policy, tok, env: LookupEnv, seeds: list[int], max_action_tokens: int) -> dict:
     """Held-out greedy success, tool use (at least one successful lookup) and per-turn accuracy (teacher-forced:
-    the greedy action given the expert's history equals the expert's action) of turn 1, 2, ..."""
+    the greedy action given the expert's history equals the expert's action) of turn 1, 2, ...; `policy` as play's."""
+    model = policy.model if isinstance(policy, common.Sampler) else policy
     was = model.training
     model.eval()
     envs = [env.clone() for _ in seeds]
     prompts = common.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)])
-    eps = play(model, tok, envs, prompts, max_action_tokens, greedy=True, engine=engine)
+    eps = play(policy, tok, envs, prompts, max_action_tokens, greedy=True)
     out = {"success": float(np.mean([e.reward for e in eps])),
            "tool_use": float(np.mean([any(o.startswith("=") for o in e.observations) for e in eps]))}
     experts = [env.clone() for _ in seeds]
@@ -213,7 +215,7 @@ def evaluate(model, tok, env: LookupEnv, seeds: list[int], max_action_tokens: in
     turn = 0
     while not all(e.done for e in experts):
         live = [i for i, e in enumerate(experts) if not e.done]
-        ro = common.generate(model, tok, [ctx[i] for i in live], 1, max_action_tokens, greedy=True, engine=engine)
+        ro = common.generate(policy, tok, [ctx[i] for i in live], 1, max_action_tokens, greedy=True)
         hits = []
         for row, i in enumerate(live):
             a = experts[i].expert_action()

@@ -26,7 +26,7 @@ the return of every step is the episode's final reward R_i):
                      next state; V(terminal) = its reward), each V a Monte Carlo mean of --mse-rollouts episodes
                      from the exact state, with its own variance reported   true_step_advantages, advantage_mse
 
-Parent: algos/multiturn_grpo.py; changed: Args, Args.exp_name, check_args, clipped_pg_loss, rollout, main.
+Parent: algos/multiturn_grpo.py; changed: Args, check_args, clipped_pg_loss, rollout, main.
 
 Deviations:
 - HGPO's adaptive weights are w_k = (k + 1)^alpha over the levels whose group has at least two steps (deeper, more
@@ -40,6 +40,8 @@ Deviations:
   deterministic; the policy is a language model whose action distribution cannot be enumerated); their own
   variance is reported beside every error and is common to all arms.
 - The environment is algos/_toolenv.py's key-value lookup (three turns), not ALFWorld or WebShop.
+- Everything else as algos/multiturn_grpo.py (the prompt-task flags refused, grpo.py's sampler correction on
+  action tokens).
 
 Commands:
   python algos/hgpo.py                                   # HGPO, tiny default, 2-core CPU, 1-4 minutes
@@ -56,8 +58,6 @@ multi-turn GRPO 68.3 ± 6.0).
 """
 from __future__ import annotations
 
-import copy
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -72,24 +72,36 @@ import tyro
 from tqdm import tqdm
 
 import common
+from algos import _llm as llm
 from algos import _toolenv
-from algos._vllm import VLLMEngine
+from algos._llm import LLMArgs
 
 
 @dataclass
-class Args:
-    # bookkeeping
-    exp_name: str = "hgpo"
-    """name of the run (the output folder is out_dir/exp_name)"""
-    seed: int = 0
-    """random seed: episodes and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
-    track: bool = False
-    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
-    out_dir: str = "runs"
-    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
-    # model and environment
+class Args(LLMArgs):
+    """HGPO's flags: multi-turn GRPO's and the stepwise advantage's; the plumbing flags are LLMArgs'.
+    The environment is the task: --task, --digits, --top-p, --pass-k and --eval-hard are refused (check_args)."""
+    # plumbing defaults for the tool environment
     model: str = "tiny-toolenv"
     """tiny-toolenv (SFT'd on the environment's traces), a Hugging Face id or a local path"""
+    max_new_tokens: int = 6
+    """generation budget per action (turn)"""
+    temperature: float = 0.7
+    """sampling temperature (the trainer scores with the same temperature); below 1 so that more sampled episodes
+    get their lookups right and reach the answer turn (at 1.0 the tiny policy solves about 20% of them)"""
+    steps: int = 90
+    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
+    lr: float = 2e-4
+    """peak learning rate (AdamW)"""
+    eval_every: int = 30
+    """rollout batches between held-out evaluations"""
+    eval_examples: int = 300
+    """held-out episodes for greedy success and per-turn accuracy"""
+    pass_k: int = 0
+    """no pass@k here: the held-out evaluation is greedy episode success (must stay 0)"""
+    eval_hard: bool = False
+    """no harder held-out split here: the held-out set is episodes that training never plays (must stay off)"""
+    # environment
     n_keys: int = 4
     """keys in each episode's hidden store"""
     n_query: int = 3
@@ -100,28 +112,13 @@ class Args:
     """turn limit: an episode with this many actions and no answer ends with reward 0"""
     max_context: int = 40
     """context limit in characters of the transcript (prompt, actions, observations); passing it ends with reward 0"""
-    device: str = "auto"
-    """auto (CUDA if present), cpu or cuda"""
-    threads: int = 2
-    """torch CPU threads per process"""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+    env_ce_examples: int = 64
+    """held-out episodes (sampled once from the initial policy) whose observation tokens give eval/env_ce"""
     # rollout
-    engine: Literal["hf", "vllm"] = "hf"
-    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
-    vllm_gpu_memory: float = 0.3
-    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
     prompts_per_step: int = 16
     """distinct episodes (seeds) per rollout batch (per process)"""
     group_size: int = 8
     """episodes per seed (G)"""
-    max_new_tokens: int = 6
-    """generation budget per action (turn)"""
-    temperature: float = 0.7
-    """sampling temperature (the trainer scores with the same temperature); below 1 so that more sampled episodes
-    get their lookups right and reach the answer turn (at 1.0 the tiny policy solves about 20% of them)"""
-    top_p: float = 1.0
-    """nucleus sampling threshold"""
     # objective
     advantage: Literal["hgpo", "flat", "logo", "trajectory"] = "hgpo"
     """stepwise advantage: HGPO's hierarchy of groups, flat stepwise groups, LoGo's local re-rollouts plus the
@@ -148,43 +145,14 @@ class Args:
     """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
     agg_const: int = 0
     """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    sampler_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
+    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
     # optimisation
-    steps: int = 90
-    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
     ppo_epochs: int = 1
     """passes over each rollout batch"""
     minibatches: int = 1
     """optimiser steps per pass; the rollout batch is split into this many"""
-    micro_batch_size: int = 256
-    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
-    lr: float = 2e-4
-    """peak learning rate (AdamW)"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
-    warmup_steps: int = 0
-    """linear warm-up (optimiser steps)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm"""
-    grad_checkpointing: bool = False
-    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
-    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
-    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
-    sampler_is_cap: float = 2.0
-    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
-    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
-    # eval and checkpoints
-    eval_every: int = 30
-    """rollout batches between held-out evaluations"""
-    eval_examples: int = 300
-    """held-out episodes for greedy success and per-turn accuracy"""
-    env_ce_examples: int = 64
-    """held-out episodes (sampled once from the initial policy) whose observation tokens give eval/env_ce"""
-    save_every: int = 0
-    """rollout batches between checkpoints (0 = only at the end)"""
-    resume: str = ""
-    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
 
 
 def check_args(args: Args) -> None:
@@ -208,6 +176,14 @@ def check_args(args: Args) -> None:
     if args.max_turns < 1 or args.max_context < 8 or not 1 <= args.value_digits <= 4 or \
             not 2 <= args.n_query <= args.n_keys <= 26:
         raise SystemExit("--max-turns >= 1, --max-context >= 8, --value-digits in 1..4, 2 <= --n-query <= --n-keys <= 26")
+    if args.task != "add" or args.digits != 2:
+        raise SystemExit("--task, --digits: the task is algos/_toolenv.py's lookup environment; set it with --n-keys, "
+                         "--n-query, --value-digits, --max-turns and --max-context")
+    if args.top_p != 1.0:
+        raise SystemExit("--top-p: multi-turn rollouts sample the full distribution (the trainer scores it)")
+    if args.pass_k or args.eval_hard:
+        raise SystemExit("--pass-k, --eval-hard: the multi-turn evaluation is greedy success on held-out episodes, "
+                         "without pass@k or a harder split")
     if args.logo_k < 1 or not 0 <= args.logo_turn < args.max_turns:
         raise SystemExit("--logo-k must be >= 1 and --logo-turn in 0 .. max_turns - 1")
 
@@ -338,7 +314,7 @@ def token_advantages(batch: dict, steps: list, step_adv: torch.Tensor) -> torch.
     return adv * batch["action_mask"]
 
 
-def local_rerollouts(model, tok, env, eps: list, prompts: list, seeds: list, args: Args, engine=None):
+def local_rerollouts(policy, tok, env, eps: list, prompts: list, seeds: list, args: Args):
     """LoGo's local groups: for each seed group, the state at the start of turn --logo-turn of its first episode
     still running there, re-rolled --logo-k times (a depth-1 tree). Returns (episodes, prompts, group id, branch
     turn): each re-rolled episode carries the branch's prefix, so its transcript is complete."""
@@ -360,7 +336,7 @@ def local_rerollouts(model, tok, env, eps: list, prompts: list, seeds: list, arg
             envs.append(env_copy)
             ctx.append(prompts[src] + e.ids[:n])
             meta.append((g, src, n))
-    new = _toolenv.play(model, tok, envs, ctx, args.max_new_tokens, args.temperature, engine=engine,
+    new = _toolenv.play(policy, tok, envs, ctx, args.max_new_tokens, args.temperature,
                         first_turn=args.logo_turn) if envs else []
     out = []
     for ep, (g, src, n) in zip(new, meta):
@@ -417,17 +393,16 @@ def pack_episodes(eps: list, prompts: list[list[int]], tok, device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def rollout(model, tok, env, args: Args, rng, device, engine=None) -> dict:
+def rollout(sampler, tok, env, args: Args, rng, device) -> dict:
     """G episodes of each of prompts_per_step training seeds (plus LoGo's re-rollouts), played turn by turn;
     per-token stepwise advantages of --advantage."""
     seeds = env.seeds("train", args.prompts_per_step, rng)
     envs = [env.clone() for _ in seeds for _ in range(args.group_size)]
     prompts = common.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))])
-    eps = _toolenv.play(model, tok, envs, prompts, args.max_new_tokens, args.temperature, engine=engine)
+    eps = _toolenv.play(sampler, tok, envs, prompts, args.max_new_tokens, args.temperature)
     groups, n_orig, sources = [g for g in range(len(seeds)) for _ in range(args.group_size)], len(eps), {}
     if args.advantage == "logo":
-        extra, extra_prompts, extra_groups, extra_src = local_rerollouts(model, tok, env, eps, prompts, seeds, args,
-                                                                         engine)
+        extra, extra_prompts, extra_groups, extra_src = local_rerollouts(sampler, tok, env, eps, prompts, seeds, args)
         sources = {**{s: s for s in extra_src}, **{n_orig + j: s for j, s in enumerate(extra_src)}}
         eps, prompts, groups = eps + extra, prompts + extra_prompts, groups + extra_groups
     batch = pack_episodes(eps, prompts, tok, device)
@@ -449,100 +424,76 @@ def rollout(model, tok, env, args: Args, rng, device, engine=None) -> dict:
     return batch
 
 
-def lr_factor(step: int, total: int, args: Args) -> float:
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    if args.lr_schedule == "constant":
-        return 1.0
-    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+def sampler_gap(old_logp, sampler_logp, is_weight, mask, cap: float) -> dict:
+    """This micro-batch's sums for rollout/logprob_mismatch (|log pi_old - log pi_sampler| per token, on the sampler's
+    weights) and, when the correction is on, the mean importance weight and the fraction truncated at C."""
+    out = {"gap/sum": common.masked_sum((old_logp - sampler_logp).abs(), mask).item(), "gap/tokens": mask.sum().item()}
+    if is_weight is not None:
+        out.update({"gap/is_w": common.masked_sum(is_weight, mask).item(),
+                    "gap/is_cut": common.masked_sum((is_weight >= cap).float(), mask).item()})
+    return out
 
 
-def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
-    """NaN guard, clip, scheduled lr, step; returns the gradient norm. With several processes FSDP2 has already
-    summed the gradients over ranks (the loss used step-global normalisers) and the norm is the global one; the
-    full sampler copy of a sharded model is gathered again after the step."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
-    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
-        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
-                         "intact. Lower --lr or check the rewards.")
-    for group in opt.param_groups:
-        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
-    opt.step()
-    common.sync_sampler(model)
-    return grad_norm
-
-
-def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampler, ref_model=None,
+           fused_logprob=None) -> dict:
     """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
 
     As grpo.py's update, with the policy loss on action tokens only (mb["mask"] = action_mask, and the token counts
     are action tokens; the observation tokens are attended to through completion_mask); mb also carries the
     observation mask and the step's count of observation tokens (n_obs) for losses on them (algos/echo.py), and the
     training batch's environment-token cross-entropy is logged (loss/env_ce, at the sampling temperature: the
-    quantity ECHO's term trains; eval/env_ce is at temperature 1).
+    quantity ECHO's term trains; eval/env_ce is at temperature 1). The sampler correction is grpo.py's, on action
+    tokens.
     """
-    B = batch["completion_ids"].shape[0]
+    B, mask = batch["completion_ids"].shape[0], batch["completion_mask"]
+    act, obs = batch["action_mask"], batch["obs_mask"]
     micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
     logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
-        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
-        batch["completion_mask"][idx], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx], mask[idx],
+        args.temperature, with_entropy=ent, fused_fn=fused_logprob)
     on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
     with torch.no_grad():
         old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
         ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
-    correct = args.sampler_is_cap > 0 and (args.engine == "vllm" or not common.sampler_is_trainer(model))
-    sums = {"pg": 0.0, "entropy": 0.0, "env_ce": 0.0}  # this rank's share of each step mean, summed over ranks below
-    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
-    gap = {"sum": 0.0 if on_policy else common.masked_sum((old - batch["logprobs"]).abs(),
-                                                          batch["action_mask"].float()).item(),
-           "tokens": float(batch["action_mask"].sum()), "is_w": 0.0, "is_cut": 0.0}
-    n_opt, grad_norm = 0, 0.0
+    correct = args.sampler_is_cap > 0 and not sampler.is_trainer  # the sampler is another computation
+    sums, n_opt, grad_norm = {}, 0, 0.0  # sums: this rank's share of each logged mean, summed over ranks below
+    total = args.steps * args.ppo_epochs * args.minibatches
     for epoch in range(args.ppo_epochs):
         for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
-            counts = torch.tensor([len(mb_idx), int(batch["action_mask"][mb_idx].sum()),
-                                   int(batch["obs_mask"][mb_idx].sum())], dtype=torch.float64,
-                                  device=batch["adv"].device)
-            n_seqs, n_tokens, n_obs = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1
-                                                        else counts))
+            c = llm.all_ranks_sum({"seqs": len(mb_idx), "tokens": float(act[mb_idx].sum()),
+                                   "obs": float(obs[mb_idx].sum())}, accel, mask.device)  # step-global counts
+            n_seqs, n_tokens, n_obs = int(c["seqs"]), int(c["tokens"]), int(c["obs"])
             opt.zero_grad(set_to_none=True)
             for idx in micro(mb_idx):
                 logp, ent = logprobs_of(model, idx, True)
-                mb = {"adv": batch["adv"][idx], "mask": batch["action_mask"][idx].float(),
-                      "obs_mask": batch["obs_mask"][idx].float(), "n_obs": n_obs,
+                mb = {"adv": batch["adv"][idx], "mask": act[idx].float(), "obs_mask": obs[idx].float(), "n_obs": n_obs,
                       "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx]}
                 mb["is_weight"] = truncated_is_weight(mb["old"], batch["logprobs"][idx], args.sampler_is_cap) \
                     if correct else None
                 loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
                 loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
-                sums["pg"] += loss.item()
-                sums["env_ce"] -= common.masked_sum(logp.detach(), mb["obs_mask"]).item() / max(n_obs, 1)
-                for k, v in {**token_stats, "entropy": ent}.items():
-                    sums[k] = sums.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
-                if on_policy:  # the only forward on the sampler's weights
-                    gap["sum"] += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(), mb["mask"]).item()
-                if correct and epoch == 0:  # every token once
-                    gap["is_w"] += common.masked_sum(mb["is_weight"], mb["mask"]).item()
-                    gap["is_cut"] += common.masked_sum((mb["is_weight"] >= args.sampler_is_cap).float(),
-                                                       mb["mask"]).item()
+                env_ce = -common.masked_sum(logp.detach(), mb["obs_mask"]).item() / max(n_obs, 1)
+                for k, v in {"pg": loss.item(), "env_ce": env_ce, **{k: common.masked_sum(v.detach(), mb["mask"]).item(
+                        ) / max(n_tokens, 1) for k, v in {**token_stats, "entropy": ent}.items()}}.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                if epoch == 0:  # every action token once, on the sampler's weights (pi_old)
+                    for k, v in sampler_gap(mb["old"], batch["logprobs"][idx], mb["is_weight"], mb["mask"],
+                                            args.sampler_is_cap).items():
+                        sums[k] = sums.get(k, 0.0) + v
             opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
-            grad_norm += optimizer_step(model, opt, args, accel, opt_step)
+            grad_norm += llm.optimizer_step(model, opt, args, opt_step, total, sampler)
             n_opt += 1
-    keys = sorted(sums) + [f"gap_{k}" for k in gap]
-    tot = torch.tensor([*(sums[k] for k in sorted(sums)), *gap.values()], dtype=torch.float64,
-                       device=batch["adv"].device)
-    tot = dict(zip(keys, (accel.reduce(tot, "sum") if accel.num_processes > 1 else tot).tolist()))
-    out = {**{f"loss/{k}": tot[k] / n_opt for k in sums}, "loss/grad_norm": grad_norm / n_opt,
-           "rollout/logprob_mismatch": tot["gap_sum"] / max(tot["gap_tokens"], 1)}
+    tot = llm.all_ranks_sum(sums, accel, mask.device)
+    out = {**{f"loss/{k}": v / n_opt for k, v in tot.items() if not k.startswith("gap/")},
+           "loss/grad_norm": grad_norm / n_opt, "rollout/logprob_mismatch": tot["gap/sum"] / max(tot["gap/tokens"], 1)}
     if correct:
-        out.update({"rollout/is_weight_mean": tot["gap_is_w"] / max(tot["gap_tokens"], 1),
-                    "rollout/is_truncated_frac": tot["gap_is_cut"] / max(tot["gap_tokens"], 1)})
+        out.update({"rollout/is_weight_mean": tot["gap/is_w"] / max(tot["gap/tokens"], 1),
+                    "rollout/is_truncated_frac": tot["gap/is_cut"] / max(tot["gap/tokens"], 1)})
     return out
 
 
 # ---- eval ----
-def held_out_ce_batch(model, tok, env, args: Args, device) -> dict:
+def held_out_ce_batch(sampler, tok, env, args: Args, device) -> dict:
     """A fixed set of held-out rollouts of the initial policy (temperature 1): its observation tokens are where
     eval/env_ce is measured, on trajectories the trained policy did not generate."""
     seeds = env.seeds("test", args.env_ce_examples, np.random.default_rng(54321))
@@ -550,15 +501,16 @@ def held_out_ce_batch(model, tok, env, args: Args, device) -> dict:
     prompts = common.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)])
     with torch.random.fork_rng():
         torch.manual_seed(54321)
-        eps = _toolenv.play(model, tok, envs, prompts, args.max_new_tokens, args.temperature)
+        eps = _toolenv.play(sampler, tok, envs, prompts, args.max_new_tokens, args.temperature)
     return pack_episodes(eps, prompts, tok, device)
 
 
-def evaluate(model, tok, env, seeds: list[int], ce_batch: dict, args: Args, engine=None) -> dict:
-    """eval/acc (greedy held-out success), eval/tool_use, eval/turn<k>_acc (teacher-forced), eval/env_ce."""
-    res = _toolenv.evaluate(model, tok, env, seeds, args.max_new_tokens, engine=engine)
+def evaluate(sampler, tok, env, seeds: list[int], ce_batch: dict, args: Args) -> dict:
+    """eval/acc (greedy held-out success, decoded by the sampler), eval/tool_use, eval/turn<k>_acc (teacher-forced),
+    eval/env_ce (scored by the trainer)."""
+    res = _toolenv.evaluate(sampler, tok, env, seeds, args.max_new_tokens)
     out = {"eval/acc": res.pop("success"), **{f"eval/{k}": v for k, v in res.items()}}
-    return {**out, "eval/env_ce": env_token_ce(model, ce_batch, args)}
+    return {**out, "eval/env_ce": env_token_ce(sampler.model, ce_batch, args)}
 
 
 # ---- the error of stepwise advantages against exact values ----
@@ -635,27 +587,21 @@ def main(args: Args) -> dict:
     common.set_seed(args.seed)
     env = make_env(args)
     eval_seeds = env.seeds("test", args.eval_examples, np.random.default_rng(12345))
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    model, ref_model = common.shard(model, accel), common.shard(ref_model, accel, sampler=False)  # >1 process
-    engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
-        if args.engine == "vllm" else None
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    ce_batch = held_out_ce_batch(model, tok, env, args, accel.device)  # before any update (and any resume)
+    # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
+    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
+    opt = llm.make_optimizer(model.parameters(), args)
+    ce_batch = held_out_ce_batch(sampler, tok, env, args, accel.device)  # before any update (and any resume)
 
     run_dir = Path(args.out_dir) / args.exp_name
     state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
-    if args.resume and engine is not None:
-        engine.sync_weights(model)
+    if args.resume:
+        sampler.refresh()
     start_step, history = state.get("step", 0), state.get("history", [])
     sampled_turns = state.get("sampled_turns", 0)
     gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
     tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
     timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
-    evaluate_now = lambda: evaluate(model, tok, env, eval_seeds, ce_batch, args, engine)  # noqa: E731
+    evaluate_now = lambda: evaluate(sampler, tok, env, eval_seeds, ce_batch, args)  # noqa: E731
 
     def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
@@ -671,12 +617,9 @@ def main(args: Args) -> dict:
         torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
         rng = np.random.default_rng([args.seed, step, rank])
         with timer("gen"):
-            batch = rollout(model, tok, env, args, rng, accel.device, engine)
-        with timer("train"):
-            stats = update(model, opt, batch, grpo_loss, args, step, accel, ref_model)
-        if engine is not None:
-            with timer("sync"):
-                engine.sync_weights(model)
+            batch = rollout(sampler, tok, env, args, rng, accel.device)
+        with timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, grpo_loss, args, step, accel, sampler, ref_model)
         t = timer.pop()
         gen_tokens, gen_time = gen_tokens + int(batch["action_mask"].sum()), gen_time + t["gen"]
         n, sampled_turns = batch["n_orig"], sampled_turns + batch["sampled_turns"]

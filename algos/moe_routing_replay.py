@@ -5,9 +5,8 @@ arXiv:2510.11370 (Rollout Routing Replay, R3); Dong et al., "PR2: Predictive Rou
 Reinforcement Learning", arXiv:2606.00395 (PR2); truncated importance sampling (TIS) of Yao et al., "Your
 Efficient RL Framework Secretly Brings You Off-Policy RL Training" (blog, 2025), R3's comparison.
 
-Parent: algos/grpo.py; changed: Args, Args.dtype, Args.eval_every, Args.exp_name, Args.grad_checkpointing, Args.lr,
-  Args.minibatches, Args.model, Args.prompts_per_step, Args.resume, Args.sampler_is_cap, Args.seed, Args.steps,
-  Args.threads, check_args, rollout, update, main.
+Parent: algos/grpo.py; changed: Args, Args.dtype, Args.eval_every, Args.lr, Args.minibatches, Args.model,
+  Args.resume, Args.sampler_is_cap, Args.steps, Args.threads, check_args, rollout, update, main.
 
 The mismatch. A router picks the top-k experts of softmax(s), s = W_r h. The rollout engine (MoERolloutEngine) is
 a separate copy of the policy at rollout precision (--rollout-dtype bf16: the whole copy in bf16, as a bf16 inference
@@ -32,7 +31,8 @@ replaced)
 Load balancing (every arm): + aux_coef * E sum_e f_e P_e per layer (Switch Transformer), f_e the share of routed
 slots sent to expert e (the routes actually used; no gradient), P_e the mean router probability (the gradient
 path), averaged over layers, on real tokens                                              load_balancing_loss
-TIS (--correction tis, R3's comparison): the trainer routes freely and each token's clipped surrogate is weighted by
+TIS (--replay none --sampler-is-cap 2, R3's comparison; grpo.py's sampler correction, applied whenever the cap is
+> 0 and the engine is not the trainer's computation): each token's clipped surrogate is weighted by
 w_t = min(pi_old(y_t) / mu(y_t), C), C = --sampler-is-cap                          truncated_is_weight, grpo_loss
 The rest is GRPO (group advantage, PPO-clip, aggregation), copied unchanged from algos/grpo.py.
 Diagnostics (mismatch_metrics, route_disagreement; on the rollout's response tokens, pi_old scored before any
@@ -43,8 +43,11 @@ last optimiser step of the batch (routing/stale: how stale the replayed routes a
 
 Deviations:
 - R3 records routes inside the inference engine (SGLang / vLLM); here the engine is a Hugging Face copy of the
-  policy (common.generate with the dynamic cache), so --engine vllm is not offered. The rollout's own mismatch is
+  policy (common.generate with the dynamic cache), so --engine vllm is refused. The rollout's own mismatch is
   bf16 numerics plus injected router noise, not a real engine's kernels.
+- grpo.py corrects for a sampler that is not the trainer by default (--sampler-is-cap 2); here the engine never is
+  (that mismatch is what the arms compare), so the cap defaults to 0: the none, R3 and PR2 arms train on the
+  mismatched rollouts uncorrected, and TIS is the arm with the cap set.
 - PR2's predictor architecture and objective are not given in its abstract: here P_l is one linear layer per router
   on the router input, fitted by least squares (--pr2-iters Adam steps per rollout batch) to the change of router
   logits over one rollout batch's updates (its target needs one more no-grad forward of --pr2-rows sequences
@@ -60,7 +63,7 @@ Commands:
   python algos/moe_routing_replay.py                                 # tiny-moe, bf16 + noisy routers, R3
   python algos/moe_routing_replay.py --replay none                   # the mismatch left alone
   python algos/moe_routing_replay.py --replay pr2                    # predictive routing replay
-  python algos/moe_routing_replay.py --replay none --correction tis  # truncated importance sampling instead
+  python algos/moe_routing_replay.py --replay none --sampler-is-cap 2   # truncated importance sampling instead
   python algos/moe_routing_replay.py --rollout-dtype fp32 --router-noise 0   # no mismatch: R3 is exact
   python algos/moe_routing_replay.py --model allenai/OLMoE-1B-7B-0924-Instruct --task gsm8k --device cuda \
       --max-new-tokens 512 --lr 1e-6 --micro-batch-size 8 --threads 8   # a real MoE checkpoint (unverified here)
@@ -74,7 +77,6 @@ moe_routing_replay.md (benchmarks/moe_routing_replay_table.py) and the claims ta
 from __future__ import annotations
 
 import copy
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -91,55 +93,43 @@ from tqdm import tqdm
 
 import common
 from algos import _llm as llm
+from algos._llm import LLMArgs
 
 
 @dataclass
-class Args:
-    # bookkeeping
-    exp_name: str = "moe_routing_replay"
-    """name of the run (the output folder is out_dir/exp_name)"""
-    seed: int = 0
-    """random seed: prompts and sampling of step s depend only on (seed, s), which makes resume exact"""
-    track: bool = False
-    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
-    out_dir: str = "runs"
-    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
-    # model and task
+class Args(LLMArgs):
+    """The routing-replay flags with GRPO's; the plumbing flags are LLMArgs' (no --engine vllm: see check_args)."""
+    # plumbing defaults
     model: str = "tiny-moe"
     """a mixture-of-experts causal LM: tiny-moe (shipped), a Hugging Face id or a local path (Qwen3-MoE, Mixtral...)"""
-    task: str = "add"
-    """add, addsteps, jsonl:PATH (prompt/answer records) or gsm8k"""
-    digits: int = 2
-    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
-    device: str = "auto"
-    """auto (CUDA if present), cpu or cuda"""
     threads: int = 1
     """torch CPU threads"""
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """trainer compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+    steps: int = 100
+    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
+    lr: float = 3e-4
+    """peak learning rate (AdamW)"""
+    eval_every: int = 10
+    """rollout batches between held-out evaluations"""
+    resume: str = ""
+    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run; the PR2 predictors restart)"""
     # rollout engine and its mismatch
     rollout_dtype: Literal["bf16", "fp32"] = "bf16"
     """precision of the rollout engine's copy of the policy (bf16: the whole copy; fp32: the trainer's numerics)"""
     router_noise: float = 0.5
     """std of the Gaussian noise added to every router logit in the rollout engine (0 = none)"""
     prompts_per_step: int = 32
-    """distinct prompts per rollout batch"""
+    """distinct prompts per rollout batch (per process)"""
     group_size: int = 8
     """completions per prompt (G)"""
-    max_new_tokens: int = 8
-    """generation budget per completion"""
-    temperature: float = 1.0
-    """sampling temperature (the trainer scores with the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling threshold"""
     # routing replay and corrections
     replay: Literal["none", "r3", "pr2"] = "r3"
     """none: the trainer routes by its own router; r3: it replays the rollout's routes; pr2: the rollout routes by
     the predicted router, the trainer replays those routes"""
-    correction: Literal["none", "tis"] = "none"
-    """tis: weight each token's surrogate by min(pi_old / mu, --sampler-is-cap) (truncated importance sampling)"""
-    sampler_is_cap: float = 2.0
-    """cap C of the truncated importance weight of --correction tis"""
+    sampler_is_cap: float = 0.0
+    """cap C of the truncated importance weight min(pi_old / mu, C) per token (TIS, R3's comparison), applied when the
+    rollout engine is not the trainer's computation; 0 = off (the default: the replay arms are measured alone)"""
     aux_coef: float = 0.01
     """weight of the load-balancing loss (tiny-moe was trained with 0.01)"""
     pr2_scale: float = 1.0
@@ -164,39 +154,10 @@ class Args:
     agg_const: int = 0
     """the constant k of --loss-agg const (0 = max_new_tokens)"""
     # optimisation
-    steps: int = 100
-    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
     ppo_epochs: int = 1
     """passes over each rollout batch"""
     minibatches: int = 4
     """optimiser steps per pass; the rollout batch is split into this many"""
-    micro_batch_size: int = 256
-    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
-    lr: float = 3e-4
-    """peak learning rate (AdamW)"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
-    warmup_steps: int = 0
-    """linear warm-up (optimiser steps)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm"""
-    grad_checkpointing: bool = False
-    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all"""
-    # eval and checkpoints
-    eval_every: int = 10
-    """rollout batches between held-out evaluations"""
-    eval_examples: int = 500
-    """held-out prompts for greedy accuracy"""
-    pass_k: int = 8
-    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
-    eval_hard: bool = True
-    """also evaluate one digit harder than training (out of distribution)"""
-    save_every: int = 0
-    """rollout batches between checkpoints (0 = only at the end)"""
-    resume: str = ""
-    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run; the PR2 predictors restart)"""
 
 
 def check_args(args: Args) -> None:
@@ -217,8 +178,11 @@ def check_args(args: Args) -> None:
         raise SystemExit("--temperature must be > 0 (greedy decoding is used for eval only)")
     if args.router_noise < 0 or args.aux_coef < 0:
         raise SystemExit("--router-noise and --aux-coef must be >= 0")
-    if args.correction == "tis" and args.sampler_is_cap <= 0:
-        raise SystemExit("--correction tis needs --sampler-is-cap > 0")
+    if args.sampler_is_cap < 0:
+        raise SystemExit("--sampler-is-cap must be >= 0 (0 = no truncated importance weight)")
+    if args.engine == "vllm":
+        raise SystemExit("--engine vllm: the rollout engine here is MoERolloutEngine, a Hugging Face copy of the policy "
+                         "that records every token's routes (vLLM does not expose them)")
     if args.replay == "pr2" and (args.pr2_rows < 1 or args.pr2_iters < 1):
         raise SystemExit("--replay pr2 needs --pr2-rows and --pr2-iters >= 1")
 
@@ -378,6 +342,13 @@ class MoERolloutEngine:
         self.model.requires_grad_(False)
         self.model.amp_dtype = None  # the copy's own dtype is its precision: no autocast
         self.routing = Routing(self.model, noise, predictors, pr2_scale)
+        # the trainer's own computation only in fp32, without noise or forecast, the trainer not under autocast
+        self._same = dtype == "fp32" and noise == 0 and predictors is None and getattr(model, "amp_dtype", None) is None
+
+    @property
+    def is_trainer(self) -> bool:
+        """True when the engine samples what the trainer computes (as common.Sampler.is_trainer): no correction."""
+        return self._same
 
     def generate(self, policy, tok, prompts, group_size, max_new_tokens, temperature, top_p):
         """Sample with the engine's copy refreshed from the policy; returns (Rollout, routes [L, B, P + C, k]) with the
@@ -386,7 +357,7 @@ class MoERolloutEngine:
         r = self.routing
         r.rows, r.recorded = len(prompts) * group_size, [[] for _ in r.routers]
         try:
-            ro = common.generate(self.model, tok, prompts, group_size, max_new_tokens, temperature, top_p, fast=False)
+            ro = common.generate(self.model, tok, prompts, group_size, max_new_tokens, temperature, top_p)
         finally:
             recorded, r.recorded = r.recorded, None
         width = ro.prompt_ids.shape[1] + ro.completion_ids.shape[1]
@@ -458,35 +429,11 @@ def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
     return batch
 
 
-def lr_factor(step: int, total: int, args: Args) -> float:
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    if args.lr_schedule == "constant":
-        return 1.0
-    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
-    """NaN guard, clip, scheduled lr, step; returns the gradient norm. With several processes FSDP2 has already
-    summed the gradients over ranks (the loss used step-global normalisers) and the norm is the global one; the
-    full sampler copy of a sharded model is gathered again after the step."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
-    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
-        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
-                         "intact. Lower --lr or check the rewards.")
-    for group in opt.param_groups:
-        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
-    opt.step()
-    common.sync_sampler(model)
-    return grad_norm
-
-
-def update(model, opt, batch: dict, routing: Routing, args: Args, step: int, accel, ref_model=None) -> dict:
+def update(model, opt, batch: dict, routing: Routing, args: Args, step: int, accel, engine, ref_model=None) -> dict:
     """GRPO's update (ppo_epochs x minibatches optimiser steps, micro-batches accumulating gradients) with every forward
-    under `routing` (the rollout's routes replayed under r3 / pr2), the load-balancing loss added, TIS weights under
-    --correction tis, and the mismatch diagnostics measured on pi_old before any update."""
+    under `routing` (the rollout's routes replayed under r3 / pr2), the load-balancing loss added, grpo.py's truncated
+    importance weight (TIS) when --sampler-is-cap > 0 and the rollout engine is not the trainer's computation, and
+    the mismatch diagnostics measured on pi_old before any update."""
     B = batch["completion_ids"].shape[0]
     micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
     on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
@@ -501,11 +448,13 @@ def update(model, opt, batch: dict, routing: Routing, args: Args, step: int, acc
         ref = torch.cat([scored(ref_model, ref_model.routing, batch, i, args) for i in micro(torch.arange(B))]) \
             if ref_model else None
     routing.set()
+    correct = args.sampler_is_cap > 0 and not engine.is_trainer  # the rollout engine is another computation
     stats = {"pg": 0.0, "aux": 0.0, "entropy": 0.0, "grad_norm": 0.0}
     stale, n_opt, last = [0.0, 0.0], 0, args.ppo_epochs * args.minibatches - 1
+    total = args.steps * args.ppo_epochs * args.minibatches
     for _ in range(args.ppo_epochs):
         for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
-            n_seqs, n_tokens = len(mb_idx), int(batch["completion_mask"][mb_idx].sum())
+            n_seqs, n_tokens = llm.step_counts(batch["completion_mask"][mb_idx], accel)
             opt.zero_grad(set_to_none=True)
             for idx in micro(mb_idx):
                 logp, ent = scored(model, routing, batch, idx, args, with_entropy=True, keep=True)
@@ -513,7 +462,7 @@ def update(model, opt, batch: dict, routing: Routing, args: Args, step: int, acc
                 mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
                       "old": logp.detach() if on_policy else old[idx], "ref": None if ref is None else ref[idx]}
                 mb["is_weight"] = truncated_is_weight(old[idx], batch["logprobs"][idx], args.sampler_is_cap) \
-                    if args.correction == "tis" else None
+                    if correct else None
                 loss, token_stats = grpo_loss(logp, mb, n_seqs, n_tokens, args)
                 (loss + args.aux_coef * aux * len(idx) / n_seqs).backward()
                 stats["pg"] += loss.item()
@@ -525,13 +474,19 @@ def update(model, opt, batch: dict, routing: Routing, args: Args, step: int, acc
                     stale = [stale[0] + n, stale[1] + c]
             routing.set()
             opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
-            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+            # one process, no vLLM: the engine copies the weights at each rollout, the eval sampler at each call
+            stats["grad_norm"] += llm.optimizer_step(model, opt, args, opt_step, total)
             n_opt += 1
     routing.set()  # evaluation routes freely
     mask = batch["completion_mask"].float()
-    return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, **mismatch_metrics(old, batch["logprobs"], mask),
-            "rollout/logprob_mismatch": common.masked_mean((old - batch["logprobs"]).abs(), mask).item(),
-            "routing/disagree": disagree[0] / max(disagree[1], 1), "routing/stale": stale[0] / max(stale[1], 1)}
+    out = {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, **mismatch_metrics(old, batch["logprobs"], mask),
+           "rollout/logprob_mismatch": common.masked_mean((old - batch["logprobs"]).abs(), mask).item(),
+           "routing/disagree": disagree[0] / max(disagree[1], 1), "routing/stale": stale[0] / max(stale[1], 1)}
+    if correct:  # as grpo.py logs its correction
+        w = truncated_is_weight(old, batch["logprobs"], args.sampler_is_cap)
+        out.update({"rollout/is_weight_mean": common.masked_mean(w, mask).item(),
+                    "rollout/is_truncated_frac": common.masked_mean((w >= args.sampler_is_cap).float(), mask).item()})
+    return out
 
 
 def router_snapshot(model, routing: Routing, batch: dict, rows, args: Args) -> tuple[list, list]:
@@ -580,17 +535,14 @@ def main(args: Args) -> dict:
     task = llm.make_task(args.task, args.digits)
     hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # the sampler only evaluates (the trainer itself on CPU); rollouts come from the MoE engine
+    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
     predictors, pred_opt = make_predictors(model, args, accel.device)
     engine = MoERolloutEngine(model, args.rollout_dtype, args.router_noise, predictors, args.pr2_scale)
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
     if ref_model is not None:
         ref_model.routing = Routing(ref_model)
     routing = Routing(model)  # after the copies: their hooks are their own
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = llm.make_optimizer(model.parameters(), args)
 
     run_dir = Path(args.out_dir) / args.exp_name
     state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
@@ -598,7 +550,7 @@ def main(args: Args) -> dict:
     gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
     tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name)
     timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
-    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+    evaluate = lambda: common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
                                        args.temperature, hard_task)
 
     def log(metrics: dict, step: int):
@@ -618,7 +570,7 @@ def main(args: Args) -> dict:
         rows = torch.arange(min(args.pr2_rows, len(batch["rewards"])))
         before = router_snapshot(model, routing, batch, rows, args) if predictors is not None else None
         with timer("train"):
-            stats = update(model, opt, batch, routing, args, step, accel, ref_model)
+            stats = update(model, opt, batch, routing, args, step, accel, engine, ref_model)
         if predictors is not None:
             with timer("pr2"):
                 stats.update(pr2_fit(predictors, pred_opt, model, routing, batch, rows, before, args))

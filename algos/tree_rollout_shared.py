@@ -8,7 +8,7 @@ runs every tree token once; weighting each token by the leaves through it gives 
 checks both) with fewer forward tokens. The trees, GRPO's advantages over their G leaves and the accounting are the
 parent's; this file changes the training forward and the loss.
 
-Parent: algos/tree_rollout_grpo.py; changed: Args, Args.exp_name, check_args, rollout, main.
+Parent: algos/tree_rollout_grpo.py; changed: Args, check_args, rollout, main.
 
 Equations (the parent's, and; each implemented by the function named on the right):
   packing       one row per prompt: the prompt, then every leaf's own segment; a token attends to its path (the
@@ -19,15 +19,19 @@ Equations (the parent's, and; each implemented by the function named on the righ
                 P_t = sum_l w_l max(A_lt, 0), N_t = sum_l w_l max(-A_lt, 0) over the leaves l through token t, w_l the
                 leaf's share of the aggregation (1 / (N_seq |o_l|) for seq-mean); + kl_coef sum_l w_l k3_t
                                                                                             shared_token_loss
+  sampler       when the sampler is not the trainer's computation, tree token t's surrogate times grpo.py's
+                v_t = min(pi_old / pi_sampler, C), C = --sampler-is-cap: one sampled token, one weight for every leaf
+                through it, so the parent's per-leaf-token weight factors out of the leaf sum
+                                                                            truncated_is_weight, shared_token_loss
   update        mini-batches of prompts (micro_batch_size // G trees per micro-batch); the normalisers count leaves
                 and leaf tokens, as the parent's one-sequence-per-leaf batch would                 update_shared
 
 Deviations (the parent's hold too):
 - The tree mask goes to attention as an additive float mask (0 / -inf), which eager and SDPA both apply;
   flash-attention kernels take no 4-D mask and are refused with a message.
-- No --kernels and no sampler correction (--sampler-is-cap): the packed forward has no fused kernel, and the shared
-  update applies no truncated importance weight where the sampler is not the trainer (vLLM, the bf16 sampler copy).
-- rollout/logprob_mismatch and the loss/ statistics are means over tree tokens, not leaf tokens.
+- No --kernels: the packed forward has no fused kernel.
+- rollout/logprob_mismatch, rollout/is_weight_mean, rollout/is_truncated_frac and the loss/ statistics are means over
+  tree tokens, not leaf tokens.
 
 Commands:
   python algos/tree_rollout_shared.py                            # the parent's default tree, each token trained once
@@ -39,13 +43,11 @@ to 1e-4 and 1e-3, a test), from fewer forward tokens: prompt + tree tokens once 
 """
 from __future__ import annotations
 
-import copy
-import math
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -57,49 +59,26 @@ from tqdm import tqdm
 import common
 from algos import _llm as llm
 from algos import _tree
-from algos._vllm import VLLMEngine
+from algos._llm import LLMArgs
 
 
 @dataclass
-class Args:
-    # bookkeeping
-    exp_name: str = "tree_rollout_shared"
-    """name of the run (the output folder is out_dir/exp_name)"""
-    seed: int = 0
-    """random seed: prompts and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
-    track: bool = False
-    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
-    out_dir: str = "runs"
-    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
-    # model and task
+class Args(LLMArgs):
+    """The tree's flags and GRPO's; the plumbing flags are LLMArgs' (here with the long-response task's defaults)."""
+    # defaults changed from LLMArgs (their help is LLMArgs')
     model: str = "tiny-sums"
-    """tiny-0.6m, tiny-5m, smollm2-135m, a Hugging Face id or a local path"""
-    task: str = "sums"
-    """sums (5 operands with running totals), sums<N>, add, addsteps, jsonl:PATH (prompt/answer records) or gsm8k"""
+    task: Annotated[str, tyro.conf.arg(help=f"training and held-out task: {llm.TASKS}")] = "sums"
     digits: int = 1
-    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
-    device: str = "auto"
-    """auto (CUDA if present), cpu or cuda"""
     threads: int = 1
     """torch CPU threads per process (1: generation here is per-call overhead; 2 threads gain little and slow ~10x
     when another 2-thread job shares the 2 cores)"""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+    max_new_tokens: int = 48
+    steps: int = 50
     # rollout
-    engine: Literal["hf", "vllm"] = "hf"
-    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
-    vllm_gpu_memory: float = 0.3
-    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
     prompts_per_step: int = 16
     """distinct prompts per rollout batch (per process)"""
     group_size: int = 16
     """G, leaves per prompt: must equal chains * (1 + rounds * branches * continuations)"""
-    max_new_tokens: int = 48
-    """generation budget per completion"""
-    temperature: float = 1.0
-    """sampling temperature (the trainer scores with the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling threshold"""
     # tree
     chains: int = 4
     """M: independent chains per prompt (the roots of the trees)"""
@@ -126,42 +105,14 @@ class Args:
     """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
     agg_const: int = 0
     """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    sampler_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
+    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
     # optimisation
-    steps: int = 50
-    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
     ppo_epochs: int = 1
     """passes over each rollout batch"""
     minibatches: int = 1
     """optimiser steps per pass; the rollout batch is split into this many"""
-    micro_batch_size: int = 256
-    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
-    lr: float = 1e-4
-    """peak learning rate (AdamW); 1e-3 collapses the tiny policy, real LLMs want about 1e-6"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
-    warmup_steps: int = 0
-    """linear warm-up (optimiser steps)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm"""
-    grad_checkpointing: bool = False
-    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
-    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
-    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
-    # eval and checkpoints
-    eval_every: int = 25
-    """rollout batches between held-out evaluations"""
-    eval_examples: int = 500
-    """held-out prompts for greedy accuracy"""
-    pass_k: int = 8
-    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
-    eval_hard: bool = True
-    """also evaluate one digit harder than training (out of distribution)"""
-    save_every: int = 0
-    """rollout batches between checkpoints (0 = only at the end)"""
-    resume: str = ""
-    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
 
 
 def check_args(args: Args) -> None:
@@ -223,18 +174,26 @@ def agg_const(args: Args) -> int:
     return args.agg_const or args.max_new_tokens
 
 
+def truncated_is_weight(old_logp, sampler_logp, cap: float):
+    """w_t = min(pi_old(o_t) / pi_sampler(o_t), C): corrects the update for samples drawn by another computation
+    than the trainer's (truncated importance sampling, as verl's rollout correction); no gradient."""
+    return torch.exp(old_logp - sampler_logp).clamp(max=cap).detach()
+
+
 # ---- the idea: growing the trees ----
-def sample_segments(model, tok, prompts, groups, prefixes, budgets, args: Args, engine=None, stats=False) -> list[dict]:
+def sample_segments(sampler, tok, prompts, groups, prefixes, budgets, args: Args, stats=False) -> list[dict]:
     """One batched generate call from prompt + prefix for every row; row r is cut at its own budget budgets[r].
 
     Returns per row a segment: tokens, behaviour logprobs, finished (EOS inside the budget) and, with stats, the
-    entropy at every position.
+    entropy at every position, from the module the sampler decodes with (the trainer itself on CPU; the trainer
+    when an engine such as vLLM samples).
     """
-    ro = common.generate(model, tok, [prompts[g] + p for g, p in zip(groups, prefixes)], 1, max(budgets),
-                         args.temperature, args.top_p, engine=engine)
+    ro = common.generate(sampler, tok, [prompts[g] + p for g, p in zip(groups, prefixes)], 1, max(budgets),
+                         args.temperature, args.top_p)
     lengths = ro.completion_mask.sum(1).tolist()
     if stats:
-        ent, _, _ = _tree.next_token_stats(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+        scorer = sampler.model if sampler.engine is not None else sampler.module()
+        ent, _, _ = _tree.next_token_stats(scorer, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
                                            ro.completion_mask, args.temperature)
     segs = []
     for r, budget in enumerate(budgets):
@@ -437,12 +396,15 @@ def packed_logprobs(model, pk: dict, idx, temperature: float = 1.0, with_entropy
 
 def shared_token_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
     """The replicated-leaf loss from each tree token once: since l(rho, A) = |A| l(rho, sign A) for the clipped
-    surrogate, sum_l w_l l(rho_t, A_lt) = pos_w l(rho_t, +1) + neg_w l(rho_t, -1) (+ kl_coef kl_w kl_t); divided by
-    N_seq (or the leaf tokens, token-mean) of the step. logp and mb's tensors [b, Q]."""
+    surrogate, sum_l w_l l(rho_t, A_lt) = pos_w l(rho_t, +1) + neg_w l(rho_t, -1), times the token's truncated
+    importance weight when mb holds one (is_weight), (+ kl_coef kl_w kl_t); divided by N_seq (or the leaf tokens,
+    token-mean) of the step. logp and mb's tensors [b, Q]."""
     flat, ones = (lambda x: x.reshape(-1, 1)), torch.ones(logp.numel(), device=logp.device)  # noqa: E731
     up, clip_up = clipped_pg_loss(flat(logp), flat(mb["old"]), ones, args.clip_eps_low, args.clip_eps_high)
     down, clip_down = clipped_pg_loss(flat(logp), flat(mb["old"]), -ones, args.clip_eps_low, args.clip_eps_high)
     tok_loss = mb["pos_w"] * up.view_as(logp) + mb["neg_w"] * down.view_as(logp)
+    if mb.get("is_weight") is not None:  # the sampler is not the trainer: one weight per tree token
+        tok_loss = tok_loss * mb["is_weight"]
     weight = (mb["pos_w"] + mb["neg_w"]).clamp(min=1e-12)  # clip share weighted by each side's advantage mass
     stats = {"clipfrac": (mb["pos_w"] * clip_up.view_as(logp) + mb["neg_w"] * clip_down.view_as(logp)) / weight}
     if mb["ref"] is not None:
@@ -452,7 +414,7 @@ def shared_token_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
 
 
 # ---- rollout and update ----
-def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
+def rollout(sampler, tok, task, args: Args, rng, device) -> dict:
     """Grow one tree of G leaves for each of prompts_per_step training prompts (grow_trees); reward the leaves; GRPO's
     advantages over each prompt's leaves. The batch holds one row per leaf (group-major, for the metrics), the packed
     trees the update trains on, and the tree metrics."""
@@ -460,7 +422,7 @@ def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
     prompts = common.encode_prompts(tok, [e.prompt for e in examples])
     stats = args.rounds > 0 and args.branch_score == "entropy"
     sample = lambda groups, prefixes, budgets: sample_segments(  # noqa: E731
-        model, tok, prompts, groups, prefixes, budgets, args, engine, stats)
+        sampler, tok, prompts, groups, prefixes, budgets, args, stats)
     pieces = _tree.token_pieces(tok)
     trees, counts = grow_trees(sample, [len(p) for p in prompts], args, rng,
                                lambda toks: _tree.answer_start(toks, pieces, args.answer_marker))
@@ -476,82 +438,67 @@ def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
     return batch
 
 
-def lr_factor(step: int, total: int, args: Args) -> float:
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    if args.lr_schedule == "constant":
-        return 1.0
-    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+def sampler_gap(old_logp, sampler_logp, is_weight, mask, cap: float) -> dict:
+    """This micro-batch's sums for rollout/logprob_mismatch (|log pi_old - log pi_sampler| per token, on the sampler's
+    weights) and, when the correction is on, the mean importance weight and the fraction truncated at C."""
+    out = {"gap/sum": common.masked_sum((old_logp - sampler_logp).abs(), mask).item(), "gap/tokens": mask.sum().item()}
+    if is_weight is not None:
+        out.update({"gap/is_w": common.masked_sum(is_weight, mask).item(),
+                    "gap/is_cut": common.masked_sum((is_weight >= cap).float(), mask).item()})
+    return out
 
 
-def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
-    """NaN guard, clip, scheduled lr, step; returns the gradient norm. With several processes FSDP2 has already
-    summed the gradients over ranks (the loss used step-global normalisers) and the norm is the global one; the
-    full sampler copy of a sharded model is gathered again after the step."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
-    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
-        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
-                         "intact. Lower --lr or check the rewards.")
-    for group in opt.param_groups:
-        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
-    opt.step()
-    common.sync_sampler(model)
-    return grad_norm
-
-
-def update_shared(model, opt, batch: dict, args: Args, step: int, accel, ref_model=None) -> dict:
+def update_shared(model, opt, batch: dict, args: Args, step: int, accel, sampler, ref_model=None) -> dict:
     """The parent's update with each tree scored once over its packed tokens: mini-batches of prompts.
 
     The normalisers count leaves and leaf tokens (as the replicated batch would), so the loss and its gradient equal
-    the parent's update on one sequence per leaf; micro-batches hold micro_batch_size // G trees.
+    the parent's update on one sequence per leaf; micro-batches hold micro_batch_size // G trees. The logged
+    statistics are sums over all ranks divided by global counts of tree tokens: every rank returns the same values.
     """
     pk = batch["packed"]
-    R = pk["ids"].shape[0]
+    R, mask = pk["ids"].shape[0], pk["mask"]
     micro = lambda idx: idx.split(max(1, args.micro_batch_size // args.group_size))  # noqa: E731
     logprobs_of = lambda m, idx, ent=False: packed_logprobs(m, pk, idx, args.temperature, ent)  # noqa: E731
     on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
     with torch.no_grad():
         old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(R))])
         ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(R))]) if ref_model else None
-    stats = {"pg": 0.0, "entropy": 0.0, "grad_norm": 0.0}
-    n_cols = max(int(pk["mask"].sum()), 1)  # tree tokens: the per-token stats are means over them
-    mismatch = 0.0 if on_policy else common.masked_mean((old - pk["logprobs"]).abs(), pk["mask"]).item()
-    n_opt = 0
-    for _ in range(args.ppo_epochs):
+    correct = args.sampler_is_cap > 0 and not sampler.is_trainer  # the sampler is another computation
+    sums, n_opt, grad_norm = {}, 0, 0.0  # sums: this rank's sums over tree tokens, summed over ranks below
+    total = args.steps * args.ppo_epochs * args.minibatches
+    for epoch in range(args.ppo_epochs):
         for mb_idx in (torch.randperm(R) if args.minibatches > 1 else torch.arange(R)).chunk(args.minibatches):
-            counts = torch.tensor([len(mb_idx) * args.group_size, float(pk["leaf_tokens"][mb_idx].sum())],
-                                  dtype=torch.float64, device=pk["mask"].device)
-            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            counts = llm.all_ranks_sum({"seqs": len(mb_idx) * args.group_size,
+                                        "tokens": float(pk["leaf_tokens"][mb_idx].sum())}, accel, mask.device)
+            n_seqs, n_tokens = int(counts["seqs"]), int(counts["tokens"])
             opt.zero_grad(set_to_none=True)
             for idx in micro(mb_idx):
                 logp, ent = logprobs_of(model, idx, True)
                 mb = {k: pk[k][idx] for k in ("pos_w", "neg_w", "kl_w", "mask")}
                 mb.update(old=logp.detach() if old is None else old[idx], ref=None if ref is None else ref[idx])
+                mb["is_weight"] = truncated_is_weight(mb["old"], pk["logprobs"][idx], args.sampler_is_cap) \
+                    if correct else None
                 loss, token_stats = shared_token_loss(logp, mb, n_seqs, n_tokens, args)
-                loss.backward()
-                stats["pg"] += loss.item()
-                for k, v in {**token_stats, "entropy": ent}.items():
-                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / (n_cols * args.ppo_epochs)
-                if on_policy:
-                    mismatch += common.masked_sum((logp.detach() - pk["logprobs"][idx]).abs(), mb["mask"]).item() / n_cols
-            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt
-            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+                loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
+                for k, v in {"pg": loss.item(), **{k: common.masked_sum(v.detach(), mb["mask"]).item()
+                                                   for k, v in {**token_stats, "entropy": ent}.items()}}.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                if epoch == 0:  # every tree token once, on the sampler's weights (pi_old)
+                    for k, v in sampler_gap(mb["old"], pk["logprobs"][idx], mb["is_weight"], mb["mask"],
+                                            args.sampler_is_cap).items():
+                        sums[k] = sums.get(k, 0.0) + v
+            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
+            grad_norm += llm.optimizer_step(model, opt, args, opt_step, total, sampler)
             n_opt += 1
-    return {**{f"loss/{k}": v / n_opt if k in ("pg", "grad_norm") else v for k, v in stats.items()},
-            "rollout/logprob_mismatch": mismatch}
-
-
-def load_policy(args: Args, accel):
-    """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
-    only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    return common.shard(model, accel), tok, common.shard(ref_model, accel, sampler=False)
+    tot = llm.all_ranks_sum(sums, accel, mask.device)
+    cols = max(tot["gap/tokens"], 1)  # tree tokens on all ranks: the per-token statistics are means over them
+    out = {**{f"loss/{k}": v / (n_opt if k == "pg" else cols * args.ppo_epochs) for k, v in tot.items()
+              if not k.startswith("gap/")},
+           "loss/grad_norm": grad_norm / n_opt, "rollout/logprob_mismatch": tot["gap/sum"] / cols}
+    if correct:
+        out.update({"rollout/is_weight_mean": tot["gap/is_w"] / cols,
+                    "rollout/is_truncated_frac": tot["gap/is_cut"] / cols})
+    return out
 
 
 # ---- main ----
@@ -566,21 +513,20 @@ def main(args: Args) -> dict:
     task = llm.make_task(args.task, args.digits)
     hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
-    engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
-        if args.engine == "vllm" else None
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
+    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
+    opt = llm.make_optimizer(model.parameters(), args)
 
     run_dir = Path(args.out_dir) / args.exp_name
     state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
-    if args.resume and engine is not None:
-        engine.sync_weights(model)
+    if args.resume:
+        sampler.refresh()
     start_step, history = state.get("step", 0), state.get("history", [])
     gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
     tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
     timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
-    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
-                                       args.temperature, hard_task, engine)
+    evaluate = lambda: common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task)
 
     def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
@@ -596,12 +542,9 @@ def main(args: Args) -> dict:
         torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
         rng = np.random.default_rng([args.seed, step, rank])
         with timer("gen"):
-            batch = rollout(model, tok, task, args, rng, accel.device, engine)
-        with timer("train"):
-            stats = update_shared(model, opt, batch, args, step, accel, ref_model)
-        if engine is not None:
-            with timer("sync"):
-                engine.sync_weights(model)
+            batch = rollout(sampler, tok, task, args, rng, accel.device)
+        with timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update_shared(model, opt, batch, args, step, accel, sampler, ref_model)
         t = timer.pop()
         sampled = batch["tree"]["rollout/sampled_tokens"]  # generated tokens: the tree's, not G full completions
         gen_tokens, gen_time = gen_tokens + sampled, gen_time + t["gen"]

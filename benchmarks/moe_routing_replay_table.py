@@ -14,7 +14,7 @@ engine a bf16 copy whose routers add N(0, 0.5^2) noise to their logits:
   none   --replay none                     the trainer routes by its own router
   r3     --replay r3                       the trainer replays the rollout's routes
   pr2    --replay pr2                      rollouts route by the predicted router, the trainer replays them
-  tis    --replay none --correction tis    own routes, each token weighted by min(pi_old / mu, 2)
+  tis    --replay none --sampler-is-cap 2  own routes, each token weighted by min(pi_old / mu, 2)
   r3 (no noise), pr2 (no noise)            --router-noise 0: the rollout differs by bf16 numerics only, so the
                                            routes the trainer replays go stale through router drift alone (PR2's
                                            setting)
@@ -41,7 +41,7 @@ from benchmarks._results import RESULTS, append_rows, mean_std, read_rows  # noq
 
 CSV, NAME, SCRIPT = "moe_routing_replay.csv", "moe_routing_replay", "algos/moe_routing_replay.py"
 ARMS = {"none": dict(replay="none"), "r3": dict(replay="r3"), "pr2": dict(replay="pr2"),
-        "tis": dict(replay="none", correction="tis"),
+        "tis": dict(replay="none", sampler_is_cap=2.0),
         "r3 (no noise)": dict(replay="r3", router_noise=0.0), "pr2 (no noise)": dict(replay="pr2", router_noise=0.0)}
 FLAGS = dict(eval_every=20, pass_k=0, eval_hard=False, threads=1)
 QUARTERS = 4

@@ -156,6 +156,31 @@ def naive(levels, leaf_r, fusion, clip=5.0):
     return depthwise, uniform
 
 
+
+def test_node_values_on_a_hand_built_tree():
+    """Two trees. Tree 0: root -> A, B; A -> leaves 1, 3; B -> leaf 5. Tree 1: root -> C -> leaves 2, 4, 6.
+    Mean fusion is the mean of the leaves below: R(A) = 2, R(B) = 5, R(root 0) = (1 + 3 + 5) / 3 = 3 (the plain
+    mean of the children would give 3.5), R(C) = R(root 1) = 4. Prob fusion weights the children by the softmax
+    of their edge log-probs within the parent: A, B have log-probs (0, log 3) -> weights (1/4, 3/4); A's leaves
+    (0, log 3) -> R(A) = 1/4 + 9/4 = 2.5; B's only leaf has weight 1 whatever its log-prob (7) -> R(B) = 5;
+    R(root 0) = 2.5 / 4 + 15 / 4 = 4.375. C's leaves (log 2, 0, 0) -> (1/2, 1/4, 1/4) -> R(C) = 3.5, and
+    R(root 1) = 3.5 (C is an only child). Catches: the children's plain mean, a softmax over the whole level
+    instead of within each parent (B's log-prob 7 would take the weight), -log p, unnormalised weights, prob
+    fusion falling back to the mean (tree 1), and wrong leaf counts."""
+    l3, l2 = math.log(3.0), math.log(2.0)
+    levels = [{"x": torch.zeros(2, 2), "tree": torch.tensor([0, 1])},
+              {"x": torch.zeros(3, 2), "tree": torch.tensor([0, 0, 1]), "parent": torch.tensor([0, 0, 1]),
+               "lp": torch.tensor([0.0, l3, -2.0])},
+              {"x": torch.zeros(6, 2), "tree": torch.tensor([0, 0, 0, 1, 1, 1]),
+               "parent": torch.tensor([0, 0, 1, 2, 2, 2]), "lp": torch.tensor([0.0, l3, 7.0, l2, 0.0, 0.0])}]
+    leaf_r = torch.tensor([1.0, 3.0, 5.0, 2.0, 4.0, 6.0])
+    vals, count = bf.node_values(levels, leaf_r, "mean")
+    assert [v.tolist() for v in vals] == [pytest.approx(v) for v in ([3.0, 4.0], [2.0, 5.0, 4.0], leaf_r.tolist())]
+    assert [c.tolist() for c in count] == [[3, 3], [2, 1, 3], [1] * 6]
+    vals, count = bf.node_values(levels, leaf_r, "prob")
+    assert [v.tolist() for v in vals] == [pytest.approx(v) for v in ([4.375, 3.5], [2.5, 5.0, 3.5], leaf_r.tolist())]
+    assert [c.tolist() for c in count] == [[3, 3], [2, 1, 3], [1] * 6]
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("fusion", ["mean", "prob"])
 def test_advantages_match_a_naive_recursive_loop(seed, fusion):

@@ -599,8 +599,8 @@ def test_token_logprobs_recomputes_chunks_in_the_backward(tiny):
     the chunk inputs only, and the gradient equals the one-chunk graph's."""
     model, tok = tiny
     p_ids, p_mask = common.left_pad(common.encode_prompts(tok, ["1+2=", "33+44="] * 4), tok.pad_token_id)
-    c_ids, c_mask = torch.randint(3, 20, (8, 6)), torch.ones(8, 6, dtype=torch.long)
-    V = model.config.vocab_size
+    c_ids = torch.randint(3, 20, (8, 6), generator=torch.Generator().manual_seed(0))  # not the global RNG's order
+    c_mask, V = torch.ones(8, 6, dtype=torch.long), model.config.vocab_size
     saved = []
 
     def pack(t):
@@ -617,7 +617,12 @@ def test_token_logprobs_recomputes_chunks_in_the_backward(tiny):
             assert not [n for n in saved if n % V == 0 and n >= 2 * V]  # no [chunk x vocab] tensor saved
         lp.sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
-    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-4) for a, b in zip(*grads))  # gradients up to ~100
+    # The two graphs sum the same 48 per-position terms in another order (24 chunks, or one matmul): in fp32 each
+    # entry may differ by about 48 x eps (1.2e-7) of the largest term; we allow twice that, relative to the tensor's
+    # largest entry (measured: at most 3.2e-6 over 20 draws, under avx2, default and native kernels, 1 or 2 threads).
+    bound = 2 * 48 * torch.finfo(torch.float32).eps
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() <= bound * b.abs().max()
 
 
 def test_one_process_is_not_sharded(tiny):

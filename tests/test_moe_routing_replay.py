@@ -211,6 +211,34 @@ def test_bad_input():
         mrr.check_args(mrr.Args(router_noise=-1))
     with pytest.raises(SystemExit, match="minibatches"):
         mrr.check_args(mrr.Args(minibatches=3))
+    with pytest.raises(SystemExit, match="--engine vllm"):  # the routes are recorded by the Hugging Face engine
+        mrr.check_args(mrr.Args(engine="vllm"))
+    with pytest.raises(SystemExit, match="sampler-is-cap"):
+        mrr.check_args(mrr.Args(sampler_is_cap=-1))
+
+
+def test_tis_weights_tokens_only_when_the_engine_is_not_the_trainer(tiny):
+    """grpo.py's sampler correction (R3's TIS arm): with --sampler-is-cap > 0 the update weights each token by
+    min(pi_old / mu, C) and logs it, but only when the engine samples another computation than the trainer's."""
+    import copy
+    from types import SimpleNamespace
+
+    model, tok, task = tiny
+    assert mrr.MoERolloutEngine(model, "fp32", 0.0).is_trainer
+    assert not mrr.MoERolloutEngine(model, "bf16", 0.0).is_trainer
+    assert not mrr.MoERolloutEngine(model, "fp32", 0.5).is_trainer
+    for dtype, noise, cap, corrected in (("bf16", 1.0, 2.0, True), ("bf16", 1.0, 0.0, False), ("fp32", 0.0, 2.0, False)):
+        trainer = copy.deepcopy(model)
+        engine = mrr.MoERolloutEngine(trainer, dtype, noise)
+        routing = mrr.Routing(trainer)
+        args = small_args(replay="none", sampler_is_cap=cap)
+        torch.manual_seed(0)
+        batch = mrr.rollout(trainer, tok, task, args, np.random.default_rng(0), "cpu", engine)
+        opt = torch.optim.AdamW(trainer.parameters(), lr=1e-4)
+        stats = mrr.update(trainer, opt, batch, routing, args, 1, SimpleNamespace(num_processes=1), engine)
+        assert ("rollout/is_weight_mean" in stats) == corrected
+        if corrected:  # the noisy bf16 engine: some tokens' ratio pi_old / mu exceeds the cap
+            assert 0 < stats["rollout/is_weight_mean"] <= cap and 0 < stats["rollout/is_truncated_frac"] < 1
 
 
 def test_learns_from_the_shipped_tiny_moe(tmp_path):

@@ -40,11 +40,46 @@ def test_policy_loss_has_zero_gradient_on_observation_tokens(tiny):
         return loss, st
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    stats = mt.update(model, opt, batch, loss_fn, args, 1, ACCEL)
+    stats = mt.update(model, opt, batch, loss_fn, args, 1, ACCEL, common.Sampler(model))
     for g, obs, act in grads:
         assert torch.all(g[obs.bool()] == 0)
         assert (g[act.bool()] != 0).float().mean() > 0.9
     assert stats["loss/env_ce"] > 0
+    # pack_episodes: the three masks partition the real tokens; env_token_ce is the mean observation-token NLL
+    assert torch.equal(batch["action_mask"] + batch["obs_mask"], batch["completion_mask"])
+    assert (batch["turn"][batch["completion_mask"].bool()] >= 0).all()
+    assert (batch["logprobs"][batch["obs_mask"].bool()] == 0).all()
+    with torch.no_grad():
+        lp = common.token_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                   batch["completion_mask"], 1.0)
+    want = -(lp * batch["obs_mask"]).sum() / batch["obs_mask"].sum()
+    assert abs(mt.env_token_ce(model, batch, args) - want.item()) < 1e-5
+
+
+def test_sampler_correction_weights_action_tokens_when_the_sampler_is_not_the_trainer(tiny):
+    """grpo.py's truncated importance weight min(pi_old / pi_sampler, C) on action tokens, logged, only when the
+    sampler is another computation than the trainer (a bf16 copy, vLLM): here the behaviour log-probs are lowered
+    by 1 nat on every other action token, so those weights are e > C = 2 and truncated."""
+    model, tok = tiny
+    args = small_args()
+    torch.manual_seed(1)
+    batch = mt.rollout(model, tok, mt.make_env(args), args, np.random.default_rng(0), torch.device("cpu"))
+    batch["adv"] = torch.randn_like(batch["adv"])
+    act = batch["action_mask"].bool()
+    shifted = act & (torch.arange(act.shape[1]) % 2 == 0)
+    batch["logprobs"] = batch["logprobs"] - shifted.float()
+    other = SimpleNamespace(is_trainer=False, refresh=lambda: None)
+    params, out = [], []
+    for sampler in (common.Sampler(model), other):
+        m = copy.deepcopy(model)
+        out.append(mt.update(m, torch.optim.AdamW(m.parameters(), lr=1e-3), batch, mt.grpo_loss, args, 1, ACCEL,
+                             sampler))
+        params.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
+    assert "rollout/is_weight_mean" not in out[0]
+    frac = shifted.sum().item() / act.sum().item()
+    assert out[1]["rollout/is_truncated_frac"] == pytest.approx(frac, abs=1e-6)
+    assert out[1]["rollout/is_weight_mean"] == pytest.approx(2 * frac + (1 - frac), rel=1e-4)
+    assert not torch.allclose(params[0], params[1])  # the weights change the update
 
 
 def test_one_turn_without_tool_calls_equals_grpo_step(tiny):
@@ -62,7 +97,7 @@ def test_one_turn_without_tool_calls_equals_grpo_step(tiny):
     for upd, b, a in ((grpo.update, batch, gargs), (mt.update, mbatch, margs)):
         m = copy.deepcopy(model)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        upd(m, opt, b, grpo.grpo_loss if upd is grpo.update else mt.grpo_loss, a, 1, ACCEL)
+        upd(m, opt, b, grpo.grpo_loss if upd is grpo.update else mt.grpo_loss, a, 1, ACCEL, common.Sampler(m))
         params.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
     base = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert (params[0] - base).abs().max() > 1e-5  # the step moved the weights
@@ -74,6 +109,16 @@ def test_bad_arguments_name_the_flag():
         mt.check_args(mt.Args(group_size=1))
     with pytest.raises(SystemExit, match="max-turns"):
         mt.check_args(mt.Args(max_turns=0))
+
+
+@pytest.mark.parametrize("kw, flag", [(dict(task="sums"), "--task"), (dict(digits=3), "--digits"),
+                                      (dict(top_p=0.9), "--top-p"), (dict(pass_k=8), "--pass-k"),
+                                      (dict(eval_hard=True), "--eval-hard")])
+def test_prompt_task_flags_are_refused(kw, flag):
+    """Inherited plumbing flags that the multi-turn scripts cannot honour are refused, naming the flag."""
+    with pytest.raises(SystemExit, match=flag):
+        mt.check_args(mt.Args(**kw))
+    mt.check_args(mt.Args())
 
 
 @pytest.mark.slow

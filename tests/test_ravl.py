@@ -60,9 +60,60 @@ def test_q_ensemble_equals_member_loop_and_target_uses_min():
     torch.testing.assert_close(loss, ((qf(s, a) - y) ** 2).mean(1).sum())
 
 
+
+def test_actor_loss_matches_naive_loop():
+    """L_pi = -mean_i min_j Q_j(s_i, pi(s_i)) by a loop over states and members. Catches: +Q instead of -Q, max or
+    mean over the ensemble instead of the min (five random members differ on every state), the dataset action in
+    place of pi(s), and a gradient that does not reach the actor."""
+    torch.manual_seed(0)
+    qf, actor = ravl.QEnsemble(5, 3, 1, 16), D.Actor(3, 1, 16)
+    s = torch.randn(9, 3)
+    loss = ravl.actor_loss(actor, qf, s)
+    naive = 0.0
+    for i in range(9):
+        a = actor(s[i:i + 1])
+        naive -= min(qf(s[i:i + 1], a)[j, 0].item() for j in range(5)) / 9
+    assert loss.item() == pytest.approx(naive, rel=1e-5)
+    q = qf(s, actor(s))
+    assert (q.max(0).values - q.min(0).values).min() > 1e-3 and q.min(0).values.mean() != q.mean()
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in actor.parameters())
+
+
+def test_mc_returns_on_a_counting_stub_and_the_pendulum(monkeypatch):
+    """G = sum_{t < H} gamma^t r_t. On a stub whose state counts up (s_{t+1} = s_t + 1) and pays r_t = s_t * a_t
+    with the policy a = 2: from s_0 = 1, H = 3, gamma = 0.5, G = 2 (1 + 0.5 * 2 + 0.25 * 3) = 5.5 by hand, and
+    from s_0 = 0, G = 2 (0 + 0.5 + 0.5) = 2. Catches: a discount starting at gamma (2.75), the reward of s_{t+1}
+    instead of s_t, H + 1 or H - 1 steps, no discount (12), and rows mixed up. Then on the true pendulum one state
+    at a time, against single-row steps of D.pendulum_model with a Python discount."""
+    policy = lambda o: np.full((len(o), 1), 2.0)
+
+    def stub(obs, act):
+        return obs + 1, obs[:, 0] * act[:, 0]
+
+    monkeypatch.setattr(D, "pendulum_model", stub)
+    got = ravl.mc_returns(policy, np.array([[1.0], [0.0]]), gamma=0.5, horizon=3)
+    np.testing.assert_allclose(got, [5.5, 2.0])
+    monkeypatch.undo()
+
+    pend = lambda o: np.tanh(o[:, :1] - o[:, 2:3])  # a deterministic state-dependent policy
+    start = D.generate("pendulum-random", n_episodes=1)["observations"][:4]
+    got = ravl.mc_returns(pend, start, gamma=0.9, horizon=20)
+    for i in range(4):
+        o, g = start[i:i + 1], 0.0
+        for t in range(20):
+            o, r = D.pendulum_model(o, pend(o))
+            g += 0.9 ** t * float(r[0])
+        assert got[i] == pytest.approx(g, rel=1e-6)
+
 def test_learns_with_true_dynamics(tmp_path):
+    """score_best - score_first of this run (seed 0, 1 thread), measured: 21.1 on the AVX2 and the native
+    (AVX-512) paths, which agree to the bit, and 14.1 under ATEN_CPU_CAPABILITY=default (13.7 -> 27.8); seeds 1
+    and 2 gain 65.6 / 83.3 (AVX2, native) and 71.9 / 89.5 (default). The margin is half the smallest gain, 7
+    (the old 20 failed under default). With the actor loss's sign flipped (the actor minimises Q) the gain is 0.0
+    on every path for seed 0, so the margin still catches a sign error."""
     s = ravl.main(ravl.Args(total_steps=1500, eval_every=750, rollout_every=250, out_dir=str(tmp_path)))
-    assert s["score_best"] > s["score_first"] + 20, s
+    assert s["score_best"] > s["score_first"] + 7, s
     assert s["penalty_mean_last"] == 0.0 and (tmp_path / "curve.png").exists()
 
 

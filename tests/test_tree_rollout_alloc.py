@@ -47,3 +47,19 @@ def test_one_round_grows_the_parents_trees():
                              last_is_zero)
     theirs, c2 = tr.grow_trees(TablePolicy(TABLE3, 8), [3] * 50, tree_args(tr, **kw), np.random.default_rng(0), len)
     assert [[{k: v for k, v in l.items() if k != "reward"} for l in t] for t in mine] == theirs and c1 == c2
+
+
+def test_round_requests_send_the_points_to_the_mixed_tree():
+    """One round by hand: tree 0's leaves have rewards 1 and 0 (p = 0.5), tree 1's both 1 (p = 1): round_requests
+    rewards every leaf once (kept on the leaf) and gives both of the group's M N = 2 points to tree 0."""
+    leaf = lambda toks, parent, pos, tree: {"tokens": toks, "logprobs": [-1.0] * len(toks), "parent": parent,  # noqa: E731
+                                            "pos": pos, "tree": tree, "depth": int(parent >= 0), "protect": len(toks)}
+    trees = [[leaf([1, 1, 0], -1, 0, 0), leaf([2, 2, 0], -1, 0, 1), leaf([1, 2, 1], 0, 1, 0), leaf([2, 1, 0], 1, 1, 1)]]
+    calls = []
+    reward = lambda g, toks: calls.append(g) or last_is_zero(g, toks)  # noqa: E731
+    args = tree_args(al, chains=2, rounds=1, branches=1, continuations=1)
+    reqs = al.round_requests(trees, args, np.random.default_rng(0), reward)
+    assert [l["reward"] for l in trees[0]] == [1.0, 1.0, 0.0, 1.0] and len(calls) == 4
+    assert len(reqs) == 2 and {r.tree for r in reqs} == {0} and all(r.parent in (0, 2) for r in reqs)
+    al.round_requests(trees, args, np.random.default_rng(0), reward)
+    assert len(calls) == 4  # rewards are computed once per leaf

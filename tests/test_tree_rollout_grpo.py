@@ -61,6 +61,27 @@ def test_requests_have_named_fields():
     assert tr.Request(2, -1, 0, 1).prefix(trees) == []
 
 
+def test_branch_points_and_attach_by_hand():
+    """branch_points: only inside a leaf's own segment, after its first token, before its final answer, never at a
+    prefix already branched (nor one taken this round), best entropy first; attach: the parent's path up to the
+    branch point, then the new segment, one level deeper."""
+    args = tree_args(tr, rounds=1, branch_score="entropy")
+    chain = {"tokens": [1, 2, 3, 4, 5], "logprobs": [-1.0] * 5, "entropy": [0.9, 0.1, 0.8, 0.7, 0.95], "parent": -1,
+             "pos": 0, "tree": 0, "depth": 0, "protect": 4, "finished": True}
+    tree = [chain]
+    tr.attach([tree], tr.Request(0, 0, 2, 0), {"tokens": [7, 8], "logprobs": [-0.5, -0.25], "entropy": [0.6, 0.2],
+                                               "finished": False}, lambda toks: len(toks) - 1)
+    kid = tree[1]
+    assert kid["tokens"] == [1, 2, 7, 8] and kid["logprobs"] == [-1.0, -1.0, -0.5, -0.25]
+    assert kid["entropy"] == [0.9, 0.1, 0.6, 0.2] and (kid["parent"], kid["pos"], kid["depth"]) == (0, 2, 1)
+    assert kid["protect"] == 3 and kid["finished"] is False and kid["tree"] == 0
+    # legal: chain p in {1, 3} (2 is branched, 4 is the answer), the child's p = 3 minus (1, 3) taken this round
+    points = tr.branch_points(tree, 0, 5, args, np.random.default_rng(0), {(1, 3)})
+    assert [(j, p) for _, j, p in points] == [(0, 3), (0, 1)] and points[0][0] == 0.7
+    assert tr.branch_points(tree, 0, 5, args, np.random.default_rng(0), set())[0][1:] == (0, 3)
+    assert tr.branch_points(tree, 1, 5, args, np.random.default_rng(0), set()) == []  # tree 1 has no leaves
+
+
 def test_answer_start():
     pieces = list("0123456789+=;") + [""]
     enc = lambda s: [pieces.index(ch) for ch in s]  # noqa: E731
@@ -119,6 +140,22 @@ def test_next_token_stats_in_chunks_equal_the_full_tensor_and_hold_one_chunk(tin
     assert seen.numel <= 3 * seen.vocab < B * C * seen.vocab, seen.numel
     ent, probs, _ = _tree.next_token_stats(model, *args, 1.0, chunk_mb=chunk_mb(model, 3))  # k = 0: entropy alone
     assert torch.equal(ent, got[0]) and probs.shape == (B, C, 0)
+
+
+def test_sample_segments_cuts_each_row_at_its_budget(tiny):
+    """One generate call through the Sampler for prompt + prefix rows; each row is cut at its own budget, and the
+    entropy (stats) has one value per kept token."""
+    model, tok = tiny
+    torch.manual_seed(0)
+    prompts = common.encode_prompts(tok, ["12+34=", "5+67="])
+    args = tree_args(tr, rounds=1, max_new_tokens=8)
+    segs = tr.sample_segments(common.Sampler(model), tok, prompts, [0, 1, 0], [[], prompts[1][-1:], []], [8, 2, 0],
+                              args, stats=True)
+    assert [len(s["tokens"]) <= b for s, b in zip(segs, [8, 2, 0])] == [True] * 3 and segs[2]["tokens"] == []
+    assert all(len(s["logprobs"]) == len(s["entropy"]) == len(s["tokens"]) for s in segs)
+    assert all(lp <= 0 and e >= 0 for s in segs for lp, e in zip(s["logprobs"], s["entropy"]))
+    assert segs[0]["finished"] == (segs[0]["tokens"][-1:] == [tok.eos_token_id])  # EOS inside the budget
+    assert not segs[2]["finished"]  # cut at budget 0 before anything was kept
 
 
 # ---- whole runs ----

@@ -1,7 +1,10 @@
 """algos/tree_rollout_shared.py: the shared-token loss and gradient against the replicated-leaf loss (per-leaf and
-per-token advantages, eager and SDPA attention), attention without 4-D masks refused, one step equal to the parent's
-one-sequence-per-leaf step, bad input."""
+per-token advantages, eager and SDPA attention, the sampler's truncated importance weight), attention without 4-D masks
+refused, the update's sampler correction, one step equal to the parent's one-sequence-per-leaf step, bad input."""
+import copy
 import json
+import math
+import types
 
 import numpy as np
 import pytest
@@ -9,7 +12,7 @@ import torch
 
 import common
 from _tree_policy import TablePolicy, tree_args
-from algos import tree_rollout_adv as ta, tree_rollout_grpo as tr, tree_rollout_shared as ts
+from algos import _llm as llm, tree_rollout_adv as ta, tree_rollout_grpo as tr, tree_rollout_shared as ts
 
 
 @pytest.fixture(scope="module")
@@ -19,22 +22,24 @@ def tiny():
     return model, tok
 
 
-@pytest.mark.parametrize("agg,per_token,kl,attn", [("seq-mean", True, 0.0, "sdpa"), ("token-mean", False, 0.1, "sdpa"),
-                                                  ("const", True, 0.1, "sdpa"), ("seq-mean", True, 0.1, "eager")])
-def test_shared_token_loss_equals_the_replicated_leaf_loss(tiny, agg, per_token, kl, attn):
+@pytest.mark.parametrize("agg,per_token,kl,attn,is_w", [
+    ("seq-mean", True, 0.0, "sdpa", False), ("token-mean", False, 0.1, "sdpa", False), ("const", True, 0.1, "sdpa", False),
+    ("seq-mean", True, 0.1, "eager", False), ("seq-mean", False, 0.1, "sdpa", True), ("token-mean", True, 0.0, "sdpa", True)])
+def test_shared_token_loss_equals_the_replicated_leaf_loss(tiny, agg, per_token, kl, attn, is_w):
     """Every tree token once, weighted by its leaves, gives the same loss and gradient as one sequence per leaf, with
     clipping active (old log-probs away from the current ones), from fewer forward tokens; under eager attention
     (which adds the mask to the scores) as under SDPA; with one advantage per leaf (the parent's) or per token
-    (tree_rollout_adv.py's TreeRL, whose loss is the reference then)."""
+    (tree_rollout_adv.py's TreeRL, whose loss is the reference then); with the sampler's truncated importance weight
+    per tree token (is_weight) as the parent's per leaf token."""
     model, tok = tiny
     model.set_attn_implementation(attn)
     try:
-        _shared_equals_replicated(model, tok, agg, per_token, kl)
+        _shared_equals_replicated(model, tok, agg, per_token, kl, is_w)
     finally:
         model.set_attn_implementation("sdpa")
 
 
-def _shared_equals_replicated(model, tok, agg, per_token, kl):
+def _shared_equals_replicated(model, tok, agg, per_token, kl, is_w=False):
     args = tree_args(ts, chains=2, rounds=2, branches=1, continuations=2, loss_agg=agg, kl_coef=kl, clip_eps_high=0.28)
     ids = [4, 5, 6, 7, 8]
     trees, _ = ts.grow_trees(TablePolicy(np.full((6, 5), 0.2), 6, ids=ids), [3] * 3, args, np.random.default_rng(1), len)
@@ -51,6 +56,8 @@ def _shared_equals_replicated(model, tok, agg, per_token, kl):
     lp_shared = ts.packed_logprobs(model, pk, torch.arange(3), chunk_mb=0.001)  # several chunks, checkpointed
     noise = torch.randn(lp_shared.shape, generator=g) * 0.3
     old_shared, ref_shared = lp_shared.detach() + noise, lp_shared.detach() - noise
+    w_shared = ts.truncated_is_weight(old_shared, old_shared + torch.randn(lp_shared.shape, generator=g), 2.0) \
+        if is_w else None
     row = torch.arange(B) // args.group_size
     gather = lambda x: x[row[:, None], pk["leaf_index"]] * mask  # noqa: E731
     lp_rep = common.token_logprobs(model, pids, pmask, comp, mask.long())
@@ -58,15 +65,16 @@ def _shared_equals_replicated(model, tok, agg, per_token, kl):
     n_seqs, n_tokens = B, int(mask.sum())
     rep_loss = ta.grpo_loss if per_token else tr.grpo_loss
     rep, _ = rep_loss(lp_rep, {"adv": adv, "mask": mask, "old": gather(old_shared),
-                               "ref": gather(ref_shared) if kl else None}, n_seqs, n_tokens, args)
+                               "ref": gather(ref_shared) if kl else None,
+                               "is_weight": gather(w_shared) if is_w else None}, n_seqs, n_tokens, args)
     shared, st = ts.shared_token_loss(lp_shared, {**{k: pk[k] for k in ("pos_w", "neg_w", "kl_w", "mask")},
-                                                  "old": old_shared, "ref": ref_shared if kl else None},
-                                      n_seqs, n_tokens, args)
+                                                  "old": old_shared, "ref": ref_shared if kl else None,
+                                                  "is_weight": w_shared}, n_seqs, n_tokens, args)
     g_rep = torch.autograd.grad(rep, list(model.parameters()))
     g_shared = torch.autograd.grad(shared, list(model.parameters()))
     assert float(shared.detach()) == pytest.approx(float(rep.detach()), rel=1e-5, abs=1e-7)
-    for a, b in zip(g_rep, g_shared):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    for a, b in zip(g_rep, g_shared):  # weights up to C = 2 double the float32 rounding of the largest entries (~15)
+        assert torch.allclose(a, b, rtol=1e-4, atol=4e-6 if is_w else 1e-6)
     assert float((st["clipfrac"] * pk["mask"]).sum()) > 0  # the clipped branch was active somewhere
     # fewer forward tokens: prompt + tree tokens once per tree instead of prompt + leaf per leaf
     assert pk["mask"].sum() + sum(map(len, prompts)) < mask.sum() + args.group_size * sum(map(len, prompts))
@@ -80,6 +88,27 @@ def test_shared_training_refuses_attention_without_4d_masks(tiny):
             ts.tree_attention_mask(model, torch.ones(1, 3, 3, dtype=torch.bool))
     finally:
         model.config._attn_implementation = "sdpa"
+
+
+def test_update_shared_applies_the_sampler_weight_when_the_sampler_is_not_the_trainer(tiny):
+    """update_shared on one batch of trees: with the trainer as sampler, no weight and no is_weight statistics; with
+    a sampler that is another computation (a bf16 copy, vLLM: stubbed here) whose log-probs sit log 3 below pi_old,
+    every tree token's weight is truncated at C = 2 (rollout/is_weight_mean 2, is_truncated_frac 1) and the
+    on-policy gradient doubles."""
+    model, tok = tiny
+    args = tree_args(ts, chains=2, rounds=1, branches=1, continuations=1, prompts_per_step=3, steps=1, lr=1e-5)
+    torch.manual_seed(0)
+    batch = ts.rollout(common.Sampler(model), tok, llm.make_task("add"), args, np.random.default_rng(0), "cpu")
+    accel, outs = types.SimpleNamespace(num_processes=1), []  # one process
+    for sampler, shift in ((None, 0.0), (types.SimpleNamespace(is_trainer=False, refresh=lambda: None), math.log(3))):
+        m = copy.deepcopy(model)
+        b = {**batch, "packed": {**batch["packed"], "logprobs": batch["packed"]["logprobs"] - shift}}
+        opt = torch.optim.AdamW(m.parameters(), lr=args.lr)
+        outs.append(ts.update_shared(m, opt, b, args, 1, accel, sampler or common.Sampler(m)))
+    assert "rollout/is_weight_mean" not in outs[0] and outs[0]["rollout/logprob_mismatch"] < 1e-4
+    assert outs[1]["rollout/is_weight_mean"] == pytest.approx(2.0) and outs[1]["rollout/is_truncated_frac"] == 1.0
+    assert outs[1]["rollout/logprob_mismatch"] == pytest.approx(math.log(3), rel=1e-3)
+    assert outs[1]["loss/grad_norm"] == pytest.approx(2 * outs[0]["loss/grad_norm"], rel=1e-4)
 
 
 SMALL = dict(steps=1, prompts_per_step=4, eval_every=1, eval_examples=10, pass_k=0, eval_hard=False, threads=1,
