@@ -34,9 +34,10 @@ def set_seed(seed: int) -> None:
 
 
 def get_device(name: str = "auto") -> torch.device:
-    """'auto' picks CUDA when present, else CPU; anything else is passed to torch.device."""
+    """'auto' picks CUDA when present, then Apple's MPS, else CPU; anything else is passed to torch.device."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
     return torch.device(name)
 
 

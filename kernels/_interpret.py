@@ -25,11 +25,37 @@ from __future__ import annotations
 import os
 
 import torch
-import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
 
-__all__ = ["POISON_OUTPUTS", "interpreter_requested", "new_output", "use_interpreter", "use_triton"]
+
+class _Absent:
+    """Stands in for `triton` where it has no wheels (macOS, Windows): decorators leave a function as it is, any
+    attribute is another stand-in, and use_triton() is False, so every public op runs its pure-torch reference."""
+
+    cdiv = staticmethod(lambda a, b: -(-a // b))  # the two pure helpers the shape checks use
+    next_power_of_2 = staticmethod(lambda n: 1 << max(0, int(n) - 1).bit_length())
+
+    def __getattr__(self, name):
+        return _Absent()
+
+    def __call__(self, *args, **kwargs):
+        return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else _Absent()
+
+
+try:
+    import triton
+    import triton.language as tl
+    import triton.testing  # noqa: F401 - triton.testing.do_bench for the benchmarks
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    HAVE_TRITON = True
+except ImportError:
+    triton = tl = _Absent()
+    InterpretedFunction = JITFunction = type("NoTriton", (), {})
+    HAVE_TRITON = False
+
+__all__ = ["HAVE_TRITON", "POISON_OUTPUTS", "interpreter_requested", "new_output", "tl", "triton", "use_interpreter",
+           "use_triton"]
 
 POISON_OUTPUTS = False  # tests set True: outputs start as NaN / -7, so an element a kernel forgets to write fails
 
@@ -59,7 +85,10 @@ def use_interpreter(module_globals: dict) -> None:
 
 
 def use_triton(module_globals: dict, *tensors: torch.Tensor) -> bool:
-    """True when the kernels of the module with these globals should run on these tensors (see the docstring)."""
+    """True when the kernels of the module with these globals should run on these tensors (see the docstring);
+    always False without Triton."""
+    if not HAVE_TRITON:
+        return False
     if all(t.is_cuda for t in tensors):
         return True
     if interpreter_requested():
