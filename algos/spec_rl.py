@@ -7,8 +7,7 @@ RL rollouts); Kim, Lee, Oh et al., "EfficientRollout: System-Aware Self-Speculat
 arXiv:2606.18967 (a quantised self-drafter; acceptance-aware draft length); Qin et al., "Seer: Online Context
 Learning for Fast Synchronous LLM Reinforcement Learning", arXiv:2511.14617 (drafts from sibling responses).
 
-Parent: algos/grpo.py; changed: Args, Args.engine, Args.eval_every, Args.exp_name, Args.lr, Args.out_dir, Args.seed,
-  Args.steps, check_args, rollout, main.
+Parent: algos/grpo.py; changed: Args, Args.eval_every, Args.steps, check_args, rollout, main.
 
 The update is grpo.py's (update, grpo_loss); rollout changes: prompts come from a fixed pool revisited every
 epoch, and spec_decode.py's sampler (spec_generate of algos/_speculative.py, which both scripts import)
@@ -43,8 +42,11 @@ Deviations:
   tiny vocabulary, too much memory for a real one (where it would be kept sparse or recomputed).
 - The self-drafter is fake-quantized (int8 weights rounded, compute in fp32): it reproduces the distribution
   mismatch of a quantized drafter, not its speed, and there is no system-aware on/off toggle.
-- No vLLM engine, no resume (the previous-epoch drafts are not checkpointed), no Triton kernels: the rollout
-  engine is the speculative sampler (HF model, KV cache with rollback).
+- No vLLM engine, no resume (the previous-epoch drafts are not checkpointed; --engine vllm and --resume are refused),
+  no Triton kernels: the rollout engine is the speculative sampler (HF model, KV cache with rollback). Its target is
+  the sampler's copy of the policy (common.Sampler: the trainer itself on CPU, a bf16 copy on one GPU, a gathered
+  full copy when sharded); when that copy is not the trainer's computation, grpo.py's update weights each token by
+  min(pi_old / pi_sampler, --sampler-is-cap), the speculative sampler being lossless with respect to that copy.
 - Batched in lock-step: the batch needs as many target calls as its slowest row; we log both the batched calls
   and the per-sequence target forwards per token (what a continuous-batching engine would save).
 
@@ -61,7 +63,6 @@ most rollout tokens and needs fewer target forwards per token; see benchmarks/re
 from __future__ import annotations
 
 import copy
-import math
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -77,36 +78,14 @@ from tqdm import tqdm
 
 import common
 from algos import _llm as llm
+from algos._llm import LLMArgs
 from algos._speculative import ModelDrafter, NgramDrafter, SpecStats, spec_generate, to_rollout
 
 
 @dataclass
-class Args:
-    # bookkeeping
-    exp_name: str = "spec_rl"
-    """name of the run (the output folder is out_dir/exp_name)"""
-    seed: int = 0
-    """random seed: the pool, and the prompts and sampling of step s, depend only on (seed, s, rank)"""
-    track: bool = False
-    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
-    out_dir: str = "runs"
-    """where metrics.jsonl, summary.json, the curves and checkpoints go"""
-    # model and task
-    model: str = "tiny-0.6m"
-    """tiny-0.6m, tiny-5m, smollm2-135m, a Hugging Face id or a local path"""
-    task: str = "add"
-    """add, addsteps, jsonl:PATH (prompt/answer records) or gsm8k"""
-    digits: int = 2
-    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
-    device: str = "auto"
-    """auto (CUDA if present), cpu or cuda"""
-    threads: int = 2
-    """torch CPU threads per process"""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+class Args(LLMArgs):
+    """GRPO's flags with SPEC-RL's: the drafter and the fixed prompt pool; the plumbing flags are LLMArgs'."""
     # rollout
-    engine: Literal["hf"] = "hf"
-    """rollout engine: the speculative sampler on the Hugging Face model (no vLLM path here)"""
     drafter: Literal["prev", "prev+ngram", "ngram", "model", "self", "none"] = "prev"
     """prev = SPEC-RL (last epoch's rollout; +ngram: n-gram drafts after a rejection), ngram = siblings (Seer),
     model = frozen draft, self = int8 policy (EfficientRollout), none = plain sampling"""
@@ -117,17 +96,11 @@ class Args:
     adaptive_gamma: bool = False
     """pick gamma each round from the running acceptance estimate (EfficientRollout)"""
     pool_size: int = 512
-    """training prompts in the fixed pool, revisited every epoch"""
+    """training prompts in the fixed pool (drawn from --seed and the rank), revisited every epoch"""
     prompts_per_step: int = 32
     """distinct prompts per rollout batch (per process)"""
     group_size: int = 8
     """completions per prompt (G)"""
-    max_new_tokens: int = 8
-    """generation budget per completion"""
-    temperature: float = 1.0
-    """sampling temperature (the trainer scores with the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling threshold"""
     # objective
     adv_std_norm: bool = True
     """divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
@@ -141,6 +114,9 @@ class Args:
     """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
     agg_const: int = 0
     """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    sampler_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
+    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
     # optimisation
     steps: int = 200
     """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
@@ -148,36 +124,9 @@ class Args:
     """passes over each rollout batch"""
     minibatches: int = 1
     """optimiser steps per pass; the rollout batch is split into this many"""
-    micro_batch_size: int = 256
-    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
-    lr: float = 1e-4
-    """peak learning rate (AdamW); >= 3e-4 is unstable on the tiny policy, real LLMs want about 1e-6"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
-    warmup_steps: int = 0
-    """linear warm-up (optimiser steps)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm"""
-    grad_checkpointing: bool = False
-    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
-    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
-    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
-    sampler_is_cap: float = 2.0
-    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
-    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
-    # eval and checkpoints
+    # eval
     eval_every: int = 40
     """rollout batches between held-out evaluations"""
-    eval_examples: int = 500
-    """held-out prompts for greedy accuracy"""
-    pass_k: int = 8
-    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
-    eval_hard: bool = True
-    """also evaluate one digit harder than training (out of distribution)"""
-    save_every: int = 0
-    """rollout batches between checkpoints (0 = only at the end)"""
 
 
 def check_args(args: Args) -> None:
@@ -203,6 +152,11 @@ def check_args(args: Args) -> None:
     if args.pool_size < args.prompts_per_step:
         raise SystemExit(f"--pool-size ({args.pool_size}) must be at least --prompts-per-step "
                          f"({args.prompts_per_step})")
+    if args.engine != "hf":
+        raise SystemExit("--engine: the speculative sampler (algos/_speculative.py on the Hugging Face model) is the "
+                         "rollout engine here; there is no vLLM path")
+    if args.resume:
+        raise SystemExit("--resume: not supported (the previous epoch's drafts are not checkpointed)")
 
 
 # ---- the idea: advantage, clipped surrogate, KL, aggregation ----
@@ -374,27 +328,29 @@ class Speculator:
 
 
 # ---- rollout and update ----
-def rollout(model, tok, task, args: Args, step: int, device, spec: Speculator) -> dict:
+def rollout(sampler, tok, task, args: Args, step: int, device, spec: Speculator) -> dict:
     """Sample G completions for each of prompts_per_step pool prompts speculatively; reward them; A_i per group.
 
     The drafter sees what it may: SPEC-RL the group's rollout of the last epoch (with the q it was sampled
-    from), the n-gram drafter that rollout and the siblings, the self-drafter an int8 copy of the policy.
+    from), the n-gram drafter that rollout and the siblings, the self-drafter an int8 copy of the policy. The target
+    is the sampler's copy (the trainer itself on CPU; a bf16 copy on one GPU, a gathered full copy when sharded).
     """
     epoch, idx = spec.batch_of(step)
     examples, prompts = [spec.pool[i] for i in idx], [spec.pool_prompts[i] for i in idx]
     d, prev, G = spec.drafter, [spec.memory.get(i) for i in idx], args.group_size
+    target = sampler.module()
     if args.drafter == "self":
-        d.model = fake_int8_copy(model)
+        d.model = fake_int8_copy(target)
     if args.drafter.startswith("prev"):
         d.prior, d.plen = {g: m for g, m in enumerate(prev) if m}, [len(p) for p in prompts for _ in range(G)]
     if args.drafter in ("ngram", "prev+ngram"):
         ngram = d.then if args.drafter == "prev+ngram" else d  # n-grams also from last epoch's rollouts
         ngram.extra = {g: [prompts[g] + t for t, _ in m] for g, m in enumerate(prev) if m}
-    model.eval()
-    comp, lps, st, probs = spec_generate(model, prompts, G, args.max_new_tokens, tok.pad_token_id, tok.eos_token_id,
+    target.eval()
+    comp, lps, st, probs = spec_generate(target, prompts, G, args.max_new_tokens, tok.pad_token_id, tok.eos_token_id,
                                          d, spec.gamma, args.temperature, args.top_p, False, args.adaptive_gamma,
                                          keep_probs=args.drafter.startswith("prev"))
-    model.train()
+    sampler.model.train()  # the trainer (which is the target on CPU)
     if args.drafter in ("prev", "prev+ngram", "ngram"):  # remember this visit: the next epoch's drafts
         for g, i in enumerate(idx):
             spec.memory[i] = [(comp[r], probs[r] if probs is not None else None) for r in range(g * G, (g + 1) * G)]
@@ -412,89 +368,64 @@ def rollout(model, tok, task, args: Args, step: int, device, spec: Speculator) -
     return batch
 
 
-def lr_factor(step: int, total: int, args: Args) -> float:
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    if args.lr_schedule == "constant":
-        return 1.0
-    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+def sampler_gap(old_logp, sampler_logp, is_weight, mask, cap: float) -> dict:
+    """This micro-batch's sums for rollout/logprob_mismatch (|log pi_old - log pi_sampler| per token, on the sampler's
+    weights) and, when the correction is on, the mean importance weight and the fraction truncated at C."""
+    out = {"gap/sum": common.masked_sum((old_logp - sampler_logp).abs(), mask).item(), "gap/tokens": mask.sum().item()}
+    if is_weight is not None:
+        out.update({"gap/is_w": common.masked_sum(is_weight, mask).item(),
+                    "gap/is_cut": common.masked_sum((is_weight >= cap).float(), mask).item()})
+    return out
 
 
-def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
-    """NaN guard, clip, scheduled lr, step; returns the gradient norm. With several processes FSDP2 has already
-    summed the gradients over ranks (the loss used step-global normalisers) and the norm is the global one; the
-    full sampler copy of a sharded model is gathered again after the step."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
-    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
-        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
-                         "intact. Lower --lr or check the rewards.")
-    for group in opt.param_groups:
-        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
-    opt.step()
-    common.sync_sampler(model)
-    return grad_norm
-
-
-def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampler, ref_model=None,
+           fused_logprob=None) -> dict:
     """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
 
     pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
     over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged. The logged
     statistics are sums over all ranks divided by global counts: every rank returns the same values.
     """
-    B = batch["completion_ids"].shape[0]
+    B, mask = batch["completion_ids"].shape[0], batch["completion_mask"]
     micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
     logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
-        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
-        batch["completion_mask"][idx], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx], mask[idx],
+        args.temperature, with_entropy=ent, fused_fn=fused_logprob)
     on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
     with torch.no_grad():
         old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
         ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
-    correct = args.sampler_is_cap > 0 and (args.engine == "vllm" or not common.sampler_is_trainer(model))
-    sums = {"pg": 0.0, "entropy": 0.0}  # this rank's share of each step mean, summed over ranks below
-    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
-    gap = {"sum": 0.0 if on_policy else common.masked_sum((old - batch["logprobs"]).abs(),
-                                                          batch["completion_mask"].float()).item(),
-           "tokens": float(batch["completion_mask"].sum()), "is_w": 0.0, "is_cut": 0.0}
-    n_opt, grad_norm = 0, 0.0
+    correct = args.sampler_is_cap > 0 and not sampler.is_trainer  # the sampler is another computation
+    sums, n_opt, grad_norm = {}, 0, 0.0  # sums: this rank's share of each logged mean, summed over ranks below
+    total = args.steps * args.ppo_epochs * args.minibatches
     for epoch in range(args.ppo_epochs):
         for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
-            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
-                                  device=batch["adv"].device)
-            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            n_seqs, n_tokens = llm.step_counts(mask[mb_idx], accel)
             opt.zero_grad(set_to_none=True)
             for idx in micro(mb_idx):
                 logp, ent = logprobs_of(model, idx, True)
-                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
+                mb = {"adv": batch["adv"][idx], "mask": mask[idx].float(),
                       "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx]}
                 mb["is_weight"] = truncated_is_weight(mb["old"], batch["logprobs"][idx], args.sampler_is_cap) \
                     if correct else None
                 loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
                 loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
-                sums["pg"] += loss.item()
-                for k, v in {**token_stats, "entropy": ent}.items():
-                    sums[k] = sums.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
-                if on_policy:  # the only forward on the sampler's weights
-                    gap["sum"] += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(), mb["mask"]).item()
-                if correct and epoch == 0:  # every token once
-                    gap["is_w"] += common.masked_sum(mb["is_weight"], mb["mask"]).item()
-                    gap["is_cut"] += common.masked_sum((mb["is_weight"] >= args.sampler_is_cap).float(),
-                                                       mb["mask"]).item()
+                for k, v in {"pg": loss.item(), **{k: common.masked_sum(v.detach(), mb["mask"]).item() / max(
+                        n_tokens, 1) for k, v in {**token_stats, "entropy": ent}.items()}}.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                if epoch == 0:  # every token once, on the sampler's weights (pi_old)
+                    for k, v in sampler_gap(mb["old"], batch["logprobs"][idx], mb["is_weight"], mb["mask"],
+                                            args.sampler_is_cap).items():
+                        sums[k] = sums.get(k, 0.0) + v
             opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
-            grad_norm += optimizer_step(model, opt, args, accel, opt_step)
+            grad_norm += llm.optimizer_step(model, opt, args, opt_step, total, sampler)
             n_opt += 1
-    keys = sorted(sums) + [f"gap_{k}" for k in gap]
-    tot = torch.tensor([*(sums[k] for k in sorted(sums)), *gap.values()], dtype=torch.float64,
-                       device=batch["adv"].device)
-    tot = dict(zip(keys, (accel.reduce(tot, "sum") if accel.num_processes > 1 else tot).tolist()))
-    out = {**{f"loss/{k}": tot[k] / n_opt for k in sums}, "loss/grad_norm": grad_norm / n_opt,
-           "rollout/logprob_mismatch": tot["gap_sum"] / max(tot["gap_tokens"], 1)}
+    tot = llm.all_ranks_sum(sums, accel, mask.device)
+    out = {**{f"loss/{k}": v / n_opt for k, v in tot.items() if not k.startswith("gap/")},
+           "loss/grad_norm": grad_norm / n_opt, "rollout/logprob_mismatch": tot["gap/sum"] / max(tot["gap/tokens"], 1)}
     if correct:
-        out.update({"rollout/is_weight_mean": tot["gap_is_w"] / max(tot["gap_tokens"], 1),
-                    "rollout/is_truncated_frac": tot["gap_is_cut"] / max(tot["gap_tokens"], 1)})
+        out.update({"rollout/is_weight_mean": tot["gap/is_w"] / max(tot["gap/tokens"], 1),
+                    "rollout/is_truncated_frac": tot["gap/is_cut"] / max(tot["gap/tokens"], 1)})
     return out
 
 
@@ -516,17 +447,6 @@ def save_drift(history: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def load_policy(args: Args, accel):
-    """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
-    only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    return common.shard(model, accel), tok, common.shard(ref_model, accel, sampler=False)
-
-
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
@@ -539,15 +459,16 @@ def main(args: Args) -> dict:
     task = llm.make_task(args.task, args.digits)
     hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
-    spec = Speculator(args, model, tok, task, accel.device, rank)  # the rollout engine: speculative sampling
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # sharded when several processes run; the sampler's copy is the speculative sampler's target
+    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
+    spec = Speculator(args, sampler.module(), tok, task, accel.device, rank)  # the rollout engine
+    opt = llm.make_optimizer(model.parameters(), args)
 
     run_dir = Path(args.out_dir) / args.exp_name
     history, gen_tokens, gen_time = [], 0, 0.0
     tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
     timer, t_start = common.Timer(), time.time()
-    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+    evaluate = lambda: common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
                                        args.temperature, hard_task)
 
     def log(metrics: dict, step: int):
@@ -562,9 +483,9 @@ def main(args: Args) -> dict:
         # Every random draw of this step depends on (seed, step, rank) only.
         torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
         with timer("gen"):
-            batch = rollout(model, tok, task, args, step, accel.device, spec)
-        with timer("train"):
-            stats = update(model, opt, batch, grpo_loss, args, step, accel, ref_model)
+            batch = rollout(sampler, tok, task, args, step, accel.device, spec)
+        with timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, grpo_loss, args, step, accel, sampler, ref_model)
         t = timer.pop()
         gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
         metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],

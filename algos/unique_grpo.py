@@ -7,8 +7,8 @@ rises while pass@k stalls. The paper has an LLM judge cluster the rollouts of on
 correct rollout with a rare strategy gets more credit than one of many redundant ones. Reported: better pass@k
 and area under the pass@k curve (AUC@K) without losing pass@1, and more distinct strategies.
 
-Parent: algos/grpo.py; changed: Args, Args.eval_every, Args.exp_name, Args.model, Args.prompts_per_step, Args.steps,
-  Args.task, check_args, rollout, main.
+Parent: algos/grpo.py; changed: Args, Args.eval_every, Args.model, Args.prompts_per_step, Args.steps, Args.task,
+  check_args, rollout, main.
 
 Equations (each implemented by the function named on the right):
   strategy label    s_i = the sorted multiset of the operators (+ - * /) in response i          strategy_label
@@ -37,7 +37,8 @@ Deviations from the paper:
   (the paper's normalisation and sign handling are not in the abstract): a correct rare strategy gains what a
   redundant one loses, failures keep GRPO's push down, and with 0/1 rewards the advantages still sum to 0.
 - alpha (--uniqueness-power, default 1) is our choice; malformed answers form one cluster of their own.
-- grpo.py's other deviations hold (KL off by default, sample std, pi_old handling, FSDP2 with several processes).
+- grpo.py's other deviations hold (KL off by default, sample std, pi_old handling, the truncated importance weight
+  when the sampler is not the trainer, FSDP2 with several processes).
 
 Commands:
   python algos/unique_grpo.py                                   # tiny default: reach with tiny-reach, 2-core CPU
@@ -55,9 +56,7 @@ at this scale (benchmarks/results/poise_unique.md).
 """
 from __future__ import annotations
 
-import copy
 import functools
-import hashlib
 import itertools
 import math
 import re
@@ -65,7 +64,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -76,48 +75,23 @@ from tqdm import tqdm
 
 import common
 from algos import _llm as llm
-from algos._vllm import VLLMEngine
+from algos._llm import LLMArgs
 
 
 @dataclass
-class Args:
-    # bookkeeping
-    exp_name: str = "unique_grpo"
-    """name of the run (the output folder is out_dir/exp_name)"""
-    seed: int = 0
-    """random seed: prompts and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
-    track: bool = False
-    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
-    out_dir: str = "runs"
-    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
+class Args(LLMArgs):
+    """GRPO's flags with the uniqueness weight and the reach task's defaults; the plumbing flags are LLMArgs'."""
     # model and task
     model: str = "tiny-reach"
-    """tiny-reach (made for --task reach), tiny-0.6m, smollm2-135m, a Hugging Face id or a local path"""
-    task: str = "reach"
-    """reach (several strategies per prompt), or common's tasks: add, addsteps, sums, jsonl:PATH, gsm8k"""
-    digits: int = 2
-    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
-    device: str = "auto"
-    """auto (CUDA if present), cpu or cuda"""
-    threads: int = 2
-    """torch CPU threads per process"""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+    """tiny-reach (made for --task reach), tiny-0.6m, tiny-5m, tiny-sums, smollm2-135m, a Hugging Face id or a local
+    path"""
+    task: Annotated[str, tyro.conf.arg(
+        help=f"training and held-out task: reach (this file's: several strategies per prompt), {llm.TASKS}")] = "reach"
     # rollout
-    engine: Literal["hf", "vllm"] = "hf"
-    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
-    vllm_gpu_memory: float = 0.3
-    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
     prompts_per_step: int = 64
     """distinct prompts per rollout batch (per process)"""
     group_size: int = 8
     """completions per prompt (G)"""
-    max_new_tokens: int = 8
-    """generation budget per completion"""
-    temperature: float = 1.0
-    """sampling temperature (the trainer scores with the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling threshold"""
     # objective
     adv_std_norm: bool = True
     """divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
@@ -131,6 +105,9 @@ class Args:
     """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
     agg_const: int = 0
     """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    sampler_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
+    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
     uniqueness_power: float = 1.0
     """alpha of the weight m^-alpha on a positive advantage, m its strategy cluster's size (0 = plain GRPO)"""
     # optimisation
@@ -140,44 +117,15 @@ class Args:
     """passes over each rollout batch"""
     minibatches: int = 1
     """optimiser steps per pass; the rollout batch is split into this many"""
-    micro_batch_size: int = 256
-    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
-    lr: float = 1e-4
-    """peak learning rate (AdamW); 1e-3 collapses the tiny policy, real LLMs want about 1e-6"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
-    warmup_steps: int = 0
-    """linear warm-up (optimiser steps)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm"""
     kernels: bool = False
     """use the Triton kernels (fused log-prob, fused clipped loss) when a GPU is present"""
-    grad_checkpointing: bool = False
-    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
-    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
-    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
-    sampler_is_cap: float = 2.0
-    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
-    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
     # eval and checkpoints
     eval_every: int = 50
     """rollout batches between held-out evaluations"""
-    eval_examples: int = 500
-    """held-out prompts for greedy accuracy"""
-    pass_k: int = 8
-    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
-    eval_hard: bool = True
-    """also evaluate one digit harder than training (out of distribution)"""
     curve_k: int = 16
     """samples per held-out prompt for the pass@k curve, AUC@K and distinct strategies (0 = off)"""
     curve_prompts: int = 200
     """held-out prompts for the pass@k curve (the first of the greedy eval's prompts)"""
-    save_every: int = 0
-    """rollout batches between checkpoints (0 = only at the end)"""
-    resume: str = ""
-    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
 
 
 def check_args(args: Args) -> None:
@@ -304,13 +252,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 @torch.no_grad()
-def diversity_eval(model, tok, task, examples: list, n: int, max_new_tokens: int, temperature: float,
-                   engine=None) -> dict:
-    """n samples per held-out prompt: pass@1 (sampled), pass@n, AUC@n = mean_k pass@k, distinct correct strategies."""
+def diversity_eval(policy, tok, task, examples: list, n: int, max_new_tokens: int, temperature: float) -> dict:
+    """n samples per held-out prompt: pass@1 (sampled), pass@n, AUC@n = mean_k pass@k, distinct correct strategies.
+    `policy`: a Sampler or a model (as common.generate takes it)."""
+    model = policy.model if isinstance(policy, common.Sampler) else policy
     was_training = model.training
     model.eval()
-    ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), n, max_new_tokens,
-                         temperature, engine=engine)
+    ro = common.generate(policy, tok, common.encode_prompts(tok, [e.prompt for e in examples]), n, max_new_tokens,
+                         temperature)
     model.train(was_training)
     curve, distinct = np.zeros(n), []
     for p, e in enumerate(examples):
@@ -411,11 +360,11 @@ def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
 
 
 # ---- rollout and update ----
-def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
+def rollout(sampler, tok, task, args: Args, rng, device) -> dict:
     """G completions per prompt; rewards; strategy labels; GRPO advantages reweighted by cluster uniqueness."""
     examples = task.sample("train", args.prompts_per_step, rng)
-    ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
-                         args.max_new_tokens, args.temperature, args.top_p, engine=engine)
+    ro = common.generate(sampler, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
+                         args.max_new_tokens, args.temperature, args.top_p)
     answers = [e.answer for e in examples for _ in range(args.group_size)]
     rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
     labels = [strategy_label(t) if task.verify(t, a)[1]["format"] else "malformed" for t, a in zip(ro.texts, answers)]
@@ -429,101 +378,65 @@ def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
     return batch
 
 
-def lr_factor(step: int, total: int, args: Args) -> float:
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    if args.lr_schedule == "constant":
-        return 1.0
-    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+def sampler_gap(old_logp, sampler_logp, is_weight, mask, cap: float) -> dict:
+    """This micro-batch's sums for rollout/logprob_mismatch (|log pi_old - log pi_sampler| per token, on the sampler's
+    weights) and, when the correction is on, the mean importance weight and the fraction truncated at C."""
+    out = {"gap/sum": common.masked_sum((old_logp - sampler_logp).abs(), mask).item(), "gap/tokens": mask.sum().item()}
+    if is_weight is not None:
+        out.update({"gap/is_w": common.masked_sum(is_weight, mask).item(),
+                    "gap/is_cut": common.masked_sum((is_weight >= cap).float(), mask).item()})
+    return out
 
 
-def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
-    """NaN guard, clip, scheduled lr, step; returns the gradient norm. With several processes FSDP2 has already
-    summed the gradients over ranks (the loss used step-global normalisers) and the norm is the global one; the
-    full sampler copy of a sharded model is gathered again after the step."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
-    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
-        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
-                         "intact. Lower --lr or check the rewards.")
-    for group in opt.param_groups:
-        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
-    opt.step()
-    common.sync_sampler(model)
-    return grad_norm
-
-
-def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampler, ref_model=None,
+           fused_logprob=None) -> dict:
     """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
 
     pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
     over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged. The logged
     statistics are sums over all ranks divided by global counts: every rank returns the same values.
     """
-    B = batch["completion_ids"].shape[0]
+    B, mask = batch["completion_ids"].shape[0], batch["completion_mask"]
     micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
     logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
-        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
-        batch["completion_mask"][idx], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx], mask[idx],
+        args.temperature, with_entropy=ent, fused_fn=fused_logprob)
     on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
     with torch.no_grad():
         old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
         ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
-    correct = args.sampler_is_cap > 0 and (args.engine == "vllm" or not common.sampler_is_trainer(model))
-    sums = {"pg": 0.0, "entropy": 0.0}  # this rank's share of each step mean, summed over ranks below
-    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
-    gap = {"sum": 0.0 if on_policy else common.masked_sum((old - batch["logprobs"]).abs(),
-                                                          batch["completion_mask"].float()).item(),
-           "tokens": float(batch["completion_mask"].sum()), "is_w": 0.0, "is_cut": 0.0}
-    n_opt, grad_norm = 0, 0.0
+    correct = args.sampler_is_cap > 0 and not sampler.is_trainer  # the sampler is another computation
+    sums, n_opt, grad_norm = {}, 0, 0.0  # sums: this rank's share of each logged mean, summed over ranks below
+    total = args.steps * args.ppo_epochs * args.minibatches
     for epoch in range(args.ppo_epochs):
         for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
-            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
-                                  device=batch["adv"].device)
-            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            n_seqs, n_tokens = llm.step_counts(mask[mb_idx], accel)
             opt.zero_grad(set_to_none=True)
             for idx in micro(mb_idx):
                 logp, ent = logprobs_of(model, idx, True)
-                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
+                mb = {"adv": batch["adv"][idx], "mask": mask[idx].float(),
                       "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx]}
                 mb["is_weight"] = truncated_is_weight(mb["old"], batch["logprobs"][idx], args.sampler_is_cap) \
                     if correct else None
                 loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
                 loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
-                sums["pg"] += loss.item()
-                for k, v in {**token_stats, "entropy": ent}.items():
-                    sums[k] = sums.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
-                if on_policy:  # the only forward on the sampler's weights
-                    gap["sum"] += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(), mb["mask"]).item()
-                if correct and epoch == 0:  # every token once
-                    gap["is_w"] += common.masked_sum(mb["is_weight"], mb["mask"]).item()
-                    gap["is_cut"] += common.masked_sum((mb["is_weight"] >= args.sampler_is_cap).float(),
-                                                       mb["mask"]).item()
+                for k, v in {"pg": loss.item(), **{k: common.masked_sum(v.detach(), mb["mask"]).item() / max(
+                        n_tokens, 1) for k, v in {**token_stats, "entropy": ent}.items()}}.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                if epoch == 0:  # every token once, on the sampler's weights (pi_old)
+                    for k, v in sampler_gap(mb["old"], batch["logprobs"][idx], mb["is_weight"], mb["mask"],
+                                            args.sampler_is_cap).items():
+                        sums[k] = sums.get(k, 0.0) + v
             opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
-            grad_norm += optimizer_step(model, opt, args, accel, opt_step)
+            grad_norm += llm.optimizer_step(model, opt, args, opt_step, total, sampler)
             n_opt += 1
-    keys = sorted(sums) + [f"gap_{k}" for k in gap]
-    tot = torch.tensor([*(sums[k] for k in sorted(sums)), *gap.values()], dtype=torch.float64,
-                       device=batch["adv"].device)
-    tot = dict(zip(keys, (accel.reduce(tot, "sum") if accel.num_processes > 1 else tot).tolist()))
-    out = {**{f"loss/{k}": tot[k] / n_opt for k in sums}, "loss/grad_norm": grad_norm / n_opt,
-           "rollout/logprob_mismatch": tot["gap_sum"] / max(tot["gap_tokens"], 1)}
+    tot = llm.all_ranks_sum(sums, accel, mask.device)
+    out = {**{f"loss/{k}": v / n_opt for k, v in tot.items() if not k.startswith("gap/")},
+           "loss/grad_norm": grad_norm / n_opt, "rollout/logprob_mismatch": tot["gap/sum"] / max(tot["gap/tokens"], 1)}
     if correct:
-        out.update({"rollout/is_weight_mean": tot["gap_is_w"] / max(tot["gap_tokens"], 1),
-                    "rollout/is_truncated_frac": tot["gap_is_cut"] / max(tot["gap_tokens"], 1)})
+        out.update({"rollout/is_weight_mean": tot["gap/is_w"] / max(tot["gap/tokens"], 1),
+                    "rollout/is_truncated_frac": tot["gap/is_cut"] / max(tot["gap/tokens"], 1)})
     return out
-
-
-def load_policy(args: Args, accel):
-    """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
-    only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    return common.shard(model, accel), tok, common.shard(ref_model, accel, sampler=False)
 
 
 # ---- main ----
@@ -538,31 +451,30 @@ def main(args: Args) -> dict:
     task = make_task(args.task, args.digits)
     hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
-    engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
-        if args.engine == "vllm" else None
+    # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
+    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
     use_kernels = args.kernels and accel.device.type == "cuda"
     fused_logprob = None
     if use_kernels:  # Triton: the fused lm_head + log-softmax (the loss kernel is in kernel_grpo_loss)
         from kernels.fused_logprob import fused_linear_logprob as fused_logprob
     loss_fn = kernel_grpo_loss if use_kernels else grpo_loss
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = llm.make_optimizer(model.parameters(), args)
 
     run_dir = Path(args.out_dir) / args.exp_name
     state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
-    if args.resume and engine is not None:
-        engine.sync_weights(model)
+    if args.resume:
+        sampler.refresh()
     start_step, history = state.get("step", 0), state.get("history", [])
     gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
     tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
     timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
 
     def evaluate():
-        out = common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k, args.temperature,
-                              hard_task, engine)
+        out = common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k, args.temperature,
+                              hard_task)
         if args.curve_k:  # the pass@k curve and the strategies found: what uniqueness weighting is for
-            out.update(diversity_eval(model, tok, task, eval_sets["main"][:args.curve_prompts], args.curve_k,
-                                      args.max_new_tokens, args.temperature, engine))
+            out.update(diversity_eval(sampler, tok, task, eval_sets["main"][:args.curve_prompts], args.curve_k,
+                                      args.max_new_tokens, args.temperature))
         return out
 
     def log(metrics: dict, step: int):
@@ -579,12 +491,9 @@ def main(args: Args) -> dict:
         torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
         rng = np.random.default_rng([args.seed, step, rank])
         with timer("gen"):
-            batch = rollout(model, tok, task, args, rng, accel.device, engine)
-        with timer("train"):
-            stats = update(model, opt, batch, loss_fn, args, step, accel, ref_model, fused_logprob)
-        if engine is not None:
-            with timer("sync"):
-                engine.sync_weights(model)
+            batch = rollout(sampler, tok, task, args, rng, accel.device)
+        with timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, loss_fn, args, step, accel, sampler, ref_model, fused_logprob)
         t = timer.pop()
         gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
         metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],

@@ -177,8 +177,8 @@ def test_pilot_commit_rollout_assembles_groups_from_both_rounds():
     pilot = [1, 1, 0, 1, 0, 0, 1, 0]  # prompts 1 and 3 disagree
     commit = [1, 0, 1, 0]  # 2 more for each (the commit order between the two is a random tie-break)
     task = ScriptedTask(pilot + commit)
-    batch = ps.rollout(model, tok, task, args, np.random.default_rng(0), torch.device("cpu"), None,
-                       ps.PilotCommit(args), None, 1)
+    batch = ps.rollout(model, tok, task, args, np.random.default_rng(0), torch.device("cpu"), ps.PilotCommit(args),
+                       None, 1)
     assert batch["sampling"]["rollout/sampled"] == 12 and batch["sampling"]["rollout/informative_groups"] == 2
     assert batch["sampling"]["rollout/rollouts_per_informative_group"] == 6.0
     assert batch["sampling"]["rollout/zero_var_group_frac"] == 0.0
@@ -196,7 +196,7 @@ def test_uniform_rollout_equals_grpo_rollout():
     task, args = llm.make_task("add"), replace(SMALL, selector="uniform", pool_size=0)
     out = []
     for fn in (lambda rng: grpo.rollout(model, tok, task, grpo.Args(), rng, "cpu"),
-               lambda rng: ps.rollout(model, tok, task, args, rng, "cpu", None, ps.Uniform(args), None, 1)):
+               lambda rng: ps.rollout(model, tok, task, args, rng, "cpu", ps.Uniform(args), None, 1)):
         torch.manual_seed(5)
         out.append(fn(np.random.default_rng([0, 1, 0])))
     g, p = out

@@ -75,6 +75,26 @@ def test_gspo_loss_is_the_step_share_of_J():
     assert torch.allclose(stats["kl"], gspo.k3_kl(logp, ref))
 
 
+def test_sampler_weight_is_the_geometric_mean_per_sequence():
+    """When the sampler is not the trainer, l_i is weighted by (prod_t w_it)^(1/|o_i|) over the sequence's own tokens
+    (padding ignored); weights of 1 leave the loss unchanged."""
+    logp, old, adv, mask = random_batch(seed=7)
+    args = gspo.Args(clip_eps_low=0.05, clip_eps_high=0.08)
+    w = torch.rand_like(old) * 2 + 0.05
+    w = w * mask + (1 - mask) * 0.0  # a zero weight on padding must not matter
+    mb = {"old": old, "adv": adv, "mask": mask, "ref": None}
+    plain, _ = gspo.gspo_loss(logp, mb, 20, 40, args)
+    ones, _ = gspo.gspo_loss(logp, {**mb, "is_weight": torch.ones_like(old)}, 20, 40, args)
+    weighted, _ = gspo.gspo_loss(logp, {**mb, "is_weight": w}, 20, 40, args)
+    seq_loss, _ = gspo.sequence_clipped_loss(logp, old, adv, mask, 0.05, 0.08)
+    want = 0.0
+    for i in range(len(adv)):
+        toks = [t for t in range(mask.shape[1]) if mask[i, t]]
+        want += seq_loss[i].item() * math.exp(sum(math.log(w[i, t].item()) for t in toks) / len(toks))
+    assert ones.item() == pytest.approx(plain.item(), rel=1e-6)
+    assert weighted.item() == pytest.approx(want / 20, rel=1e-5)
+
+
 def test_sequence_clip_zeroes_the_whole_sequence():
     """Once s_i leaves the clip range on the side the advantage favours, no token of sequence i has gradient."""
     mask = torch.ones(2, 3)

@@ -166,7 +166,8 @@ def test_rollout_baselines_come_from_the_probe_fitted_before(tiny):
     args = m.Args(prompts_per_step=6, group_size=2, adv_std_norm=False)
     probe = fitted_probe(2 * model.config.hidden_size + 4)
     torch.manual_seed(0)
-    batch = m.rollout(model, tok, task, args, np.random.default_rng(0), torch.device("cpu"), probe=probe)
+    batch = m.rollout(common.Sampler(model), tok, task, args, np.random.default_rng(0), torch.device("cpu"),
+                      probe=probe)
     v = probe.predict(batch["features"]).view(-1, 2)
     want = batch["rewards"].float().view(-1, 2) - v.flip(1)  # the other rollout's value
     assert torch.allclose(batch["adv"], want.view(-1), atol=1e-5)
