@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib
 import itertools
 import json
 import math
@@ -171,9 +172,11 @@ class WordProblemTask:
         return out
 
     def verify(self, response: str, answer: str) -> tuple[float, dict]:
-        nums = re.findall(r"-?\d+(?:\.\d+)?", response.replace(",", ""))
-        correct = bool(nums) and float(nums[-1]) == float(answer)
-        return float(correct), {"format": float(bool(nums)), "correct": float(correct)}
+        """Correct when the final answer (final_answer: the one boxed answer, else the last number) equals the answer;
+        'format' is 1 when the response ends in the form the prompt asks for (a number at the end, or one boxed)."""
+        final = final_answer(response)
+        correct = final is not None and _same_number(final, answer)
+        return float(correct), {"format": answer_format(response), "correct": float(correct)}
 
 
 class DatasetTask:
@@ -189,11 +192,42 @@ class DatasetTask:
     def verify(self, response: str, answer: str) -> tuple[float, dict]:
         from math_verify import parse, verify  # lazy: slow import, only real-data tasks need it
 
-        try:
-            correct = bool(verify(parse(answer), parse(response)))
+        try:  # math-verify reads the final answer itself (the last boxed one, else the last expression)
+            correct = bool(verify(parse(answer), parse(response))) and final_answer(response) is not None
         except Exception:  # math-verify raises on some malformed inputs: a malformed answer is wrong
             correct = False
-        return float(correct), {"format": float(bool(re.search(r"\d", response))), "correct": float(correct)}
+        return float(correct), {"format": answer_format(response), "correct": float(correct)}
+
+
+BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+NUMBER = r"-?\d+(?:\.\d+)?"
+
+
+def final_answer(response: str) -> str | None:
+    """The answer a grader reads from a free-text response: the content of \\boxed{...} when the response boxes one
+    distinct answer (None when it boxes two different ones: no credit for hedging), else its last number, as GSM8K
+    graders do (so a correct number mid-way followed by another one is not the answer)."""
+    boxed = {b.strip() for b in BOXED.findall(response)}
+    if boxed:
+        return boxed.pop() if len(boxed) == 1 else None
+    nums = re.findall(NUMBER, response.replace(",", ""))
+    return nums[-1] if nums else None
+
+
+def answer_format(response: str) -> float:
+    """1 when the response gives its final answer in a form a grader can read unambiguously: exactly one distinct
+    non-empty \\boxed{...}, or (no box) a number as the last thing it says; else 0."""
+    boxed = {b.strip() for b in BOXED.findall(response)}
+    if boxed:
+        return float(len(boxed) == 1 and "" not in boxed)
+    return float(re.search(NUMBER + r"\s*[.!]?\s*$", response.replace(",", "")) is not None)
+
+
+def _same_number(text: str, answer: str) -> bool:
+    try:
+        return float(text.replace(",", "")) == float(answer)
+    except ValueError:
+        return False
 
 
 def load_jsonl_task(path: str, test_frac: float = 0.1) -> DatasetTask:
@@ -256,6 +290,77 @@ def make_task(name: str, digits: int = 2):
 TASKS = "add, addsteps, sums (= sums5), sums<N> (N operands, 2..16), sumsmix, words, jsonl:PATH or gsm8k"
 """Every name make_task takes: the --task help is made from it, so it cannot go stale."""
 
+
+
+# ---- rewards: built-in or your own, combined by weight ----
+def reward_correct(prompts, completions, answers, task, **kw) -> list[float]:
+    """1 for the task's verified final answer, else 0 (the task's own verifier)."""
+    return [task.verify(c, a)[0] for c, a in zip(completions, answers)]
+
+
+def reward_format(prompts, completions, answers, task, **kw) -> list[float | None]:
+    """1 when the response is in the form the task asks for (the verifier's 'format'; None where it has none)."""
+    return [task.verify(c, a)[1].get("format") for c, a in zip(completions, answers)]
+
+
+def reward_length(prompts, completions, answers, task, completion_lengths=None, max_new_tokens=None, **kw):
+    """-(completion tokens / generation budget): a length penalty in [-1, 0]."""
+    return [-n / max(1, max_new_tokens) for n in completion_lengths]
+
+
+BUILTIN_REWARDS = {"correct": reward_correct, "format": reward_format, "length": reward_length}
+
+
+class Rewards:
+    """`--reward NAME[:WEIGHT] ...`: built-ins (correct, format, length) or `module:function` importable from the
+    working directory, each called with TRL's convention, fn(prompts, completions, answers, **kw) -> one float (or
+    None: not applicable, counted as 0) per completion; kw holds task, completion_lengths and max_new_tokens. The
+    total is the weighted sum; `terms` keeps each function's values, logged as reward/<name>."""
+
+    def __init__(self, specs):
+        self.terms = []
+        for spec in specs:
+            name, _, weight = spec.rpartition(":")
+            try:
+                weight = float(weight)
+            except ValueError:
+                name, weight = spec, 1.0
+            name = name or spec
+            self.terms.append((name, self._resolve(name), weight))
+        if not self.terms:
+            raise SystemExit("--reward needs at least one term, e.g. --reward correct format:0.1")
+
+    @staticmethod
+    def _resolve(name: str):
+        if name in BUILTIN_REWARDS:
+            return BUILTIN_REWARDS[name]
+        module, _, attr = name.partition(":")
+        if not attr:
+            raise SystemExit(f"--reward {name!r}: not a built-in ({', '.join(BUILTIN_REWARDS)}) nor module:function")
+        sys.path.insert(0, str(Path.cwd()))
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise SystemExit(f"--reward {name!r}: cannot import it ({type(e).__name__}: {e})")
+
+    def __call__(self, prompts, completions, answers, **kw) -> tuple[list[float], dict[str, list]]:
+        total, terms = [0.0] * len(completions), {}
+        for name, fn, weight in self.terms:
+            try:
+                values = fn(prompts=prompts, completions=completions, answers=answers, **kw)
+            except Exception as e:  # noqa: BLE001 - name the user's function, not a frame deep inside it
+                raise SystemExit(f"reward {name!r} raised {type(e).__name__}: {e}")
+            values = list(values) if values is not None else []
+            if len(values) != len(completions):
+                raise SystemExit(f"reward {name!r} returned {len(values)} values for {len(completions)} completions")
+            bad = next(((i, v) for i, v in enumerate(values) if v is not None and not (
+                isinstance(v, (int, float, np.number)) and math.isfinite(float(v)))), None)
+            if bad is not None:
+                raise SystemExit(f"reward {name!r} returned {bad[1]!r} for completion {bad[0]}: need a finite number "
+                                 "or None")
+            terms[name] = values
+            total = [t + weight * float(v or 0.0) for t, v in zip(total, values)]
+        return total, terms
 
 # ---- the flags every LLM script takes ----
 @dataclass

@@ -25,7 +25,8 @@ changes a few functions (its loss_fn, its rollout); everything it does not list 
 
 Deviations from the paper:
 - KL to the reference is off by default (kl_coef = 0), as in DAPO and Dr. GRPO; GRPO used 0.04.
-- The reward is a rule-based verifier (exact answer), not a reward model; no format reward.
+- The reward is a rule-based verifier (exact final answer) by default, not a reward model; --reward adds a format
+  term, a length penalty or your own functions (weighted sum), each logged as reward/<name>.
 - The std in the advantage is the unbiased sample std (as TRL); the paper does not say which.
 - pi_old: with one PPO epoch and one mini-batch the update is on-policy and pi_old = pi_theta.detach()
   (ratio 1, the same gradient as REINFORCE with a group baseline); otherwise pi_old is recomputed by the
@@ -85,6 +86,9 @@ class Args(LLMArgs):
     """distinct prompts per rollout batch (per process)"""
     group_size: int = 8
     """completions per prompt (G)"""
+    reward: tuple[str, ...] = ("correct",)
+    """reward terms NAME[:WEIGHT]: built-ins correct, format, length, or module:function (TRL's convention: prompts,
+    completions, answers in; a float or None per completion out); the total is their weighted sum"""
     # objective
     adv_std_norm: bool = True
     """divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
@@ -223,12 +227,17 @@ def rollout(sampler, tok, task, args: Args, rng, device) -> dict:
     examples = task.sample("train", args.prompts_per_step, rng)
     ro = common.generate(sampler, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
                          args.max_new_tokens, args.temperature, args.top_p)
-    answers = [e.answer for e in examples for _ in range(args.group_size)]
-    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
+    per_row = lambda xs: [x for x in xs for _ in range(args.group_size)]  # noqa: E731
+    total, terms = llm.Rewards(args.reward)(per_row([e.prompt for e in examples]), ro.texts,
+                                            per_row([e.answer for e in examples]), task=task,
+                                            completion_lengths=ro.completion_mask.sum(1).tolist(),
+                                            max_new_tokens=args.max_new_tokens)
+    rewards = torch.tensor(total, device=device)
     batch = {k: getattr(ro, k).to(device) for k in
              ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
     batch.update(rewards=rewards, adv=group_advantages(rewards, args.group_size, args.adv_std_norm),
-                 finish_reasons=ro.finish_reasons)
+                 finish_reasons=ro.finish_reasons, reward_terms={  # each term's mean where it applies
+                     f"reward/{k}": float(np.mean([v for v in vs if v is not None] or [0.0])) for k, vs in terms.items()})
     return batch
 
 
@@ -345,7 +354,8 @@ def main(args: Args) -> dict:
         t = timer.pop()
         gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
         metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
-                                            args.group_size, t["gen"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
+                                            args.group_size, t["gen"]), **batch["reward_terms"], **stats,
+                   "perf/lr": opt.param_groups[0]["lr"],
                    **{f"perf/{k}_s": v for k, v in t.items()}}
         if is_main and (step % args.eval_every == 0 or step == args.steps):
             metrics.update(evaluate())

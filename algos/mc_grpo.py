@@ -7,7 +7,7 @@ rollout (G+1, an odd group), centres on the group median, and drops the one roll
 (the pivot, advantage 0) before the update, so G samples carry gradient as in G-rollout GRPO. The abstract
 reports the accuracy gap between G=2 and G=8 shrinking to within 1%.
 
-Parent: algos/grpo.py; changed: Args, Args.adv_std_norm, Args.group_size, check_args, rollout, main.
+Parent: algos/grpo.py; changed: Args, Args.adv_std_norm, Args.group_size, Args.reward, check_args, rollout, main.
 
 Equations (each implemented by the function named on the right):
   median advantage  A_i = r_i - median(r_1..r_{G+1}),  G even so that G+1 is odd          median_advantages

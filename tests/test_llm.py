@@ -1,5 +1,6 @@
 """algos/_llm.py: the LLM scripts' flags (LLMArgs), loading a policy with its sampler, the optimiser step, the
 step-global counts. The tasks and verifiers it holds are tested in tests/test_common.py."""
+import json
 import math
 import subprocess
 import sys
@@ -105,3 +106,72 @@ def test_a_subclass_keeps_the_base_flags_and_adds_its_own():
 
     a = Args(lr=2e-4)
     assert a.extra == 3 and a.lr == 2e-4 and a.exp_name == Path(__file__).stem
+
+
+# ---- the final answer, the format reward, reward functions ----
+GAMING = {  # response -> whether it earns the answer 4 (each check an exam grader would make)
+    " ".join(str(i) for i in range(1, 121)): False,  # a list of numbers that contains the answer
+    r"It is \boxed{4} or maybe \boxed{5}": False,  # two different boxed answers
+    "2+2 is 4. Final answer: 5": False,  # the right number mid-way, a wrong final one
+    "4 or 5": False,
+    r"So the answer is \boxed{4}.": True,
+    "Adding them gives 4.": True,
+    r"\boxed{4}, as 1+3 = 4": True,  # one boxed answer is the answer, whatever follows
+}
+
+
+@pytest.mark.parametrize("task", [llm.WordProblemTask(), llm.DatasetTask("t", [], [])], ids=["words", "dataset"])
+def test_the_answer_check_cannot_be_gamed(task):
+    for response, right in GAMING.items():
+        assert task.verify(response, "4")[0] == float(right), response
+
+
+def test_final_answer_and_format():
+    assert llm.final_answer(r"x \boxed{12} y") == "12" and llm.final_answer(r"\boxed{1} \boxed{2}") is None
+    assert llm.final_answer("3 apples, then 7") == "7" and llm.final_answer("none") is None
+    assert llm.final_answer(r"\boxed{\frac{1}{2}}") == r"\frac{1}{2}"  # one level of braces inside the box
+    assert llm.answer_format(r"so \boxed{4}") == 1.0 and llm.answer_format(r"\boxed{4} \boxed{5}") == 0.0
+    assert llm.answer_format("it is 4.") == 1.0 and llm.answer_format("4 is it") == 0.0  # the form: a number last
+    assert llm.answer_format(r"\boxed{}") == 0.0
+
+
+def test_rewards_combine_by_weight_and_log_each_term(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def shout(prompts, completions, answers, **kw):\n    return [None if '!' in c else 1.0 for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    rewards = llm.Rewards(["correct", "format:0.5", "length:0.1", "my_rewards:shout:2"])
+    assert [n for n, _, _ in rewards.terms] == ["correct", "format", "length", "my_rewards:shout"]
+    total, terms = rewards(["p", "q"], ["so 4", "7 apples!"], ["4", "4"], task=llm.WordProblemTask(),
+                           completion_lengths=[3, 10], max_new_tokens=10)
+    assert terms == {"correct": [1.0, 0.0], "format": [1.0, 0.0], "length": [-0.3, -1.0],
+                     "my_rewards:shout": [1.0, None]}
+    assert total == pytest.approx([1 + 0.5 - 0.03 + 2, 0 + 0 - 0.1 + 0])  # None: not applicable, adds nothing
+
+
+@pytest.mark.parametrize("body,msg", [
+    ("raise ValueError('boom')", "reward 'bad:f' raised ValueError: boom"),
+    ("return [1.0]", "returned 1 values for 2 completions"),
+    ("return [1.0, 'yes']", "returned 'yes' for completion 1"),
+    ("return [float('nan'), 1.0]", "returned nan for completion 0"),
+])
+def test_a_bad_reward_function_is_named(tmp_path, monkeypatch, body, msg):
+    (tmp_path / "bad.py").write_text(f"def f(prompts, completions, answers, **kw):\n    {body}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "bad", raising=False)
+    with pytest.raises(SystemExit, match=msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        llm.Rewards(["bad:f"])(["p", "q"], ["a", "b"], ["1", "1"], task=llm.WordProblemTask(),
+                               completion_lengths=[1, 1], max_new_tokens=4)
+    with pytest.raises(SystemExit, match="not a built-in"):
+        llm.Rewards(["nonsense"])
+    with pytest.raises(SystemExit, match="cannot import it"):
+        llm.Rewards(["no_such_module:f"])
+
+
+def test_grpo_trains_on_a_weighted_sum_and_logs_each_term(tmp_path):
+    args = grpo.Args(steps=2, prompts_per_step=4, group_size=4, eval_every=100, eval_examples=8, pass_k=0,
+                     eval_hard=False, out_dir=str(tmp_path), threads=1, reward=("correct", "length:0.5"))
+    grpo.main(args)
+    rows = [json.loads(x) for x in open(tmp_path / "grpo" / "metrics.jsonl")][1:]
+    for r in rows:  # the trained reward is correct + 0.5 * length, each term logged on its own
+        assert r["rollout/reward"] == pytest.approx(r["reward/correct"] + 0.5 * r["reward/length"], abs=1e-6)
+        assert -1 <= r["reward/length"] < 0
