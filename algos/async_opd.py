@@ -46,16 +46,16 @@ for Large Language Models", arXiv:2604.08527), rollout/length, rollout/truncated
 are logged every step, and rollout/logprob_mismatch (opd.py's sampler-vs-trainer gap) is here the staleness:
 the mean |log pi_theta(y_t) - log b(y_t)| on the sampled tokens.
 
-Parent: algos/opd.py; changed: Args, Args.device, Args.eval_every, Args.eval_examples, Args.eval_hard,
-  Args.exp_name, Args.group_size, Args.lr, Args.model, Args.prompts_per_step, Args.steps, Args.teacher,
-  Args.temperature, Args.threads, Args.track, Args.warmup_steps, check_args, rollout, lr_at, main.
+Parent: algos/opd.py; changed: Args, Args.eval_every, Args.eval_hard, Args.group_size, Args.lr_schedule,
+  Args.prompts_per_step, Args.steps, Args.teacher, check_args, rollout, lr_at, main.
 
 What changes from OPD: the sampler is a snapshot k updates old (main keeps the last k + 1 weights), and the
 loss_fn fed to opd.py's `update` is async_opd_loss, which reads the teacher only through the finite cache
 (teacher_cache, token_loss). rollout samples every prompt with the stale student; for rkl-mc it also draws the
 Monte Carlo tokens from b and keeps b's log-probs of them (rollout-time quantities). The teacher's forward
 stays in `update` (learner time): the teacher is frozen, so its scores are those a rollout-time cache would
-hold. lr_at: warm-up only (no decay). Eval, metrics, summary and curve are common.py's.
+hold. lr_at: llm.lr_factor's schedule (by default a warm-up, then constant: no decay). Eval, metrics, summary and
+curve are common.py's.
 
 Deviations:
 - Staleness is simulated in one process (a snapshot k updates old samples); no throughput claim.
@@ -63,6 +63,9 @@ Deviations:
 - The paper's exact cache layout and estimator normalisations are not in the abstract; the ones here are
   the plainest choices (renormalised top-k; importance-weighted M-sample average).
 - The teacher's scores for the sampled tokens are always kept (a real cache stores them with the rollout).
+- One process, Hugging Face sampling (--engine vllm is refused); the checkpoint holds the student but not the k
+  stale snapshots, so --resume is refused. On CUDA the snapshot samples with common.Sampler's bf16 weight copy;
+  the estimators read its log-probs as b (rkl-stale, rkl-tis), and rkl-mc draws from the snapshot's own forward.
 
 Commands:
   python algos/async_opd.py                                            # rkl-mc (M = 4), k = 2, ~3 min
@@ -77,7 +80,7 @@ from __future__ import annotations
 
 import collections
 import copy
-import math
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -93,34 +96,19 @@ from tqdm import tqdm
 
 import common
 from algos import _llm as llm
+from algos._llm import LLMArgs
 
 VARIANTS = ("fkl", "rkl-stale", "rkl-tis", "rkl-recompute", "rkl-mc", "rkl-sparse")
 
 
 @dataclass
-class Args:
-    exp_name: str = "async_opd"
-    """name of the run (the output folder is out_dir/exp_name)"""
-    seed: int = 0
-    """random seed"""
-    track: bool = False
-    """log to Weights & Biases as well"""
-    out_dir: str = "runs"
-    """where metrics.jsonl, summary.json and the curve go"""
-    model: str = "tiny-0.6m"
-    """the student"""
+class Args(LLMArgs):
+    """AsyncOPD's own flags; the plumbing flags (run, --model: the student, task, optimiser, eval, checkpoints) are
+    LLMArgs'."""
     teacher: str = "tiny-5m"
     """the teacher (same tokenizer as the student)"""
-    task: str = "add"
-    """add, addsteps, jsonl:PATH or gsm8k"""
-    digits: int = 2
-    """operand digits of the arithmetic tasks"""
-    device: str = "auto"
-    """auto, cpu or cuda"""
     threads: int = 1
-    """torch CPU threads"""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+    """torch CPU threads (1 is faster than 2 on a shared 2-core machine)"""
     variant: Literal["fkl", "rkl-stale", "rkl-tis", "rkl-recompute", "rkl-mc", "rkl-sparse"] = "rkl-mc"
     """the loss / signal (see the header)"""
     staleness: int = 2
@@ -137,25 +125,14 @@ class Args:
     """prompts per batch"""
     group_size: int = 4
     """completions per prompt"""
-    max_new_tokens: int = 8
-    """generation budget per completion"""
-    temperature: float = 1.0
-    """sampling temperature"""
-    lr: float = 1e-4
-    """AdamW learning rate"""
     warmup_steps: int = 10
     """linear learning-rate warm-up (Adam's first steps are sign-like and overshoot at full lr)"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm"""
-    grad_checkpointing: bool = False
-    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
-    off by default (the tiny models need no memory for it); on for real models on a GPU"""
     eval_every: int = 30
     """steps between held-out evaluations"""
-    eval_examples: int = 500
-    """held-out prompts"""
     eval_hard: bool = False
     """also evaluate one digit harder (out of distribution)"""
+    pass_k: int = 0
+    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
 
 
 def check_args(args: Args) -> None:
@@ -172,6 +149,14 @@ def check_args(args: Args) -> None:
         raise SystemExit("--steps, --prompts-per-step, --group-size and --max-new-tokens must be positive")
     if args.temperature <= 0:
         raise SystemExit("--temperature must be > 0")
+    if args.micro_batch_size < 1:
+        raise SystemExit("--micro-batch-size must be positive")
+    if args.engine == "vllm":
+        raise SystemExit("--engine vllm: the k-step-old snapshot samples through Hugging Face generate here (a vLLM "
+                         "engine would have to load each snapshot's weights); use --engine hf")
+    if args.resume:
+        raise SystemExit("--resume: an AsyncOPD checkpoint holds the student, not the k stale snapshots that sample "
+                         "the next steps; start a new run (--model the checkpoint folder continues from its weights)")
 
 
 def check_teacher(tok_s, tok_t, student, teacher, name: str) -> None:
@@ -426,15 +411,16 @@ def repeat_frac(texts: list[str], n: int = 3) -> float:
 
 
 # ---- rollout and update ----
-def rollout(behaviour, tok, task, args: Args, rng, device, gen=None) -> list[dict]:
-    """Sample every prompt with the stale behaviour policy b (G completions each; rewarded for the metrics).
+def rollout(sampler, tok, task, args: Args, rng, device, gen=None) -> list[dict]:
+    """Sample every prompt with the stale behaviour policy b, the model of `sampler` (G completions each; rewarded
+    for the metrics).
 
     Returns one batch (opd.py's keys). rkl-mc: also M draws per position from b (with `gen`) and b's log-probs
     of them, taken at rollout time as an asynchronous sampler would.
     """
-    examples = task.sample("train", args.prompts_per_step, rng)
-    ro = common.generate(behaviour, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
-                         args.max_new_tokens, args.temperature)
+    examples, behaviour = task.sample("train", args.prompts_per_step, rng), sampler.model
+    ro = common.generate(sampler, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
+                         args.max_new_tokens, args.temperature, args.top_p)
     answers = [e.answer for e in examples for _ in range(args.group_size)]
     rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
     batch = {k: getattr(ro, k).to(device) for k in
@@ -462,24 +448,29 @@ def teacher_hidden(teacher, mb: dict, args: Args) -> torch.Tensor:
 
 
 def lr_at(step: int, args: Args) -> float:
-    """Learning rate of a 1-based step: --lr times a linear warm-up over --warmup-steps (no decay)."""
-    return args.lr * min(1.0, step / max(args.warmup_steps, 1))
+    """Learning rate of a 1-based step: --lr on llm.lr_factor's schedule (a linear warm-up over --warmup-steps, then
+    constant, by default, or cosine)."""
+    return args.lr * llm.lr_factor(step - 1, args.steps, args)
 
 
 def optimizer_step(model, opt, args: Args, step: int) -> float:
-    """NaN guard, clip, this step's lr (lr_at), step; returns the norm. One process: no all-reduce."""
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-    if not math.isfinite(grad_norm):
-        raise SystemExit(f"non-finite loss or gradient at step {step}; lower --lr")
-    for group in opt.param_groups:
-        group["lr"] = lr_at(step, args)
-    opt.step()
-    return grad_norm
+    """llm.optimizer_step (clip at --max-grad-norm, NaN guard, step) at the rate lr_at gives this 1-based step,
+    handed to it as a flat --lr (llm.optimizer_step knows only --lr times its own schedules); returns the norm."""
+    args = dataclasses.replace(args, lr=lr_at(step, args), lr_schedule="constant", warmup_steps=0)
+    return llm.optimizer_step(model, opt, args, step - 1, step)
+
+
+def micro_batches(part: dict, size: int):
+    """A part (one sampler's rollouts) in micro-batches of at most `size` sequences: each tensor's rows split, other
+    entries (the loss kind, the source, numbers, texts) as they are."""
+    for rows in torch.arange(len(part["completion_ids"])).split(size):
+        yield {k: v[rows.to(v.device)] if torch.is_tensor(v) else v for k, v in part.items()}
 
 
 def update(model, opt, parts: list[dict], loss_fn, args: Args, step: int, teacher, ref_model=None) -> dict:
-    """One optimiser step on one rollout batch; each part (one sampler's rollouts) is one micro-batch, its
-    loss normalised by counts over the whole step (n_seqs, n_tokens), so the parts add up to J.
+    """One optimiser step on one rollout batch; each part (one sampler's rollouts) in micro-batches of at most
+    --micro-batch-size sequences, each micro-batch's loss normalised by counts over the whole step (n_seqs,
+    n_tokens), so that they add up to J.
 
     The teacher's forward runs here (teacher_hidden, no grad): the losses need the full-vocabulary log-probs
     of the student and of the teacher at every completion position, which chunked_loss computes chunk by chunk
@@ -488,25 +479,28 @@ def update(model, opt, parts: list[dict], loss_fn, args: Args, step: int, teache
     """
     n_seqs = sum(len(p["completion_ids"]) for p in parts)
     n_tokens = sum(int(p["completion_mask"].sum()) for p in parts)
-    stats = {"loss/total": 0.0}
+    stats, gap = {"loss/total": 0.0}, {}
     opt.zero_grad(set_to_none=True)
-    for part in parts:
-        ids = [part[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
-        mask = part["completion_mask"].float()
+    for mb in (mb for part in parts for mb in micro_batches(part, args.micro_batch_size)):
+        ids = [mb[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+        mask = mb["completion_mask"].float()
         h = completion_hidden(model, *ids)  # [b, C, H], with grad
         with torch.no_grad():
-            t_h = teacher_hidden(teacher, part, args)
-            ref = None if ref_model is None or part["source"] != "student" else common.token_logprobs(
+            t_h = teacher_hidden(teacher, mb, args)
+            ref = None if ref_model is None or mb["source"] != "student" else common.token_logprobs(
                 ref_model, *ids, args.temperature)
-        loss, token_stats = chunked_loss(model, teacher, h, t_h, {**part, "mask": mask, "ref": ref}, loss_fn,
+        loss, token_stats = chunked_loss(model, teacher, h, t_h, {**mb, "mask": mask, "ref": ref}, loss_fn,
                                          n_seqs, n_tokens, args)
         loss.backward()  # through the decoder; a NaN here reaches the gradient: optimizer_step stops the run
         stats["loss/total"] += loss.item()
         s_tok = token_stats.pop("s_tok")
-        if part["source"] == "student":
-            stats["rollout/logprob_mismatch"] = common.masked_mean((s_tok - part["logprobs"]).abs(), mask).item()
+        if mb["source"] == "student":
+            gap["sum"] = gap.get("sum", 0.0) + common.masked_sum((s_tok - mb["logprobs"]).abs(), mask).item()
+            gap["tokens"] = gap.get("tokens", 0.0) + mask.sum().item()
         for k, v in token_stats.items():
             stats[k] = stats.get(k, 0.0) + common.masked_sum(v, mask).item() / n_tokens
+    if gap:
+        stats["rollout/logprob_mismatch"] = gap["sum"] / max(gap["tokens"], 1.0)
     stats["loss/grad_norm"] = optimizer_step(model, opt, args, step)
     return stats
 
@@ -514,44 +508,46 @@ def update(model, opt, parts: list[dict], loss_fn, args: Args, step: int, teache
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
+    from accelerate import Accelerator
+
+    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
+    if accel.num_processes > 1:
+        raise SystemExit("AsyncOPD runs in one process: start it with python, not torchrun or accelerate launch")
     torch.set_num_threads(args.threads)
     common.set_seed(args.seed)
-    device = common.get_device(args.device)
     task = llm.make_task(args.task, args.digits)
     hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, device, args.dtype)
-    teacher, tok_t = common.load_model(args.teacher, device, args.dtype)
+    model, tok, _, sampler = llm.load_policy(args, accel)  # the student; its sampler is the held-out evaluation's
+    teacher, tok_t = common.load_model(args.teacher, accel.device, args.dtype)
     check_teacher(tok, tok_t, model, teacher, args.teacher)
     teacher.eval().requires_grad_(False)
-    if args.grad_checkpointing:  # Hugging Face checkpoints only in train mode
-        model.train().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    behaviour = copy.deepcopy(model).eval().requires_grad_(False)  # the stale sampler
+    behaviour = common.Sampler(copy.deepcopy(model).eval().requires_grad_(False))  # the stale sampler
     snapshots = collections.deque(maxlen=args.staleness + 1)  # weights after each of the last k+1 updates
     snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    opt = llm.make_optimizer(model.parameters(), args)
 
     run_dir = Path(args.out_dir) / args.exp_name
     tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name)
     timer, t_start = common.Timer(), time.time()
     gen_tokens, gen_time, history = 0, 0.0, []
-    evaluate = lambda m, hard=hard_task: common.run_eval(m, tok, task, eval_sets, args.max_new_tokens,  # noqa: E731
-                                                         hard_task=hard)
+    evaluate = lambda policy, hard=hard_task, k=args.pass_k: common.run_eval(  # noqa: E731
+        policy, tok, task, eval_sets, args.max_new_tokens, k, args.temperature, hard)
 
     def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
         tracker.log(metrics, step)
 
-    teacher_acc = evaluate(teacher, None)["eval/acc"]
-    log({**evaluate(model), "eval/teacher_acc": teacher_acc}, 0)
+    teacher_acc = evaluate(common.Sampler(teacher), None, 0)["eval/acc"]
+    log({**evaluate(sampler), "eval/teacher_acc": teacher_acc}, 0)
     desc = f"async_opd[{args.variant},k={args.staleness}]"
     for step in tqdm(range(1, args.steps + 1), desc=desc, dynamic_ncols=True):
         torch.manual_seed(hash((args.seed, step)) % 2**31)
         rng = np.random.default_rng([args.seed, step])
         gen = torch.Generator().manual_seed(hash((args.seed, step, 1)) % 2**31)
-        behaviour.load_state_dict(snapshots[0])  # the oldest kept: k updates behind (fewer at the start)
+        behaviour.model.load_state_dict(snapshots[0])  # the oldest kept: k updates behind (fewer at the start)
         with timer("gen"):
-            parts = rollout(behaviour, tok, task, args, rng, device, gen)
+            parts = rollout(behaviour, tok, task, args, rng, accel.device, gen)
         with timer("train"):
             stats = update(model, opt, parts, async_opd_loss, args, step, teacher)
         snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
@@ -563,8 +559,10 @@ def main(args: Args) -> dict:
                    "rollout/repeat_frac": repeat_frac(b["texts"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
                    **{f"perf/{k}_s": v for k, v in t.items()}}
         if step % args.eval_every == 0 or step == args.steps:
-            metrics.update(evaluate(model))
+            metrics.update(evaluate(sampler))
         log(metrics, step)
+        if args.save_every and step % args.save_every == 0 or step == args.steps:  # the student (no resume)
+            common.save_checkpoint(run_dir / "checkpoint", model, tok, opt, {"step": step})
 
     train = [h for h in history if "rollout/reward" in h]
     last = train[-10:]

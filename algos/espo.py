@@ -6,8 +6,8 @@ stops when the smoothed cumulative regret significantly exceeds its estimated va
 absorbing failure state with a terminal reward, so negative TD errors concentrate near the detected failure step.
 Claimed: more than 20% of the rollout tokens saved cumulatively, at accuracy above PPO's (a 7B model on maths).
 
-Parent: algos/ppo.py; changed: Args, Args.digits, Args.engine, Args.exp_name, Args.max_new_tokens, Args.model,
-  Args.steps, Args.task, check_args, rollout, main.
+Parent: algos/ppo.py; changed: Args, Args.digits, Args.engine, Args.max_new_tokens, Args.model, Args.steps,
+  Args.task, check_args, rollout, main.
 
 What changes from PPO: only the rollout. Sampling runs through generate_with_stops, which scores the regret of
 every sampled token from the sampler's logits and ends a row as soon as its smoothed regret crosses the
@@ -46,9 +46,10 @@ Deviations:
 - A row whose regret crosses on the EOS token is not stopped: it ended on its own and is verified as usual.
 - Hugging Face generate only (--engine vllm is refused): the rule needs the logits of every decode step during
   sampling; a logits processor reads each step's log-probs and regret (no [B, C, V] scores are kept). Sampling
-  runs as common.generate's (processors, EOS ids, the trainer's autocast), so --stop-k inf is ppo.py exactly in
-  fp32 and in bf16 on CPU; on CUDA common.generate decodes with a bf16 weight copy and a static cache, and this
-  sampler with the fp32 weights under bf16 autocast, so there the two agree up to bf16 rounding. Batched decoding
+  runs as common.generate's (processors, EOS ids, the same common.Sampler copy and autocast), so --stop-k inf is
+  ppo.py exactly in fp32 and in bf16 on CPU; on CUDA both decode with the sampler's bf16 weight copy (so PPO's
+  sampler correction applies alike), common.generate with a static cache and this sampler with the dynamic one,
+  so there the two agree up to bf16 rounding. Batched decoding
   runs until the last row of the batch ends, so the tokens saved here are tokens not generated, trained on or
   scored, not decode time (continuous batching, as in vLLM, would turn them into time).
 - Default task: the long-response task (tiny-sums on 5 one-digit operands with running totals, ~33 tokens) instead
@@ -74,9 +75,10 @@ import copy
 import math
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -87,47 +89,27 @@ from tqdm import tqdm
 
 import common
 from algos import _llm as llm
+from algos._llm import LLMArgs
 
 
 @dataclass
-class Args:
-    # bookkeeping
-    exp_name: str = "espo"
-    """name of the run (the output folder is out_dir/exp_name)"""
-    seed: int = 0
-    """random seed: prompts and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
-    track: bool = False
-    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
-    out_dir: str = "runs"
-    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
-    # model and task
+class Args(LLMArgs):
+    """ESPO's flags: PPO's (algos/ppo.py) and the stop rule's; the plumbing flags are LLMArgs' (here with the
+    long-response task's defaults)."""
     model: str = "tiny-sums"
     """tiny-sums, tiny-0.6m, tiny-5m, smollm2-135m, a Hugging Face id or a local path"""
-    task: str = "sums"
-    """sums (the long-response task: 5 operands with running totals), add, addsteps, sums<N>, jsonl:PATH or gsm8k"""
+    task: Annotated[str, tyro.conf.arg(help=f"training and held-out task: {llm.TASKS}")] = "sums"
     digits: int = 1
     """operand digits of the arithmetic tasks (training and the main held-out eval)"""
-    device: str = "auto"
-    """auto (CUDA if present), cpu or cuda"""
-    threads: int = 2
-    """torch CPU threads per process"""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
-    # rollout
     engine: Literal["hf", "vllm"] = "hf"
     """rollout engine: Hugging Face generate only (the stop rule needs every decode step's logits)"""
-    vllm_gpu_memory: float = 0.3
-    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
+    max_new_tokens: int = 48
+    """generation budget per completion"""
+    # rollout
     prompts_per_step: int = 256
     """distinct prompts per rollout batch (per process)"""
     group_size: int = 1
     """completions per prompt (PPO needs no groups; >1 only to match another method's sampling)"""
-    max_new_tokens: int = 48
-    """generation budget per completion"""
-    temperature: float = 1.0
-    """sampling temperature (the trainer scores with the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling threshold"""
     # early stopping
     stop_k: float = 3.0
     """stop a row when its smoothed regret exceeds the running mean + stop_k std (inf: never, = algos/ppo.py)"""
@@ -154,6 +136,9 @@ class Args:
     """weight of the value loss (it only reaches the critic's parameters)"""
     kl_coef: float = 0.0
     """beta of the per-token KL penalty to the frozen initial policy in the reward (0 = no reference)"""
+    sampler_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
+    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
     # optimisation
     steps: int = 25
     """rollout batches (each followed by ppo_epochs * minibatches optimiser steps); 25 x 256 responses of ~33
@@ -162,37 +147,8 @@ class Args:
     """passes over each rollout batch"""
     minibatches: int = 1
     """optimiser steps per pass; the rollout batch is split into this many"""
-    micro_batch_size: int = 256
-    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
-    lr: float = 1e-4
-    """policy learning rate (AdamW); 1e-3 collapses the tiny policy"""
     vf_lr: float = 3e-4
-    """critic learning rate"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
-    warmup_steps: int = 0
-    """linear warm-up (optimiser steps)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm (policy and critic clipped separately)"""
-    grad_checkpointing: bool = False
-    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
-    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
-    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
-    # eval and checkpoints
-    eval_every: int = 25
-    """rollout batches between held-out evaluations"""
-    eval_examples: int = 500
-    """held-out prompts for greedy accuracy"""
-    pass_k: int = 8
-    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
-    eval_hard: bool = True
-    """also evaluate one digit harder than training (out of distribution)"""
-    save_every: int = 0
-    """rollout batches between checkpoints (0 = only at the end)"""
-    resume: str = ""
-    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
+    """critic learning rate (AdamW, on --lr-schedule like the policy's --lr; the critic is clipped on its own)"""
 
 
 def check_args(args: Args) -> None:
@@ -245,6 +201,17 @@ def critic_values(critic: Critic, prompt_ids, prompt_mask, completion_ids, compl
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     P = prompt_ids.shape[1]
     return critic(ids, mask, pos)[:, P - 1:-1].squeeze(-1) * completion_mask
+
+
+def make_critic(model, args: Args, accel) -> Critic:
+    """The critic, from the initial policy's decoder: the policy's own when it is whole, a fresh load of the weights
+    when FSDP2 has sharded it (no rank holds the full decoder), with the same gradient checkpointing; sharded like
+    the policy."""
+    if common.is_sharded(model):
+        model, _ = common.load_model(args.model)
+        if args.grad_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return common.shard(Critic(model).to(accel.device).train(), accel)
 
 
 def token_rewards(scores, mask, logp=None, ref_logp=None, kl_coef: float = 0.0):
@@ -341,13 +308,21 @@ def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, cons
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
+def truncated_is_weight(old_logp, sampler_logp, cap: float):
+    """w_t = min(pi_old(o_t) / pi_sampler(o_t), C): corrects the update for samples drawn by another computation
+    than the trainer's (truncated importance sampling, as verl's rollout correction); no gradient."""
+    return torch.exp(old_logp - sampler_logp).clamp(max=cap).detach()
+
+
 def ppo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
     """This micro-batch's share of J: clipped surrogate + vf_coef * clipped value loss, token-mean over the step.
 
-    logp [b, C] and mb["values"] [b, C] carry grad; mb holds old, adv, old_values, returns, mask, all [b, C].
-    Returns (loss, per-token stats).
+    logp [b, C] and mb["values"] [b, C] carry grad; mb holds old, adv, old_values, returns, mask, all [b, C], and
+    is_weight (the sampler correction of the policy term, or None). Returns (loss, per-token stats).
     """
     pg, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps)
+    if mb.get("is_weight") is not None:  # the sampler is not the trainer: truncated importance weight per token
+        pg = pg * mb["is_weight"]
     vf = clipped_value_loss(mb["values"], mb["old_values"], mb["returns"], args.vf_clip)
     moved = ((mb["values"].detach() - mb["old_values"]).abs() > args.vf_clip).float()  # value clip active
     stats = {"pg": pg, "vf": vf, "clipfrac": clipped, "vf_clipfrac": moved}
@@ -447,19 +422,21 @@ class RegretStats:
 
 
 @torch.no_grad()
-def generate_with_stops(model, tok, prompts: list[list[int]], group_size: int, max_new_tokens: int,
+def generate_with_stops(policy, tok, prompts: list[list[int]], group_size: int, max_new_tokens: int,
                         temperature: float, top_p: float, threshold: float, alpha: float):
-    """common.generate's sampling (Hugging Face, the same processors, EOS ids, model copy and autocast) with
-    RegretStopper in the loop; the log-probs and regrets are read step by step (SampledLogprobs), so no [B, C, V]
-    tensor of scores is kept.
+    """common.generate's sampling (Hugging Face, the same processors, EOS ids, the sampler's weight copy and the
+    trainer's autocast when it decodes with the trainer) with RegretStopper in the loop; the log-probs and regrets
+    are read step by step (SampledLogprobs), so no [B, C, V] tensor of scores is kept. `policy`: a common.Sampler
+    (decoded with its module(), the dynamic cache) or a bare model, which decodes as it is.
 
     Returns (common.Rollout with the completion mask cut after each stop, regret g [B, C], stop_at [B]).
     """
     from transformers import (GenerationConfig, LogitsProcessorList, StoppingCriteriaList, TemperatureLogitsWarper,
                               TopPLogitsWarper)
 
-    sampler = model.__dict__.get("_sampler", model)  # a sharded model samples with its full copy (common.shard)
-    device = next(sampler.parameters()).device
+    sampler = policy if isinstance(policy, common.Sampler) else common.Sampler(policy, fast=False)
+    model, module = sampler.model, sampler.module()  # a sharded model: its full copy; on one GPU: the bf16 copy
+    device = next(module.parameters()).device
     ids, mask = common.left_pad([p for p in prompts for _ in range(group_size)], tok.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
     eos = common.eos_ids(tok, model)
@@ -469,14 +446,14 @@ def generate_with_stops(model, tok, prompts: list[list[int]], group_size: int, m
                           do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
     sampled = SampledLogprobs()
     stopper = RegretStopper(len(ids), threshold, alpha, eos, device, sampled)
-    own, sampler.generation_config = sampler.generation_config, gc
+    own, module.generation_config = module.generation_config, gc
     try:
-        with common.autocast(sampler):  # the trainer's autocast and dtype
-            seqs = sampler.generate(input_ids=ids, attention_mask=mask, generation_config=gc,
-                                    logits_processor=LogitsProcessorList(warpers + [sampled]),
-                                    stopping_criteria=StoppingCriteriaList([stopper]))
+        with common.autocast(model) if module is model else nullcontext():  # a copy already has the sampling dtype
+            seqs = module.generate(input_ids=ids, attention_mask=mask, generation_config=gc,
+                                   logits_processor=LogitsProcessorList(warpers + [sampled]),
+                                   stopping_criteria=StoppingCriteriaList([stopper]))
     finally:
-        sampler.generation_config = own
+        module.generation_config = own
     comp = seqs[:, ids.shape[1]:]
     regret, logprobs = stopper.regret(), stopper.logprobs()
     is_eos = torch.isin(comp, torch.tensor(eos, device=device))
@@ -529,11 +506,11 @@ def espo_summary(history: list[dict], gen_tokens: int) -> dict:
 
 
 # ---- rollout and update ----
-def rollout(model, tok, task, args: Args, rng, device, threshold: float = math.inf) -> dict:
+def rollout(sampler, tok, task, args: Args, rng, device, threshold: float = math.inf) -> dict:
     """Sample G completions for each of prompts_per_step training prompts, stopping a row once its smoothed regret
     crosses `threshold`; reward them: the verifier, or --stop-reward for a stopped row (the absorbing failure)."""
     examples = task.sample("train", args.prompts_per_step, rng)
-    ro, regret, stop_at = generate_with_stops(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]),
+    ro, regret, stop_at = generate_with_stops(sampler, tok, common.encode_prompts(tok, [e.prompt for e in examples]),
                                               args.group_size, args.max_new_tokens, args.temperature, args.top_p,
                                               threshold, args.regret_alpha)
     rows = [e for e in examples for _ in range(args.group_size)]
@@ -548,38 +525,33 @@ def rollout(model, tok, task, args: Args, rng, device, threshold: float = math.i
     return batch
 
 
-def lr_factor(step: int, total: int, args: Args) -> float:
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    if args.lr_schedule == "constant":
-        return 1.0
-    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def optimizer_step(model, opt, args: Args, accel, opt_step: int, critic=None) -> float:
-    """Clip policy and critic separately, set the scheduled lr of each group, step (FSDP2 has summed the gradients
-    over ranks); refresh a sharded policy's sampler copy. opt's groups are (policy at --lr, critic at --vf-lr);
-    returns the policy's gradient norm.
-    """
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
+def optimizer_step(model, opt, args: Args, step: int, total: int, sampler, critic) -> float:
+    """llm.optimizer_step (the policy's clip and NaN guard, the scheduled --lr, the step, the sampler's refresh) with
+    the critic: clipped on its own, and its parameter group (opt's second) stepped at --vf-lr on the same schedule
+    (llm.optimizer_step gives every group the policy's rate: a hook sets the critic's just before opt.step).
+    Returns the policy's gradient norm."""
     torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-    factor = lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
-    for group, base_lr in zip(opt.param_groups, (args.lr, args.vf_lr)):
-        group["lr"] = base_lr * factor
-    opt.step()
-    common.sync_sampler(model)
-    return grad_norm
+    vf_lr = args.vf_lr * llm.lr_factor(step, total, args)
+
+    def critic_lr(optimizer, *_):
+        optimizer.param_groups[1]["lr"] = vf_lr
+
+    hook = opt.register_step_pre_hook(critic_lr)
+    try:
+        return llm.optimizer_step(model, opt, args, step, total, sampler)
+    finally:
+        hook.remove()
 
 
-def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, critic=None) -> dict:
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampler, ref_model=None,
+           critic=None) -> dict:
     """ppo_epochs x minibatches optimiser steps of policy and critic on one rollout batch.
 
     pi_old, V_old (and pi_ref) are scored before any update and give the per-token advantages and value
     targets of the whole batch (ppo_advantages); each micro-batch then runs policy and critic, its loss
     normalised by counts over its whole mini-batch on all ranks, so accumulation and data parallelism leave J
-    unchanged.
+    unchanged. When the sampler is not the trainer's computation, each token's policy loss is weighted by
+    truncated_is_weight(pi_old, pi_sampler), fixed for the batch.
     """
     B = batch["completion_ids"].shape[0]
     micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
@@ -594,29 +566,32 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
         old_v = torch.cat([values_of(i) for i in micro(torch.arange(B))])
         ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
         adv, returns = ppo_advantages(batch["rewards"], mask, old, old_v, ref, args)
+    correct = args.sampler_is_cap > 0 and not sampler.is_trainer  # the sampler is another computation
+    is_weight = truncated_is_weight(old, batch["logprobs"], args.sampler_is_cap) if correct else None
     # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch. Sums
     # over all ranks, divided by global counts (explained variance is this rank's: a ratio of variances).
     before = {"rollout/logprob_mismatch": common.masked_sum((old - batch["logprobs"]).abs(), mask).item(),
               "value/mean": common.masked_sum(old_v, mask).item(),
               "loss/kl": common.masked_sum(k3_kl(old, ref), mask).item() if ref is not None else 0.0,
               "tokens": mask.sum().item()}
-    if accel.num_processes > 1:
-        before = dict(zip(before, accel.reduce(torch.tensor(list(before.values()), dtype=torch.float64,
-                                                            device=mask.device), "sum").tolist()))
+    if correct:
+        before.update({"rollout/is_weight_mean": common.masked_sum(is_weight, mask).item(),
+                       "rollout/is_truncated_frac": common.masked_sum((is_weight >= args.sampler_is_cap).float(),
+                                                                      mask).item()})
+    before = llm.all_ranks_sum(before, accel, mask.device)
     before = {k: v / max(before["tokens"], 1) for k, v in before.items() if k != "tokens"}
     before["value/explained_var"] = explained_variance(old_v, returns, mask)
     stats = {"entropy": 0.0, "grad_norm": 0.0}
-    n_opt = 0
+    n_opt, total = 0, args.steps * args.ppo_epochs * args.minibatches
     for _ in range(args.ppo_epochs):
         for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
-            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
-                                  device=mask.device)
-            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            n_seqs, n_tokens = llm.step_counts(batch["completion_mask"][mb_idx], accel)
             opt.zero_grad(set_to_none=True)
             for idx in micro(mb_idx):
                 logp, ent = logprobs_of(model, idx, True)
                 mb = {"adv": adv[idx], "mask": mask[idx], "old": old[idx], "values": values_of(idx),
-                      "old_values": old_v[idx], "returns": returns[idx]}
+                      "old_values": old_v[idx], "returns": returns[idx],
+                      "is_weight": None if is_weight is None else is_weight[idx]}
                 loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
                 if not torch.isfinite(loss):
                     raise SystemExit(f"non-finite loss at step {step}; the last checkpoint is intact. "
@@ -625,12 +600,10 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
                 for k, v in {**token_stats, "entropy": ent}.items():
                     stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / n_tokens
             opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
-            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step, critic)
+            stats["grad_norm"] += optimizer_step(model, opt, args, opt_step, total, sampler, critic)
             n_opt += 1
-    if accel.num_processes > 1:  # each rank's share of the step means: summed (the norm is already global)
-        shares = [k for k in stats if k != "grad_norm"]
-        stats.update(zip(shares, accel.reduce(torch.tensor([stats[k] for k in shares], dtype=torch.float64,
-                                                            device=mask.device), "sum").tolist()))
+    # each rank's share of the step means: summed over ranks (the norm is already global)
+    stats.update(llm.all_ranks_sum({k: v for k, v in stats.items() if k != "grad_norm"}, accel, mask.device))
     return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, **before}
 
 
@@ -646,26 +619,23 @@ def main(args: Args) -> dict:
     task = llm.make_task(args.task, args.digits)
     hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    critic = Critic(model).to(accel.device).train()
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    model, ref_model = common.shard(model, accel), common.shard(ref_model, accel, sampler=False)  # >1 process
-    critic = common.shard(critic, accel, sampler=False)
+    # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
+    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
+    critic = make_critic(model, args, accel)
     z_stats = RegretStats(args.regret_momentum)  # of the smoothed regret z: the stop threshold
-    opt = torch.optim.AdamW([{"params": list(model.parameters()), "lr": args.lr},
-                             {"params": list(critic.parameters()), "lr": args.vf_lr}], weight_decay=args.weight_decay)
+    opt = llm.make_optimizer([{"params": list(model.parameters())},
+                              {"params": list(critic.parameters()), "lr": args.vf_lr}], args)
 
     run_dir = Path(args.out_dir) / args.exp_name
     state = common.load_checkpoint(args.resume, model, opt, {"critic": critic}) if args.resume else {}
+    if args.resume:
+        sampler.refresh()
     z_stats.mean, z_stats.var, z_stats.batches = state.get("regret_stats", (0.0, 0.0, 0))
     start_step, history = state.get("step", 0), state.get("history", [])
     gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
     tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
     timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
-    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+    evaluate = lambda: common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
                                        args.temperature, hard_task)
 
     def log(metrics: dict, step: int):
@@ -683,10 +653,10 @@ def main(args: Args) -> dict:
         rng = np.random.default_rng([args.seed, step, rank])
         threshold = z_stats.threshold(args.stop_k, args.stop_warmup)
         with timer("gen"):
-            batch = rollout(model, tok, task, args, rng, accel.device, threshold)
+            batch = rollout(sampler, tok, task, args, rng, accel.device, threshold)
         z_stats.update(batch["z"], batch["completion_mask"])
-        with timer("train"):
-            stats = update(model, opt, batch, ppo_loss, args, step, accel, ref_model, critic)
+        with timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, ppo_loss, args, step, accel, sampler, ref_model, critic)
         t = timer.pop()
         gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
         metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],

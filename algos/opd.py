@@ -42,11 +42,11 @@ full-vocabulary log-probs of the student and of the teacher at every completion 
 scores only the sampled tokens. They are never held whole ([b, C, V]): chunked_loss runs both decoders once to
 their hidden states and then, chunk by chunk over positions (common.LOGPROB_CHUNK_MB MiB of fp32 logits each),
 both lm_heads, the divergence and its gradient w.r.t. the chunk's hidden states and the lm_head weight (the design
-of Liger-Kernel's fused linear JSD), before one backward through the student's decoder. Each part is one
-micro-batch (the two samplers' completions have their own lengths), with one optimiser step per batch and no
-pi_old (the losses are on-policy). The loss_fn fed to it is opd_loss (a chunk's share of J). optimizer_step is
-grpo's without the all-reduce (one process) and with OPD's learning rate (lr_at). Eval, rollout metrics, summary
-and curve are common.py's.
+of Liger-Kernel's fused linear JSD), before one backward through the student's decoder. Each part is split into
+micro-batches of at most --micro-batch-size sequences (micro_batches; a micro-batch never mixes the two samplers'
+completions, which have their own lengths), with one optimiser step per batch and no pi_old (the losses are
+on-policy). The loss_fn fed to it is opd_loss (a chunk's share of J). optimizer_step is llm.optimizer_step at
+OPD's learning rate (lr_at). Eval, rollout metrics, summary and curve are common.py's.
 
 Deviations:
 - The KL is "local": the per-position divergence at the sampled prefix, with no gradient through the
@@ -61,8 +61,13 @@ Deviations:
 - The bridge's GRPO stage is on-policy (one update per batch, ratio 1), the same gradient as algos/grpo.py
   with its defaults.
 - The teacher may be any model with the student's tokenizer (vocabularies are checked to be identical).
-- One process (no `accelerate launch`); the learning rate warms up over --warmup-steps and decays linearly
-  toward 10% at the last step (lr_at).
+- One process (no `accelerate launch`) and Hugging Face sampling (--engine vllm is refused); the learning rate
+  warms up over --warmup-steps and, with the default --lr-schedule linear, decays linearly toward 10% at the last
+  step (lr_at).
+- On CUDA the student samples with common.Sampler's bf16 weight copy (and the teacher with its own). The exact
+  divergences are per prefix and need no correction for it; the sampled estimators (rkl-sampled, the bridge's
+  GRPO stage) take no importance weight for that gap, which is logged as rollout/logprob_mismatch. On CPU the
+  sampler is the trainer's own forward.
 
 Commands:
   python algos/opd.py                                     # tiny-5m teacher -> tiny-0.6m student, ~2 min
@@ -70,14 +75,14 @@ Commands:
   python algos/opd.py --loss gkd --gkd-student-frac 0.5   # GKD-style mixture
   python algos/opd.py --schedule bridge --bridge-warmup 30 --grpo-steps 50    # the dense bridge (+ student GRPO)
   python algos/opd.py --teacher runs/grpo/checkpoint      # any teacher sharing the tokenizer
+  python algos/opd.py --save-every 25 --resume runs/opd/checkpoint   # continue an interrupted run exactly
 Expected: held-out greedy accuracy of tiny-0.6m on 2-digit addition rises from 35.8% by 10+ points toward
 the teacher's ~71% (measured: 35.8% -> 53.8% in 129 s on 2 shared cores); benchmarks/results/opd_bridge.md
 has the bridge comparison.
 """
 from __future__ import annotations
 
-import copy
-import math
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -93,36 +98,17 @@ from tqdm import tqdm
 
 import common
 from algos import _llm as llm
+from algos._llm import LLMArgs
 
 
 @dataclass
-class Args:
-    # bookkeeping
-    exp_name: str = "opd"
-    """name of the run (the output folder is out_dir/exp_name)"""
-    seed: int = 0
-    """random seed"""
-    track: bool = False
-    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
-    out_dir: str = "runs"
-    """where metrics.jsonl, summary.json and the curve go"""
-    save: bool = False
-    """save the final student as a checkpoint in out_dir/exp_name/checkpoint"""
-    # models and task
-    model: str = "tiny-0.6m"
-    """the student: tiny-*, a Hugging Face id or a local path"""
+class Args(LLMArgs):
+    """OPD's own flags; the plumbing flags (run, --model: the student, task, optimiser, eval, checkpoints) are
+    LLMArgs'."""
     teacher: str = "tiny-5m"
     """the teacher: any model with the student's tokenizer (a checkpoint folder of algos/grpo.py works)"""
-    task: str = "add"
-    """add, addsteps, jsonl:PATH or gsm8k"""
-    digits: int = 2
-    """operand digits of the arithmetic tasks"""
-    device: str = "auto"
-    """auto (CUDA if present), cpu or cuda"""
     threads: int = 1
     """torch CPU threads (1 is faster than 2 on a shared 2-core machine)"""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
     # objective and schedule
     loss: Literal["rkl", "rkl-sampled", "fkl", "fkl-teacher", "gkd"] = "rkl"
     """per-token divergence of the OPD stage (see the header)"""
@@ -147,29 +133,17 @@ class Args:
     """distinct prompts per batch"""
     group_size: int = 4
     """completions per prompt (GRPO needs >= 2)"""
-    max_new_tokens: int = 8
-    """generation budget per completion"""
-    temperature: float = 1.0
-    """sampling temperature of both rollouts and scoring"""
-    lr: float = 1e-4
-    """AdamW learning rate of the distillation stages (5e-4 overshoots on the tiny student)"""
     grpo_lr: float = 1e-4
-    """AdamW learning rate of the bridge's GRPO stage"""
+    """AdamW learning rate of the bridge's GRPO stage (constant; --lr is the distillation stages': 5e-4 overshoots
+    on the tiny student)"""
+    lr_schedule: Literal["linear", "constant", "cosine"] = "linear"
+    """after warm-up: linear (the distillation lr times 1 - 0.9 (step - 1) / total steps, from the first step on:
+    10% at the last step), constant, or cosine decay to 10% over all steps"""
     warmup_steps: int = 10
-    """linear learning-rate warm-up (Adam's first steps are sign-like and overshoot at full lr); after it
-    the distillation lr decays linearly to 10% at the last step"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm"""
-    grad_checkpointing: bool = False
-    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
-    off by default (the tiny models need no memory for it); on for real models on a GPU"""
+    """linear learning-rate warm-up (Adam's first steps are sign-like and overshoot at full lr)"""
     # eval
-    eval_every: int = 25
-    """steps between held-out evaluations"""
-    eval_examples: int = 500
-    """held-out prompts for greedy accuracy"""
-    eval_hard: bool = True
-    """also evaluate one digit harder than training (out of distribution)"""
+    pass_k: int = 0
+    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
 
 
 def check_args(args: Args) -> None:
@@ -192,6 +166,11 @@ def check_args(args: Args) -> None:
         raise SystemExit("--temperature must be > 0")
     if args.ref_coef < 0:
         raise SystemExit("--ref-coef must be >= 0")
+    if args.micro_batch_size < 1:
+        raise SystemExit("--micro-batch-size must be positive")
+    if args.engine == "vllm":
+        raise SystemExit("--engine vllm: OPD samples the student and the teacher with Hugging Face generate (no "
+                         "vLLM engine is wired in); use --engine hf")
 
 
 def check_teacher(tok_s, tok_t, student, teacher, name: str) -> None:
@@ -405,8 +384,9 @@ def rollout_plan(stage: str, n: int, args: Args) -> tuple[int, str | None, str |
     return n, "grpo", None
 
 
-def rollout(model, tok, task, args: Args, rng, device, teacher=None, stage: str = "opd") -> list[dict]:
-    """Sample the step's prompts: the student rolls out its share (G completions each), the teacher the rest.
+def rollout(sampler, tok, task, args: Args, rng, device, teacher=None, stage: str = "opd") -> list[dict]:
+    """Sample the step's prompts: the student's sampler rolls out its share (G completions each), the teacher's
+    sampler the rest.
 
     Returns one batch per sampler that rolled out (the student's first), each with grpo's keys (rewards from
     the verifier; A_i per group only for the GRPO stage) plus the texts, the loss kind and the source.
@@ -414,12 +394,12 @@ def rollout(model, tok, task, args: Args, rng, device, teacher=None, stage: str 
     examples = task.sample("train", args.prompts_per_step, rng)
     n_student, s_kind, t_kind = rollout_plan(stage, len(examples), args)
     parts = []
-    for source, policy, exs, kind in (("student", model, examples[:n_student], s_kind),
+    for source, policy, exs, kind in (("student", sampler, examples[:n_student], s_kind),
                                       ("teacher", teacher, examples[n_student:], t_kind)):
         if not exs:
             continue
         ro = common.generate(policy, tok, common.encode_prompts(tok, [e.prompt for e in exs]), args.group_size,
-                             args.max_new_tokens, args.temperature)
+                             args.max_new_tokens, args.temperature, args.top_p)
         answers = [e.answer for e in exs for _ in range(args.group_size)]
         rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
         batch = {k: getattr(ro, k).to(device) for k in
@@ -437,27 +417,34 @@ def teacher_hidden(teacher, mb: dict, args: Args) -> torch.Tensor:
 
 
 def lr_at(step: int, args: Args) -> float:
-    """Learning rate of a 1-based step: --lr times a linear warm-up over --warmup-steps and a linear decay
-    from 1 toward 0.1 at the last step; the bridge's GRPO stage runs at a constant --grpo-lr."""
+    """Learning rate of a 1-based step: --lr times a linear warm-up over --warmup-steps and, with --lr-schedule
+    linear, a linear decay from 1 toward 0.1 at the last step (constant or cosine: llm.lr_factor's schedule); the
+    bridge's GRPO stage runs at a constant --grpo-lr."""
     if stage_of(step, args) == "grpo":
         return args.grpo_lr
+    if args.lr_schedule != "linear":
+        return args.lr * llm.lr_factor(step - 1, total_steps(args), args)
     return args.lr * min(1.0, step / max(args.warmup_steps, 1)) * (1 - 0.9 * (step - 1) / total_steps(args))
 
 
 def optimizer_step(model, opt, args: Args, step: int) -> float:
-    """NaN guard, clip, this step's lr (lr_at), step; returns the norm. One process: no all-reduce."""
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-    if not math.isfinite(grad_norm):
-        raise SystemExit(f"non-finite loss or gradient at step {step}; lower --lr")
-    for group in opt.param_groups:
-        group["lr"] = lr_at(step, args)
-    opt.step()
-    return grad_norm
+    """llm.optimizer_step (clip at --max-grad-norm, NaN guard, step) at the rate lr_at gives this 1-based step,
+    handed to it as a flat --lr (llm.optimizer_step knows only --lr times its own schedules); returns the norm."""
+    args = dataclasses.replace(args, lr=lr_at(step, args), lr_schedule="constant", warmup_steps=0)
+    return llm.optimizer_step(model, opt, args, step - 1, step)
+
+
+def micro_batches(part: dict, size: int):
+    """A part (one sampler's rollouts) in micro-batches of at most `size` sequences: each tensor's rows split, other
+    entries (the loss kind, the source, numbers, texts) as they are."""
+    for rows in torch.arange(len(part["completion_ids"])).split(size):
+        yield {k: v[rows.to(v.device)] if torch.is_tensor(v) else v for k, v in part.items()}
 
 
 def update(model, opt, parts: list[dict], loss_fn, args: Args, step: int, teacher, ref_model=None) -> dict:
-    """One optimiser step on one rollout batch; each part (one sampler's rollouts) is one micro-batch, its
-    loss normalised by counts over the whole step (n_seqs, n_tokens), so the parts add up to J.
+    """One optimiser step on one rollout batch; each part (one sampler's rollouts) in micro-batches of at most
+    --micro-batch-size sequences, each micro-batch's loss normalised by counts over the whole step (n_seqs,
+    n_tokens), so that they add up to J.
 
     The teacher's forward runs here (teacher_hidden, no grad): the losses need the full-vocabulary log-probs
     of the student and of the teacher at every completion position, which chunked_loss computes chunk by chunk
@@ -466,68 +453,91 @@ def update(model, opt, parts: list[dict], loss_fn, args: Args, step: int, teache
     """
     n_seqs = sum(len(p["completion_ids"]) for p in parts)
     n_tokens = sum(int(p["completion_mask"].sum()) for p in parts)
-    stats = {"loss/total": 0.0}
+    stats, gap = {"loss/total": 0.0}, {}
     opt.zero_grad(set_to_none=True)
-    for part in parts:
-        ids = [part[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
-        mask = part["completion_mask"].float()
+    for mb in (mb for part in parts for mb in micro_batches(part, args.micro_batch_size)):
+        ids = [mb[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+        mask = mb["completion_mask"].float()
         h = completion_hidden(model, *ids)  # [b, C, H], with grad
         with torch.no_grad():
-            t_h = teacher_hidden(teacher, part, args)
-            ref = None if ref_model is None or part["source"] != "student" else common.token_logprobs(
+            t_h = teacher_hidden(teacher, mb, args)
+            ref = None if ref_model is None or mb["source"] != "student" else common.token_logprobs(
                 ref_model, *ids, args.temperature)
-        loss, token_stats = chunked_loss(model, teacher, h, t_h, {**part, "mask": mask, "ref": ref}, loss_fn,
+        loss, token_stats = chunked_loss(model, teacher, h, t_h, {**mb, "mask": mask, "ref": ref}, loss_fn,
                                          n_seqs, n_tokens, args)
         loss.backward()  # through the decoder; a NaN here reaches the gradient: optimizer_step stops the run
         stats["loss/total"] += loss.item()
         s_tok = token_stats.pop("s_tok")
-        if part["source"] == "student":
-            stats["rollout/logprob_mismatch"] = common.masked_mean((s_tok - part["logprobs"]).abs(), mask).item()
+        if mb["source"] == "student":
+            gap["sum"] = gap.get("sum", 0.0) + common.masked_sum((s_tok - mb["logprobs"]).abs(), mask).item()
+            gap["tokens"] = gap.get("tokens", 0.0) + mask.sum().item()
         for k, v in token_stats.items():
             stats[k] = stats.get(k, 0.0) + common.masked_sum(v, mask).item() / n_tokens
+    if gap:
+        stats["rollout/logprob_mismatch"] = gap["sum"] / max(gap["tokens"], 1.0)
     stats["loss/grad_norm"] = optimizer_step(model, opt, args, step)
     return stats
 
 
 # ---- main ----
+def opd_summary(history: list[dict], teacher_eval: dict, labelled_prompts: int) -> dict:
+    """The summary's OPD figures: the teacher's accuracy, the final KLs, the student's lengths and truncation (the
+    collapse signals), and the labelled prompts the run used."""
+    train = [h for h in history if "rollout/reward" in h]
+    student_rows = [h for h in train if h["rollout/source_student"]] or train
+    out = {"teacher_acc": teacher_eval["eval/acc"],
+           "kl_reverse_end": train[-1]["kl/reverse"], "kl_forward_end": train[-1]["kl/forward"],
+           "truncated_frac_max": max(h["rollout/truncated_frac"] for h in student_rows),
+           "length_mean": float(np.mean([h["rollout/length"] for h in student_rows])),
+           "labelled_prompts": labelled_prompts}
+    if "eval/acc_hard" in teacher_eval:
+        out["teacher_acc_hard"] = teacher_eval["eval/acc_hard"]
+    return out
+
+
 def main(args: Args) -> dict:
     check_args(args)
+    from accelerate import Accelerator
+
+    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
+    if accel.num_processes > 1:
+        raise SystemExit("OPD runs in one process: start it with python, not torchrun or accelerate launch")
     torch.set_num_threads(args.threads)
     common.set_seed(args.seed)
-    device = common.get_device(args.device)
     task = llm.make_task(args.task, args.digits)
     hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, device, args.dtype)
-    teacher, tok_t = common.load_model(args.teacher, device, args.dtype)
+    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.ref_coef > 0)  # the student
+    teacher, tok_t = common.load_model(args.teacher, accel.device, args.dtype)
     check_teacher(tok, tok_t, model, teacher, args.teacher)
-    teacher.eval().requires_grad_(False)
-    model.train()
-    if args.grad_checkpointing:  # Hugging Face checkpoints only in train mode
-        model.train().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.ref_coef > 0 else None
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    teacher_sampler = common.Sampler(teacher.eval().requires_grad_(False))  # frozen: nothing to refresh
+    opt = llm.make_optimizer(model.parameters(), args)
 
     run_dir = Path(args.out_dir) / args.exp_name
+    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
+    start_step, history = state.get("step", 0), state.get("history", [])
+    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
+    labelled_prompts = state.get("labelled_prompts", 0)
     tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name)
-    timer, t_start = common.Timer(), time.time()
-    gen_tokens, gen_time, history, labelled_prompts = 0, 0.0, [], 0
-    evaluate = lambda m: common.run_eval(m, tok, task, eval_sets, args.max_new_tokens,  # noqa: E731
-                                         hard_task=hard_task)
+    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
+    evaluate = lambda policy, k=args.pass_k: common.run_eval(  # noqa: E731
+        policy, tok, task, eval_sets, args.max_new_tokens, k, args.temperature, hard_task)
 
     def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
         tracker.log(metrics, step)
 
-    teacher_eval = evaluate(teacher)
-    log({**evaluate(model), "eval/teacher_acc": teacher_eval["eval/acc"]}, 0)
+    teacher_eval = state.get("teacher_eval") or evaluate(teacher_sampler, 0)
+    if start_step == 0:
+        log({**evaluate(sampler), "eval/teacher_acc": teacher_eval["eval/acc"]}, 0)
     total = total_steps(args)
-    for step in tqdm(range(1, total + 1), desc=f"opd[{args.loss},{args.schedule}]", dynamic_ncols=True):
-        torch.manual_seed(hash((args.seed, step)) % 2**31)
+    for step in tqdm(range(start_step + 1, total + 1), desc=f"opd[{args.loss},{args.schedule}]", dynamic_ncols=True,
+                     initial=start_step, total=total):
+        torch.manual_seed(hash((args.seed, step)) % 2**31)  # each step's draws depend on (seed, step): exact resume
         rng = np.random.default_rng([args.seed, step])
         stage = stage_of(step, args)
         with timer("gen"):
-            parts = rollout(model, tok, task, args, rng, device, teacher, stage)
+            parts = rollout(sampler, tok, task, args, rng, accel.device, teacher_sampler, stage)
         with timer("train"):
             stats = update(model, opt, parts, opd_loss, args, step, teacher, ref_model)
         t = timer.pop()
@@ -541,23 +551,18 @@ def main(args: Args) -> dict:
                    "rollout/repeat_frac": repeat_frac(own["texts"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
                    **{f"perf/{k}_s": v for k, v in t.items()}}
         if step % args.eval_every == 0 or step == total:
-            metrics.update(evaluate(model))
+            metrics.update(evaluate(sampler))
         log(metrics, step)
+        if args.save_every and step % args.save_every == 0 or step == total:
+            common.save_checkpoint(run_dir / "checkpoint", model, tok, opt,
+                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
+                                    "gen_tokens": gen_tokens, "gen_time": gen_time,
+                                    "labelled_prompts": labelled_prompts, "teacher_eval": teacher_eval})
 
-    train = [h for h in history if "rollout/reward" in h]
-    student_rows = [h for h in train if h["rollout/source_student"]] or train
     summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start),
-               "teacher_acc": teacher_eval["eval/acc"],
-               "kl_reverse_end": train[-1]["kl/reverse"], "kl_forward_end": train[-1]["kl/forward"],
-               "truncated_frac_max": max(h["rollout/truncated_frac"] for h in student_rows),
-               "length_mean": float(np.mean([h["rollout/length"] for h in student_rows])),
-               "labelled_prompts": labelled_prompts}
-    if hard_task is not None:
-        summary["teacher_acc_hard"] = teacher_eval["eval/acc_hard"]
+               **opd_summary(history, teacher_eval, labelled_prompts)}
     common.save_curve(history, run_dir / "curve.png", f"OPD {args.loss}/{args.schedule} on {task.name}",
                       {"teacher": summary["teacher_acc"]})
-    if args.save:
-        common.save_checkpoint(run_dir / "checkpoint", model, tok, None, {"step": total})
     print(f"teacher held-out greedy accuracy {summary['teacher_acc']:.3f}")
     return tracker.finish(summary)
 

@@ -6,14 +6,15 @@ Generalized Advantage Estimation", arXiv:1506.02438 (GAE); Ouyang et al., "Train
 follow instructions with human feedback", arXiv:2203.02155 (per-token KL penalty to the reference in the
 reward).
 
-Parent: none (its own design). Borrows: algos/grpo.py (k3_kl, aggregate_loss, lr_factor), exact copies.
+Parent: none (its own design). Borrows: algos/grpo.py (k3_kl, aggregate_loss, truncated_is_weight), exact copies.
 
 What changes from GRPO: a critic replaces the group baseline, so advantages are per token (GAE over
 per-token rewards) instead of one per sequence, and the KL to the reference moves from the loss into the
 reward. `update` is changed because PPO needs more than a new loss_fn: V_old and the GAE advantages must be
 computed from the whole batch before the first optimiser step, every micro-batch runs the critic as well,
-and the optimiser steps two parameter groups (policy at --lr, critic at --vf-lr, clipped separately).
-The rollout is GRPO's without the group advantage; eval, metrics, summary and the curve are shared.
+and the optimiser steps two parameter groups (policy at --lr, critic at --vf-lr, clipped separately:
+optimizer_step is llm.optimizer_step plus the critic's clip and rate). The rollout is GRPO's without the group
+advantage; eval, metrics, summary and the curve are shared.
 
 The critic is a separate tiny value model: a copy of the initial policy's decoder with a fresh scalar head
 (zero-initialised), trained by its own AdamW parameter group. A separate critic keeps the value loss from
@@ -30,6 +31,7 @@ Equations (each implemented by the function named on the right):
   clipped surrogate l_t = -min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t)                clipped_pg_loss
   clipped value     v_t = 1/2 max((V_t - R_t)^2, (V_old,t + clip(V_t - V_old,t, -c, c) - R_t)^2)
                                                                                          clipped_value_loss
+  sampler != trainer l_t <- w_t l_t,  w_t = min(pi_old / pi_sampler, C)                 truncated_is_weight
   objective         J = token-mean over the optimiser step of l_t + vf_coef * v_t       ppo_loss, aggregate_loss
   With gamma = lambda = 1, A_t = (sum_{k >= t} r_k) - V_t: the Monte-Carlo return minus the value.
 
@@ -40,8 +42,13 @@ Deviations:
   the exact verifier, 0/1).
 - No entropy bonus (entropy is only logged), no adaptive KL controller (fixed beta, off by default as in
   the GRPO-family scripts).
-- pi_old and V_old are recomputed by the trainer after sampling (the sampler's log-probs only feed the
-  rollout/logprob_mismatch metric), as in algos/grpo.py.
+- pi_old and V_old are recomputed by the trainer after sampling, as in algos/grpo.py. The sampler's log-probs
+  give the rollout/logprob_mismatch metric and, when the sampler is not the trainer's computation (the bf16
+  sampler copy on CUDA, vLLM), the policy term of each token is weighted by w_t = min(pi_old / pi_sampler, C),
+  C = --sampler-is-cap = 2 (grpo.py's truncated importance weight; the value loss is not weighted), logged as
+  rollout/is_weight_mean and rollout/is_truncated_frac. On CPU the sampler is the trainer's own forward.
+- Several processes: the critic is built from a fresh load of the initial weights (the sharded policy holds no
+  full copy of its decoder), then sharded like the policy.
 - No --kernels: GRPO's fused loss kernel takes one advantage per sequence, PPO's are per token.
 
 Commands:
@@ -56,12 +63,10 @@ benchmarks/results/grpo_family.md, rows in benchmarks/results/grpo_family.csv); 
 from __future__ import annotations
 
 import copy
-import math
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -72,48 +77,17 @@ from tqdm import tqdm
 
 import common
 from algos import _llm as llm
-from algos._vllm import VLLMEngine
+from algos._llm import LLMArgs
 
 
 @dataclass
-class Args:
-    # bookkeeping
-    exp_name: str = "ppo"
-    """name of the run (the output folder is out_dir/exp_name)"""
-    seed: int = 0
-    """random seed: prompts and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
-    track: bool = False
-    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
-    out_dir: str = "runs"
-    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
-    # model and task
-    model: str = "tiny-0.6m"
-    """tiny-0.6m, tiny-5m, smollm2-135m, a Hugging Face id or a local path"""
-    task: str = "add"
-    """add, addsteps, jsonl:PATH (prompt/answer records) or gsm8k"""
-    digits: int = 2
-    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
-    device: str = "auto"
-    """auto (CUDA if present), cpu or cuda"""
-    threads: int = 2
-    """torch CPU threads per process"""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+class Args(LLMArgs):
+    """PPO's own flags; the plumbing flags (run, model, task, engine, optimiser, eval, checkpoints) are LLMArgs'."""
     # rollout
-    engine: Literal["hf", "vllm"] = "hf"
-    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
-    vllm_gpu_memory: float = 0.3
-    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
     prompts_per_step: int = 256
     """distinct prompts per rollout batch (per process)"""
     group_size: int = 1
     """completions per prompt (PPO needs no groups; >1 only to match another method's sampling)"""
-    max_new_tokens: int = 8
-    """generation budget per completion"""
-    temperature: float = 1.0
-    """sampling temperature (the trainer scores with the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling threshold"""
     # objective
     gamma: float = 1.0
     """discount per token"""
@@ -129,6 +103,9 @@ class Args:
     """weight of the value loss (it only reaches the critic's parameters)"""
     kl_coef: float = 0.0
     """beta of the per-token KL penalty to the frozen initial policy in the reward (0 = no reference)"""
+    sampler_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
+    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
     # optimisation
     steps: int = 100
     """rollout batches (each followed by ppo_epochs * minibatches optimiser steps); a PPO step costs about
@@ -137,37 +114,8 @@ class Args:
     """passes over each rollout batch"""
     minibatches: int = 1
     """optimiser steps per pass; the rollout batch is split into this many"""
-    micro_batch_size: int = 256
-    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
-    lr: float = 1e-4
-    """policy learning rate (AdamW); 1e-3 collapses the tiny policy"""
     vf_lr: float = 3e-4
-    """critic learning rate"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
-    warmup_steps: int = 0
-    """linear warm-up (optimiser steps)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm (policy and critic clipped separately)"""
-    grad_checkpointing: bool = False
-    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
-    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
-    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
-    # eval and checkpoints
-    eval_every: int = 25
-    """rollout batches between held-out evaluations"""
-    eval_examples: int = 500
-    """held-out prompts for greedy accuracy"""
-    pass_k: int = 8
-    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
-    eval_hard: bool = True
-    """also evaluate one digit harder than training (out of distribution)"""
-    save_every: int = 0
-    """rollout batches between checkpoints (0 = only at the end)"""
-    resume: str = ""
-    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
+    """critic learning rate (AdamW, on --lr-schedule like the policy's --lr; the critic is clipped on its own)"""
 
 
 def check_args(args: Args) -> None:
@@ -214,6 +162,17 @@ def critic_values(critic: Critic, prompt_ids, prompt_mask, completion_ids, compl
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     P = prompt_ids.shape[1]
     return critic(ids, mask, pos)[:, P - 1:-1].squeeze(-1) * completion_mask
+
+
+def make_critic(model, args: Args, accel) -> Critic:
+    """The critic, from the initial policy's decoder: the policy's own when it is whole, a fresh load of the weights
+    when FSDP2 has sharded it (no rank holds the full decoder), with the same gradient checkpointing; sharded like
+    the policy."""
+    if common.is_sharded(model):
+        model, _ = common.load_model(args.model)
+        if args.grad_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return common.shard(Critic(model).to(accel.device).train(), accel)
 
 
 def token_rewards(scores, mask, logp=None, ref_logp=None, kl_coef: float = 0.0):
@@ -310,13 +269,21 @@ def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, cons
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
+def truncated_is_weight(old_logp, sampler_logp, cap: float):
+    """w_t = min(pi_old(o_t) / pi_sampler(o_t), C): corrects the update for samples drawn by another computation
+    than the trainer's (truncated importance sampling, as verl's rollout correction); no gradient."""
+    return torch.exp(old_logp - sampler_logp).clamp(max=cap).detach()
+
+
 def ppo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
     """This micro-batch's share of J: clipped surrogate + vf_coef * clipped value loss, token-mean over the step.
 
-    logp [b, C] and mb["values"] [b, C] carry grad; mb holds old, adv, old_values, returns, mask, all [b, C].
-    Returns (loss, per-token stats).
+    logp [b, C] and mb["values"] [b, C] carry grad; mb holds old, adv, old_values, returns, mask, all [b, C], and
+    is_weight (the sampler correction of the policy term, or None). Returns (loss, per-token stats).
     """
     pg, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps)
+    if mb.get("is_weight") is not None:  # the sampler is not the trainer: truncated importance weight per token
+        pg = pg * mb["is_weight"]
     vf = clipped_value_loss(mb["values"], mb["old_values"], mb["returns"], args.vf_clip)
     moved = ((mb["values"].detach() - mb["old_values"]).abs() > args.vf_clip).float()  # value clip active
     stats = {"pg": pg, "vf": vf, "clipfrac": clipped, "vf_clipfrac": moved}
@@ -331,11 +298,11 @@ def explained_variance(values, returns, mask) -> float:
 
 
 # ---- rollout and update ----
-def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
+def rollout(sampler, tok, task, args: Args, rng, device) -> dict:
     """Sample G completions for each of prompts_per_step training prompts; reward them (the critic gives A_t)."""
     examples = task.sample("train", args.prompts_per_step, rng)
-    ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
-                         args.max_new_tokens, args.temperature, args.top_p, engine=engine)
+    ro = common.generate(sampler, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
+                         args.max_new_tokens, args.temperature, args.top_p)
     answers = [e.answer for e in examples for _ in range(args.group_size)]
     rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
     batch = {k: getattr(ro, k).to(device) for k in
@@ -344,38 +311,33 @@ def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
     return batch
 
 
-def lr_factor(step: int, total: int, args: Args) -> float:
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    if args.lr_schedule == "constant":
-        return 1.0
-    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def optimizer_step(model, opt, args: Args, accel, opt_step: int, critic=None) -> float:
-    """Clip policy and critic separately, set the scheduled lr of each group, step (FSDP2 has summed the gradients
-    over ranks); refresh a sharded policy's sampler copy. opt's groups are (policy at --lr, critic at --vf-lr);
-    returns the policy's gradient norm.
-    """
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
+def optimizer_step(model, opt, args: Args, step: int, total: int, sampler, critic) -> float:
+    """llm.optimizer_step (the policy's clip and NaN guard, the scheduled --lr, the step, the sampler's refresh) with
+    the critic: clipped on its own, and its parameter group (opt's second) stepped at --vf-lr on the same schedule
+    (llm.optimizer_step gives every group the policy's rate: a hook sets the critic's just before opt.step).
+    Returns the policy's gradient norm."""
     torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-    factor = lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
-    for group, base_lr in zip(opt.param_groups, (args.lr, args.vf_lr)):
-        group["lr"] = base_lr * factor
-    opt.step()
-    common.sync_sampler(model)
-    return grad_norm
+    vf_lr = args.vf_lr * llm.lr_factor(step, total, args)
+
+    def critic_lr(optimizer, *_):
+        optimizer.param_groups[1]["lr"] = vf_lr
+
+    hook = opt.register_step_pre_hook(critic_lr)
+    try:
+        return llm.optimizer_step(model, opt, args, step, total, sampler)
+    finally:
+        hook.remove()
 
 
-def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, critic=None) -> dict:
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampler, ref_model=None,
+           critic=None) -> dict:
     """ppo_epochs x minibatches optimiser steps of policy and critic on one rollout batch.
 
     pi_old, V_old (and pi_ref) are scored before any update and give the per-token advantages and value
     targets of the whole batch (ppo_advantages); each micro-batch then runs policy and critic, its loss
     normalised by counts over its whole mini-batch on all ranks, so accumulation and data parallelism leave J
-    unchanged.
+    unchanged. When the sampler is not the trainer's computation, each token's policy loss is weighted by
+    truncated_is_weight(pi_old, pi_sampler), fixed for the batch.
     """
     B = batch["completion_ids"].shape[0]
     micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
@@ -390,29 +352,32 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
         old_v = torch.cat([values_of(i) for i in micro(torch.arange(B))])
         ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
         adv, returns = ppo_advantages(batch["rewards"], mask, old, old_v, ref, args)
+    correct = args.sampler_is_cap > 0 and not sampler.is_trainer  # the sampler is another computation
+    is_weight = truncated_is_weight(old, batch["logprobs"], args.sampler_is_cap) if correct else None
     # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch. Sums
     # over all ranks, divided by global counts (explained variance is this rank's: a ratio of variances).
     before = {"rollout/logprob_mismatch": common.masked_sum((old - batch["logprobs"]).abs(), mask).item(),
               "value/mean": common.masked_sum(old_v, mask).item(),
               "loss/kl": common.masked_sum(k3_kl(old, ref), mask).item() if ref is not None else 0.0,
               "tokens": mask.sum().item()}
-    if accel.num_processes > 1:
-        before = dict(zip(before, accel.reduce(torch.tensor(list(before.values()), dtype=torch.float64,
-                                                            device=mask.device), "sum").tolist()))
+    if correct:
+        before.update({"rollout/is_weight_mean": common.masked_sum(is_weight, mask).item(),
+                       "rollout/is_truncated_frac": common.masked_sum((is_weight >= args.sampler_is_cap).float(),
+                                                                      mask).item()})
+    before = llm.all_ranks_sum(before, accel, mask.device)
     before = {k: v / max(before["tokens"], 1) for k, v in before.items() if k != "tokens"}
     before["value/explained_var"] = explained_variance(old_v, returns, mask)
     stats = {"entropy": 0.0, "grad_norm": 0.0}
-    n_opt = 0
+    n_opt, total = 0, args.steps * args.ppo_epochs * args.minibatches
     for _ in range(args.ppo_epochs):
         for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
-            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
-                                  device=mask.device)
-            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            n_seqs, n_tokens = llm.step_counts(batch["completion_mask"][mb_idx], accel)
             opt.zero_grad(set_to_none=True)
             for idx in micro(mb_idx):
                 logp, ent = logprobs_of(model, idx, True)
                 mb = {"adv": adv[idx], "mask": mask[idx], "old": old[idx], "values": values_of(idx),
-                      "old_values": old_v[idx], "returns": returns[idx]}
+                      "old_values": old_v[idx], "returns": returns[idx],
+                      "is_weight": None if is_weight is None else is_weight[idx]}
                 loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
                 if not torch.isfinite(loss):
                     raise SystemExit(f"non-finite loss at step {step}; the last checkpoint is intact. "
@@ -421,12 +386,10 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
                 for k, v in {**token_stats, "entropy": ent}.items():
                     stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / n_tokens
             opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
-            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step, critic)
+            stats["grad_norm"] += optimizer_step(model, opt, args, opt_step, total, sampler, critic)
             n_opt += 1
-    if accel.num_processes > 1:  # each rank's share of the step means: summed (the norm is already global)
-        shares = [k for k in stats if k != "grad_norm"]
-        stats.update(zip(shares, accel.reduce(torch.tensor([stats[k] for k in shares], dtype=torch.float64,
-                                                            device=mask.device), "sum").tolist()))
+    # each rank's share of the step means: summed over ranks (the norm is already global)
+    stats.update(llm.all_ranks_sum({k: v for k, v in stats.items() if k != "grad_norm"}, accel, mask.device))
     return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, **before}
 
 
@@ -442,29 +405,22 @@ def main(args: Args) -> dict:
     task = llm.make_task(args.task, args.digits)
     hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    critic = Critic(model).to(accel.device).train()
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    model, ref_model = common.shard(model, accel), common.shard(ref_model, accel, sampler=False)  # >1 process
-    critic = common.shard(critic, accel, sampler=False)
-    engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
-        if args.engine == "vllm" else None
-    opt = torch.optim.AdamW([{"params": list(model.parameters()), "lr": args.lr},
-                             {"params": list(critic.parameters()), "lr": args.vf_lr}], weight_decay=args.weight_decay)
+    # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
+    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
+    critic = make_critic(model, args, accel)
+    opt = llm.make_optimizer([{"params": list(model.parameters())},
+                              {"params": list(critic.parameters()), "lr": args.vf_lr}], args)
 
     run_dir = Path(args.out_dir) / args.exp_name
     state = common.load_checkpoint(args.resume, model, opt, {"critic": critic}) if args.resume else {}
-    if args.resume and engine is not None:
-        engine.sync_weights(model)
+    if args.resume:
+        sampler.refresh()
     start_step, history = state.get("step", 0), state.get("history", [])
     gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
     tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
     timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
-    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
-                                       args.temperature, hard_task, engine)
+    evaluate = lambda: common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task)
 
     def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
@@ -480,12 +436,9 @@ def main(args: Args) -> dict:
         torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
         rng = np.random.default_rng([args.seed, step, rank])
         with timer("gen"):
-            batch = rollout(model, tok, task, args, rng, accel.device, engine)
-        with timer("train"):
-            stats = update(model, opt, batch, ppo_loss, args, step, accel, ref_model, critic)
-        if engine is not None:
-            with timer("sync"):
-                engine.sync_weights(model)
+            batch = rollout(sampler, tok, task, args, rng, accel.device)
+        with timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, ppo_loss, args, step, accel, sampler, ref_model, critic)
         t = timer.pop()
         gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
         metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],

@@ -32,21 +32,26 @@ symptoms), the truncated fraction and repetition (StableOPD's collapse signals);
 out-of-distribution accuracy one digit harder, at every evaluation.
 
 Parent: none (its own design). Borrows: algos/opd.py (reverse_kl, forward_kl, group_advantages, completion_hidden,
-  chunk_logprobs, position_rows, PrecomputedGrad, chunked_loss, repeat_frac, optimizer_step, update), exact copies.
+  chunk_logprobs, position_rows, PrecomputedGrad, chunked_loss, repeat_frac, optimizer_step, micro_batches,
+  update), exact copies.
 
 What changes from OPD: the teacher is the student's own weights, shown x* instead of x: teacher_hidden reads
 the completions after the privileged prompt that rollout builds next to each rollout (the sampler never sees
 it). The loss_fn fed to opd.py's `update` is self_opd_loss, a chunk's share of J (opd.py's chunked_loss computes
 both views' log-probs chunk by chunk over positions). rollout samples every prompt with the student and always
 rewards it (trace and grpo use A_i; trace also gets its span marks and this step's KL-channel weight; pw-opsd's
-position weights are computed there, from whole sequences); lr_at is constant.
+position weights are computed there, from whole sequences); lr_at is llm.lr_factor's schedule (constant by
+default).
 
 Deviations:
 - The privileged teacher is the current weights (not a frozen copy), as in OPSD; no gradient through it.
 - PW-OPSD's exact clipping of the forward-KL target is not in the abstract: we cap each token's loss weight.
 - Spans are marked programmatically (carries), not by an annotator or the model (TRACE's online variant).
 - The branch-viability diagnostic / AUROC of PW-OPSD is not implemented.
-- TRACE's GRPO term is on-policy (ratio 1), seq-mean, as algos/grpo.py with its defaults.
+- TRACE's GRPO term is on-policy (ratio 1), seq-mean, as algos/grpo.py with its defaults. On CUDA the student
+  samples with common.Sampler's bf16 weight copy, and the GRPO terms (trace, grpo) take no importance weight for
+  that gap (logged as rollout/logprob_mismatch); on CPU the sampler is the trainer's own forward.
+- One process, Hugging Face sampling (--engine vllm is refused).
 
 Commands:
   python algos/self_opd.py                           # PW-OPSD on add, tiny-0.6m, ~2 min on 2 cores
@@ -59,7 +64,7 @@ Expected: held-out greedy accuracy on 2-digit addition rises from ~36% by 20+ po
 """
 from __future__ import annotations
 
-import math
+import dataclasses
 import re
 import sys
 import time
@@ -76,30 +81,15 @@ from tqdm import tqdm
 
 import common
 from algos import _llm as llm
+from algos._llm import LLMArgs
 
 
 @dataclass
-class Args:
-    exp_name: str = "self_opd"
-    """name of the run (the output folder is out_dir/exp_name)"""
-    seed: int = 0
-    """random seed"""
-    track: bool = False
-    """log to Weights & Biases as well"""
-    out_dir: str = "runs"
-    """where metrics.jsonl, summary.json and the curve go"""
-    model: str = "tiny-0.6m"
-    """the policy (student and, with privileged context, teacher)"""
-    task: str = "add"
-    """add, addsteps, jsonl:PATH (records with a 'solution') or gsm8k"""
-    digits: int = 2
-    """operand digits of the arithmetic tasks"""
-    device: str = "auto"
-    """auto, cpu or cuda"""
+class Args(LLMArgs):
+    """Self-OPD's own flags; the plumbing flags (run, --model: the student and, shown privileged context, the
+    teacher, task, optimiser, eval, checkpoints) are LLMArgs'."""
     threads: int = 1
-    """torch CPU threads"""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+    """torch CPU threads (1 is faster than 2 on a shared 2-core machine)"""
     mode: Literal["opsd", "pw-opsd", "trace", "grpo"] = "pw-opsd"
     """all-token OPSD, position-weighted OPSD (PW-OPSD), critical-span routing (TRACE) or plain GRPO"""
     privileged: Literal["solution", "answer"] = "solution"
@@ -122,23 +112,10 @@ class Args:
     """prompts per batch"""
     group_size: int = 4
     """completions per prompt (trace and grpo need >= 2)"""
-    max_new_tokens: int = 8
-    """generation budget per completion"""
-    temperature: float = 1.0
-    """sampling temperature"""
     lr: float = 2e-4
-    """AdamW learning rate"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm"""
-    grad_checkpointing: bool = False
-    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
-    off by default (the tiny models need no memory for it); on for real models on a GPU"""
-    eval_every: int = 25
-    """steps between held-out evaluations"""
-    eval_examples: int = 500
-    """held-out prompts"""
-    eval_hard: bool = True
-    """also evaluate one digit harder (out of distribution)"""
+    """peak learning rate (AdamW)"""
+    pass_k: int = 0
+    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
 
 
 def check_args(args: Args) -> None:
@@ -155,6 +132,11 @@ def check_args(args: Args) -> None:
         raise SystemExit("--temperature must be > 0")
     if args.error_span < 1 or args.kl_warmup < 0 or args.kl_decay < 0:
         raise SystemExit("--error-span must be >= 1; --kl-warmup and --kl-decay >= 0")
+    if args.micro_batch_size < 1:
+        raise SystemExit("--micro-batch-size must be positive")
+    if args.engine == "vllm":
+        raise SystemExit("--engine vllm: the student samples with Hugging Face generate here (no vLLM engine is wired "
+                         "in); use --engine hf")
 
 
 # ---- privileged context ----
@@ -390,22 +372,22 @@ def repeat_frac(texts: list[str], n: int = 3) -> float:
 
 
 @torch.no_grad()
-def privileged_eval(model, tok, task, examples, args) -> float:
-    """Greedy accuracy of the teacher view: the same model given the privileged prompt."""
+def privileged_eval(policy, tok, task, examples, args) -> float:
+    """Greedy accuracy of the teacher view: the same model (or its sampler) given the privileged prompt."""
     exs = [llm.Example(privileged_prompt(e, task, args.privileged), e.answer, e.solution) for e in examples]
-    return common.evaluate(model, tok, task, exs, args.max_new_tokens)["acc"]
+    return common.evaluate(policy, tok, task, exs, args.max_new_tokens)["acc"]
 
 
 # ---- rollout and update ----
-def rollout(model, tok, task, args: Args, rng, device, step: int = 1) -> list[dict]:
+def rollout(sampler, tok, task, args: Args, rng, device, step: int = 1) -> list[dict]:
     """Sample G completions per prompt from the plain prompt x; reward them (A_i per group for trace, grpo).
 
     Returns one batch (opd.py's keys) that also carries the teacher's view, x* (privileged_prompt, left-padded;
     never given to the sampler), and for trace the span marks and this step's KL-channel weight.
     """
     examples = task.sample("train", args.prompts_per_step, rng)
-    ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
-                         args.max_new_tokens, args.temperature)
+    ro = common.generate(sampler, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
+                         args.max_new_tokens, args.temperature, args.top_p)
     rep = [e for e in examples for _ in range(args.group_size)]
     rewards = torch.tensor([task.verify(t, e.answer)[0] for t, e in zip(ro.texts, rep)], device=device)
     batch = {k: getattr(ro, k).to(device) for k in
@@ -432,24 +414,28 @@ def teacher_hidden(teacher, mb: dict, args: Args) -> torch.Tensor:
 
 
 def lr_at(step: int, args: Args) -> float:
-    """Learning rate of a step: a constant --lr."""
-    return args.lr
+    """Learning rate of a 1-based step: --lr on llm.lr_factor's schedule (constant by default, no warm-up)."""
+    return args.lr * llm.lr_factor(step - 1, args.steps, args)
 
 
 def optimizer_step(model, opt, args: Args, step: int) -> float:
-    """NaN guard, clip, this step's lr (lr_at), step; returns the norm. One process: no all-reduce."""
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-    if not math.isfinite(grad_norm):
-        raise SystemExit(f"non-finite loss or gradient at step {step}; lower --lr")
-    for group in opt.param_groups:
-        group["lr"] = lr_at(step, args)
-    opt.step()
-    return grad_norm
+    """llm.optimizer_step (clip at --max-grad-norm, NaN guard, step) at the rate lr_at gives this 1-based step,
+    handed to it as a flat --lr (llm.optimizer_step knows only --lr times its own schedules); returns the norm."""
+    args = dataclasses.replace(args, lr=lr_at(step, args), lr_schedule="constant", warmup_steps=0)
+    return llm.optimizer_step(model, opt, args, step - 1, step)
+
+
+def micro_batches(part: dict, size: int):
+    """A part (one sampler's rollouts) in micro-batches of at most `size` sequences: each tensor's rows split, other
+    entries (the loss kind, the source, numbers, texts) as they are."""
+    for rows in torch.arange(len(part["completion_ids"])).split(size):
+        yield {k: v[rows.to(v.device)] if torch.is_tensor(v) else v for k, v in part.items()}
 
 
 def update(model, opt, parts: list[dict], loss_fn, args: Args, step: int, teacher, ref_model=None) -> dict:
-    """One optimiser step on one rollout batch; each part (one sampler's rollouts) is one micro-batch, its
-    loss normalised by counts over the whole step (n_seqs, n_tokens), so the parts add up to J.
+    """One optimiser step on one rollout batch; each part (one sampler's rollouts) in micro-batches of at most
+    --micro-batch-size sequences, each micro-batch's loss normalised by counts over the whole step (n_seqs,
+    n_tokens), so that they add up to J.
 
     The teacher's forward runs here (teacher_hidden, no grad): the losses need the full-vocabulary log-probs
     of the student and of the teacher at every completion position, which chunked_loss computes chunk by chunk
@@ -458,65 +444,86 @@ def update(model, opt, parts: list[dict], loss_fn, args: Args, step: int, teache
     """
     n_seqs = sum(len(p["completion_ids"]) for p in parts)
     n_tokens = sum(int(p["completion_mask"].sum()) for p in parts)
-    stats = {"loss/total": 0.0}
+    stats, gap = {"loss/total": 0.0}, {}
     opt.zero_grad(set_to_none=True)
-    for part in parts:
-        ids = [part[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
-        mask = part["completion_mask"].float()
+    for mb in (mb for part in parts for mb in micro_batches(part, args.micro_batch_size)):
+        ids = [mb[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+        mask = mb["completion_mask"].float()
         h = completion_hidden(model, *ids)  # [b, C, H], with grad
         with torch.no_grad():
-            t_h = teacher_hidden(teacher, part, args)
-            ref = None if ref_model is None or part["source"] != "student" else common.token_logprobs(
+            t_h = teacher_hidden(teacher, mb, args)
+            ref = None if ref_model is None or mb["source"] != "student" else common.token_logprobs(
                 ref_model, *ids, args.temperature)
-        loss, token_stats = chunked_loss(model, teacher, h, t_h, {**part, "mask": mask, "ref": ref}, loss_fn,
+        loss, token_stats = chunked_loss(model, teacher, h, t_h, {**mb, "mask": mask, "ref": ref}, loss_fn,
                                          n_seqs, n_tokens, args)
         loss.backward()  # through the decoder; a NaN here reaches the gradient: optimizer_step stops the run
         stats["loss/total"] += loss.item()
         s_tok = token_stats.pop("s_tok")
-        if part["source"] == "student":
-            stats["rollout/logprob_mismatch"] = common.masked_mean((s_tok - part["logprobs"]).abs(), mask).item()
+        if mb["source"] == "student":
+            gap["sum"] = gap.get("sum", 0.0) + common.masked_sum((s_tok - mb["logprobs"]).abs(), mask).item()
+            gap["tokens"] = gap.get("tokens", 0.0) + mask.sum().item()
         for k, v in token_stats.items():
             stats[k] = stats.get(k, 0.0) + common.masked_sum(v, mask).item() / n_tokens
+    if gap:
+        stats["rollout/logprob_mismatch"] = gap["sum"] / max(gap["tokens"], 1.0)
     stats["loss/grad_norm"] = optimizer_step(model, opt, args, step)
     return stats
 
 
 # ---- main ----
+def self_opd_summary(history: list[dict], privileged_start: float, privileged_end: float) -> dict:
+    """The summary's self-OPD figures: the privileged view's accuracy, and the entropy, length and truncation of the
+    first and last rollouts (TRACE's leakage and StableOPD's collapse symptoms)."""
+    train = [h for h in history if "rollout/reward" in h]
+    return {"privileged_acc_start": privileged_start, "privileged_acc_end": privileged_end,
+            "entropy_first": float(np.mean([h["loss/entropy"] for h in train[:5]])),
+            "entropy_last": float(np.mean([h["loss/entropy"] for h in train[-5:]])),
+            "length_first": float(np.mean([h["rollout/length"] for h in train[:5]])),
+            "length_last": float(np.mean([h["rollout/length"] for h in train[-5:]])),
+            "truncated_frac_max": max(h["rollout/truncated_frac"] for h in train)}
+
+
 def main(args: Args) -> dict:
     check_args(args)
+    from accelerate import Accelerator
+
+    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
+    if accel.num_processes > 1:
+        raise SystemExit("self_opd runs in one process: start it with python, not torchrun or accelerate launch")
     torch.set_num_threads(args.threads)
     common.set_seed(args.seed)
-    device = common.get_device(args.device)
     task = llm.make_task(args.task, args.digits)
     if args.mode == "trace" and getattr(task, "kind", None) not in ("add", "addsteps"):
         raise SystemExit("--mode trace marks critical spans programmatically: only the arithmetic tasks "
                          "(add, addsteps) have span marks")
     hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok = common.load_model(args.model, device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:  # Hugging Face checkpoints only in train mode
-        model.train().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    model, tok, _, sampler = llm.load_policy(args, accel)  # the student, and the teacher when shown x*
+    opt = llm.make_optimizer(model.parameters(), args)
 
     run_dir = Path(args.out_dir) / args.exp_name
+    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
+    start_step, history = state.get("step", 0), state.get("history", [])
+    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
     tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name)
-    timer, t_start = common.Timer(), time.time()
-    gen_tokens, gen_time, history = 0, 0.0, []
-    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens,  # noqa: E731
-                                       hard_task=hard_task)
+    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
+    evaluate = lambda: common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task)
 
     def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
         tracker.log(metrics, step)
 
-    teacher_acc0 = privileged_eval(model, tok, task, eval_sets["main"][:200], args)
-    log({**evaluate(), "eval/privileged_acc": teacher_acc0}, 0)
-    for step in tqdm(range(1, args.steps + 1), desc=f"self_opd[{args.mode}]", dynamic_ncols=True):
-        torch.manual_seed(hash((args.seed, step)) % 2**31)
+    teacher_acc0 = state.get("privileged_acc_start")
+    if start_step == 0:
+        teacher_acc0 = privileged_eval(sampler, tok, task, eval_sets["main"][:200], args)
+        log({**evaluate(), "eval/privileged_acc": teacher_acc0}, 0)
+    for step in tqdm(range(start_step + 1, args.steps + 1), desc=f"self_opd[{args.mode}]", dynamic_ncols=True,
+                     initial=start_step, total=args.steps):
+        torch.manual_seed(hash((args.seed, step)) % 2**31)  # each step's draws depend on (seed, step): exact resume
         rng = np.random.default_rng([args.seed, step])
         with timer("gen"):
-            parts = rollout(model, tok, task, args, rng, device, step)
+            parts = rollout(sampler, tok, task, args, rng, accel.device, step)
         with timer("train"):
             stats = update(model, opt, parts, self_opd_loss, args, step, model)  # the teacher: the same weights
         t = timer.pop()
@@ -530,16 +537,15 @@ def main(args: Args) -> dict:
         if step % args.eval_every == 0 or step == args.steps:
             metrics.update(evaluate())
         log(metrics, step)
+        if args.save_every and step % args.save_every == 0 or step == args.steps:
+            common.save_checkpoint(run_dir / "checkpoint", model, tok, opt,
+                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
+                                    "gen_tokens": gen_tokens, "gen_time": gen_time,
+                                    "privileged_acc_start": teacher_acc0})
 
-    train = [h for h in history if "rollout/reward" in h]
     summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start),
-               "privileged_acc_start": teacher_acc0,
-               "privileged_acc_end": privileged_eval(model, tok, task, eval_sets["main"][:200], args),
-               "entropy_first": float(np.mean([h["loss/entropy"] for h in train[:5]])),
-               "entropy_last": float(np.mean([h["loss/entropy"] for h in train[-5:]])),
-               "length_first": float(np.mean([h["rollout/length"] for h in train[:5]])),
-               "length_last": float(np.mean([h["rollout/length"] for h in train[-5:]])),
-               "truncated_frac_max": max(h["rollout/truncated_frac"] for h in train)}
+               **self_opd_summary(history, teacher_acc0,
+                                  privileged_eval(sampler, tok, task, eval_sets["main"][:200], args))}
     common.save_curve(history, run_dir / "curve.png", f"self-OPD {args.mode} on {task.name}",
                       {"teacher (privileged view)": teacher_acc0})
     print(f"[{args.mode}] privileged view {teacher_acc0:.3f} -> {summary['privileged_acc_end']:.3f}; entropy "

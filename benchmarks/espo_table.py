@@ -105,10 +105,10 @@ def probe(seeds, n: int = 512) -> None:
     model, tok = common.load_model(args.model)
     task = llm.make_task(args.task, args.digits)
     for seed in seeds:
-        probe_seed(seed, n, args, model, tok, task)
+        probe_seed(seed, n, args, common.Sampler(model), tok, task)
 
 
-def probe_seed(seed, n, args, model, tok, task) -> None:
+def probe_seed(seed, n, args, sampler, tok, task) -> None:
     from dataclasses import replace
 
     import numpy as np
@@ -120,7 +120,7 @@ def probe_seed(seed, n, args, model, tok, task) -> None:
     batches = []
     for i in range(2):  # one batch measures the statistics, the other is stopped with them
         rng = np.random.default_rng([99, i] if seed == 0 else [99, i, seed])
-        batches.append(espo.rollout(model, tok, task, replace(args, prompts_per_step=n), rng, "cpu"))
+        batches.append(espo.rollout(sampler, tok, task, replace(args, prompts_per_step=n), rng, "cpu"))
     stats = espo.RegretStats(args.regret_momentum)
     stats.update(batches[0]["z"], batches[0]["completion_mask"])
     b = batches[1]

@@ -193,7 +193,8 @@ def test_chunked_mc_draws_equal_draws_from_the_whole_distribution(monkeypatch):
     monkeypatch.setattr(common, "LOGPROB_CHUNK_MB", 5 * 4 * 99 / 2**20)  # 5 positions per chunk
     assert common.chunk_positions(99) == 5
     torch.manual_seed(0)
-    batch, = ao.rollout(behaviour, tok, task, args, np.random.default_rng(0), "cpu", torch.Generator().manual_seed(1))
+    batch, = ao.rollout(common.Sampler(behaviour), tok, task, args, np.random.default_rng(0), "cpu",
+                        torch.Generator().manual_seed(1))
     with torch.no_grad():
         b = full_logprobs(behaviour, *[batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids",
                                                           "completion_mask")])
@@ -224,6 +225,8 @@ def test_variants_run(tmp_path, variant):
     ({"cache_k": -2}, "cache-k"),
     ({"mc_samples": 0}, "mc-samples"),
     ({"teacher": "tiny-nope"}, "unknown tiny model"),
+    ({"engine": "vllm"}, "engine vllm"),
+    ({"resume": "runs/async_opd/checkpoint"}, "--resume"),
 ])
 def test_bad_input(tmp_path, change, msg):
     with pytest.raises(SystemExit, match=msg):

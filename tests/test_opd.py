@@ -2,6 +2,7 @@
 unbiasedness, the teacher check, the bridge schedule, the split of prompts between the samplers, the learning
 rate, the GRPO stage's gradient against algos/grpo.py, the step-level normaliser across parts, the chunked update
 against the previous full-tensor computation, learning and bad input."""
+import json
 import math
 from dataclasses import replace
 from types import SimpleNamespace
@@ -110,6 +111,28 @@ def test_lr_schedule():
         assert opd.lr_at(step, a) == pytest.approx(min(1.0, step / 4) * (1 - 0.9 * (step - 1) / total))
     assert [opd.lr_at(s, a) for s in (7, 8)] == [0.5, 0.5]  # the GRPO stage: constant --grpo-lr
     assert opd.lr_at(1, opd.Args(warmup_steps=0, lr=1.0)) == 1.0
+    for schedule in ("constant", "cosine"):  # the plumbing's schedules (0-based optimiser steps over all steps)
+        b = replace(a, lr_schedule=schedule)
+        assert [opd.lr_at(s, b) for s in range(1, 7)] == pytest.approx([llm.lr_factor(s - 1, total, b)
+                                                                       for s in range(1, 7)])
+        assert [opd.lr_at(s, b) for s in (7, 8)] == [0.5, 0.5]
+
+
+def test_optimizer_step_runs_at_lr_at():
+    """optimizer_step is llm.optimizer_step (clip, NaN guard) at lr_at's rate, whatever the plumbing schedule says."""
+    a = opd.Args(warmup_steps=4, lr=1.0, max_grad_norm=1.0)
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=123.0)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 10.0)
+    norm = opd.optimizer_step(model, opt, a, 3)
+    assert norm == pytest.approx(10.0 * 12 ** 0.5, rel=1e-5)  # before clipping
+    assert opt.param_groups[0]["lr"] == opd.lr_at(3, a)
+    assert torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item() == pytest.approx(1.0, rel=1e-4)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    with pytest.raises(SystemExit, match="non-finite"):
+        opd.optimizer_step(model, opt, a, 4)
 
 
 def test_grpo_stage_has_grpo_gradient():
@@ -154,12 +177,15 @@ def test_update_normalises_over_the_whole_step(monkeypatch):
         return 0.0
 
     monkeypatch.setattr(opd, "optimizer_step", keep_gradient)
-    for cut in (None, 5):  # one part, then the same rows as two parts of different token counts
+    # one part; the same rows as two parts of different token counts; one part in micro-batches of 3, 3, 3, 3
+    for cut, micro in ((None, 256), (5, 256), (None, 3)):
         parts = [batch] if cut is None else [{k: v[:cut] if torch.is_tensor(v) else v for k, v in batch.items()},
                                              {k: v[cut:] if torch.is_tensor(v) else v for k, v in batch.items()}]
-        opd.update(student, torch.optim.SGD(student.parameters(), lr=0.0), parts, opd.opd_loss, opd.Args(), 1, teacher)
+        opd.update(student, torch.optim.SGD(student.parameters(), lr=0.0), parts, opd.opd_loss,
+                   opd.Args(micro_batch_size=micro), 1, teacher)
     assert grads[0].abs().max() > 1e-4
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+    assert torch.allclose(grads[0], grads[2], atol=1e-6, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +259,25 @@ def test_bridge_and_options_run(tmp_path):
         assert 0 <= s["truncated_frac_max"] <= 1 and s["length_mean"] > 0
 
 
+def test_resume_is_exact(tmp_path):
+    """2 steps, the final checkpoint, then --resume to 4 against 4 steps in one run: the same metrics (a schedule
+    that does not depend on the run's length: the linear decay does)."""
+    cfg = replace(SMALL, steps=4, eval_every=2, eval_examples=20, prompts_per_step=8, lr_schedule="constant",
+                  loss="rkl-sampled", ref_coef=0.1, mix_teacher_frac=0.25)
+    straight = opd.main(replace(cfg, out_dir=str(tmp_path / "a")))
+    opd.main(replace(cfg, steps=2, out_dir=str(tmp_path / "b")))
+    resumed = opd.main(replace(cfg, out_dir=str(tmp_path / "b"), resume=str(tmp_path / "b" / "t" / "checkpoint")))
+    assert straight["eval_acc_end"] == resumed["eval_acc_end"] and straight["teacher_acc"] == resumed["teacher_acc"]
+    rows = lambda d: {r["step"]: r for r in map(json.loads, open(tmp_path / d / "t" / "metrics.jsonl"))}  # noqa: E731
+    a, b = rows("a"), rows("b")
+    for step in (3, 4):
+        for key in ("rollout/reward", "loss/total", "kl/reverse", "kl/ref", "loss/grad_norm", "perf/lr"):
+            assert a[step][key] == b[step][key], (step, key)
+
+
 @pytest.mark.parametrize("change,msg", [
+    ({"engine": "vllm"}, "engine vllm"),
+    ({"micro_batch_size": 0}, "micro-batch-size"),
     ({"gkd_beta": 1.0}, "gkd-beta"),
     ({"grpo_steps": 5}, "only applies with --schedule bridge"),
     ({"schedule": "bridge", "grpo_steps": 5, "group_size": 1}, "group-size"),

@@ -2,10 +2,12 @@
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
 import common
+from algos import _llm as llm
 from algos import ppo
 
 
@@ -100,22 +102,77 @@ def test_ppo_loss_is_the_token_mean_over_the_step_whatever_the_micro_batches():
                 for s in (slice(0, 2), slice(2, 6)))
     assert whole.item() == pytest.approx(want, abs=1e-5) and parts.item() == pytest.approx(want, abs=1e-5)
     assert set(stats) == {"pg", "vf", "clipfrac", "vf_clipfrac"}
+    # the aggregation itself (aggregate_loss, grpo.py's): the token mean over the step, shared out by micro-batch
+    tok = torch.randn(6, 5)
+    assert ppo.aggregate_loss(tok, mask, "token-mean", 6, n_tokens, 0).item() == pytest.approx(
+        sum(tok[i, t].item() for i in range(6) for t in range(int(mask[i].sum()))) / n_tokens, abs=1e-6)
+    # with a sampler correction the policy term of each token is weighted (the value term is not)
+    w = torch.rand(6, 5) * 2
+    weighted, _ = ppo.ppo_loss(logp, {**mb, "is_weight": w}, 6, n_tokens, args)
+    pg, _ = ppo.clipped_pg_loss(logp, mb["old"], mb["adv"], 0.2)
+    assert (weighted - whole).item() == pytest.approx(common.masked_sum(pg * (w - 1), mask).item() / n_tokens,
+                                                      abs=1e-5)
 
 
-def test_optimizer_step_gives_the_critic_its_own_lr_and_clip():
-    from types import SimpleNamespace
-
+@pytest.mark.parametrize("schedule,step,factor", [("constant", 0, 1.0), ("cosine", 5, 0.55)])
+def test_optimizer_step_gives_the_critic_its_own_lr_and_clip(schedule, step, factor):
     policy, critic = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
     opt = torch.optim.AdamW([{"params": list(policy.parameters()), "lr": 1.0},
                              {"params": list(critic.parameters()), "lr": 1.0}])
     for p in [*policy.parameters(), *critic.parameters()]:
         p.grad = torch.full_like(p, 10.0)
-    args = ppo.Args(lr=1e-4, vf_lr=3e-4, max_grad_norm=1.0, steps=10, ppo_epochs=1, lr_schedule="constant")
-    norm = ppo.optimizer_step(policy, opt, args, SimpleNamespace(num_processes=1), 0, critic)
+    args = ppo.Args(lr=1e-4, vf_lr=3e-4, max_grad_norm=1.0, steps=10, ppo_epochs=1, lr_schedule=schedule)
+    norm = ppo.optimizer_step(policy, opt, args, step, 10, None, critic)
     assert norm == pytest.approx(10.0 * 12 ** 0.5, rel=1e-5)  # the policy's norm before clipping
-    assert [g["lr"] for g in opt.param_groups] == [1e-4, 3e-4]
+    # the rates of the step: the critic at --vf-lr on the policy's schedule; ppo's hook is gone after the step
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-4 * factor, 3e-4 * factor])
+    assert not opt._optimizer_step_pre_hooks
     crit_norm = torch.cat([p.grad.flatten() for p in critic.parameters()]).norm()
     assert crit_norm.item() == pytest.approx(1.0, rel=1e-4)  # clipped on its own, not with the policy
+
+
+class _Engine:
+    """A stand-in rollout engine: the sampler is another computation than the trainer's."""
+
+    def sync_weights(self, model):
+        pass
+
+
+def test_sampler_trainer_correction():
+    """On CPU the sampler is the trainer: no weight. A sampler whose log-probs differ (a fake engine with perturbed
+    behaviour log-probs): each token's policy loss is weighted by min(pi_old / pi_sampler, C), fixed for the batch,
+    checked against a loop over tokens (lr 0: the ratio stays 1), with its statistics logged."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    model, tok = common.load_model("tiny-0.6m")
+    args = replace(SMALL, prompts_per_step=16, max_new_tokens=6, lr=0.0, vf_lr=0.0, ppo_epochs=1)
+    batch = ppo.rollout(common.Sampler(model), tok, llm.make_task("add"), args, np.random.default_rng(0), "cpu")
+    critic = ppo.Critic(model).train()
+    opt = lambda m: torch.optim.AdamW([{"params": list(m.parameters())}, {"params": list(critic.parameters())}])  # noqa
+    one = SimpleNamespace(num_processes=1)
+    out = ppo.update(model, opt(model), batch, ppo.ppo_loss, args, 1, one, common.Sampler(model), critic=critic)
+    assert "rollout/is_weight_mean" not in out
+
+    fake = dict(batch, logprobs=(batch["logprobs"] + 0.5 * torch.randn_like(batch["logprobs"])).clamp(max=0)
+                * batch["completion_mask"])
+    out = ppo.update(model, opt(model), fake, ppo.ppo_loss, args, 1, one, common.Sampler(model, engine=_Engine()),
+                     critic=critic)
+    mask = batch["completion_mask"].float()
+    with torch.no_grad():
+        old = common.token_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask)
+        old_v = ppo.critic_values(critic, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask)
+    adv, _ = ppo.ppo_advantages(batch["rewards"], mask, old, old_v, None, args)
+    ws, pg = [], []
+    for i, t in mask.nonzero().tolist():  # ratio 1: each token's policy loss is -A_t w_t
+        ws.append(min(float(torch.exp(old[i, t] - fake["logprobs"][i, t])), 2.0))
+        pg.append(-adv[i, t].item() * ws[-1])
+    w = ppo.truncated_is_weight(old, fake["logprobs"], 2.0)
+    assert w[mask.bool()].tolist() == pytest.approx(ws, rel=1e-6)
+    assert out["rollout/is_weight_mean"] == pytest.approx(sum(ws) / len(ws), rel=1e-4)
+    assert out["rollout/is_truncated_frac"] == pytest.approx(sum(w >= 2.0 for w in ws) / len(ws), abs=1e-9)
+    assert out["loss/pg"] == pytest.approx(sum(pg) / len(pg), rel=1e-4, abs=1e-6)
+    assert 0 < out["rollout/is_truncated_frac"] < 1  # the case exercises the cap
 
 
 def test_whiten_and_explained_variance():

@@ -1,6 +1,7 @@
 """algos/self_opd.py: privileged context never reaches the student (rollouts or gradient), position weights,
 clipped forward KL, span marks, the KL-channel schedule, identical views give zero loss, the chunked update
 against the previous full-tensor computation, learning, bad input."""
+import json
 import re
 from dataclasses import replace
 
@@ -201,11 +202,28 @@ def test_modes_run(tmp_path, mode):
     assert s["gen_tokens"] > 0 and s["entropy_first"] >= 0
 
 
+def test_resume_is_exact(tmp_path):
+    """2 steps, the final checkpoint, then --resume to 4 against 4 steps in one run: the same metrics."""
+    cfg = so.Args(mode="trace", steps=4, eval_every=2, prompts_per_step=4, eval_examples=10, eval_hard=False,
+                  exp_name="t", kl_warmup=2, kl_decay=2)
+    straight = so.main(replace(cfg, out_dir=str(tmp_path / "a")))
+    so.main(replace(cfg, steps=2, out_dir=str(tmp_path / "b")))
+    resumed = so.main(replace(cfg, out_dir=str(tmp_path / "b"), resume=str(tmp_path / "b" / "t" / "checkpoint")))
+    for key in ("eval_acc_end", "privileged_acc_start", "privileged_acc_end", "entropy_last"):
+        assert straight[key] == resumed[key], key
+    rows = lambda d: {r["step"]: r for r in map(json.loads, open(tmp_path / d / "t" / "metrics.jsonl"))}  # noqa: E731
+    a, b = rows("a"), rows("b")
+    for step in (3, 4):
+        for key in ("rollout/reward", "loss/total", "trace/kl_weight", "loss/grad_norm", "kl/forward"):
+            assert a[step][key] == b[step][key], (step, key)
+
+
 @pytest.mark.parametrize("change,msg", [
     ({"mode": "trace", "group_size": 1}, "group-size"),
     ({"kl_clip": 0.0}, "kl-clip"),
     ({"mode": "trace", "task": "jsonl:/nonexistent.jsonl"}, "no such file"),
     ({"task": "mul"}, "unknown task"),
+    ({"engine": "vllm"}, "engine vllm"),
 ])
 def test_bad_input(tmp_path, change, msg):
     with pytest.raises(SystemExit, match=msg):
