@@ -60,10 +60,23 @@ class Tracker:
             self.wandb = wandb.init(project=project, name=run_name, config=cfg, dir=str(self.out_dir))
 
     def log(self, metrics: dict, step: int) -> None:
+        """One metrics.jsonl row; sample completions (eval/samples, a list of dicts) go to samples.jsonl instead
+        (and to a wandb table)."""
+        samples = metrics.get("eval/samples")
+        metrics = {k: v for k, v in metrics.items() if k != "eval/samples"}
         row = {"step": step, **{k: _to_py(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+        if samples:
+            with open(self.out_dir / "samples.jsonl", "a") as f:
+                f.writelines(json.dumps({"step": step, **{k: _to_py(v) for k, v in r.items()}}) + "\n"
+                             for r in samples)
         if self.wandb is not None:
+            if samples:
+                import wandb
+
+                cols = list(samples[0])
+                metrics["eval/samples"] = wandb.Table(columns=cols, data=[[str(r.get(c)) for c in cols] for r in samples])
             self.wandb.log(metrics, step=step)
 
     def finish(self, summary: dict) -> dict:
@@ -414,24 +427,28 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 # ---- evaluation ----
 @torch.no_grad()
 def evaluate(policy, tok, task, examples: list, max_new_tokens: int, pass_k: int = 0, batch_size: int = 256,
-             temperature: float = 1.0) -> dict:
-    """Greedy accuracy on `examples`; with pass_k > 0 also pass@k from k samples per prompt. `policy`: a Sampler or
-    a model (as generate takes it)."""
+             temperature: float = 1.0, n_samples: int = 0) -> dict:
+    """Greedy accuracy on `examples`; with pass_k > 0 also pass@k from k samples per prompt; with n_samples > 0 the
+    first n greedy completions with their answer and reward ('samples'). `policy`: a Sampler or a model."""
     model = policy.model if isinstance(policy, Sampler) else policy
     was_training = model.training
     model.eval()
-    greedy_hits, pass_hits = [], []
+    greedy_hits, pass_hits, samples = [], [], []
     for s in range(0, len(examples), batch_size):
         batch = examples[s:s + batch_size]
         prompts = encode_prompts(tok, [e.prompt for e in batch])
         ro = generate(policy, tok, prompts, 1, max_new_tokens, greedy=True)
-        greedy_hits += [task.verify(t, e.answer)[0] for t, e in zip(ro.texts, batch)]
+        checks = [task.verify(t, e.answer) for t, e in zip(ro.texts, batch)]
+        greedy_hits += [c[0] for c in checks]
+        parse = getattr(task, "parse", lambda text: None)  # the final answer as the verifier reads it
+        samples += [{"prompt": e.prompt, "completion": t, "answer": str(e.answer), "parsed": parse(t), "reward": c[0],
+                     **c[1]} for e, t, c in zip(batch[:n_samples - len(samples)], ro.texts, checks)]
         if pass_k:
             ro = generate(policy, tok, prompts, pass_k, max_new_tokens, temperature=temperature)
             r = np.array([task.verify(t, batch[i // pass_k].answer)[0] for i, t in enumerate(ro.texts)])
             pass_hits += list(r.reshape(-1, pass_k).max(1))
     model.train(was_training)
-    out = {"acc": float(np.mean(greedy_hits))}
+    out = {"acc": float(np.mean(greedy_hits)), **({"samples": samples} if n_samples else {})}
     if pass_k:
         out[f"pass@{pass_k}"] = float(np.mean(pass_hits))
     return out
@@ -446,10 +463,15 @@ def held_out_sets(task, n: int, hard_task=None) -> dict[str, list]:
     return sets
 
 
+SAMPLES_LOGGED = 8  # held-out completions written to samples.jsonl at each evaluation
+
+
 def run_eval(policy, tok, task, sets: dict, max_new_tokens: int, pass_k: int = 0, temperature: float = 1.0,
              hard_task=None) -> dict:
-    """eval/acc (greedy), eval/pass@k (first 100 prompts) and eval/acc_hard (2 more tokens of budget)."""
-    out = {"eval/acc": evaluate(policy, tok, task, sets["main"], max_new_tokens)["acc"]}
+    """eval/acc (greedy), eval/pass@k (first 100 prompts), eval/acc_hard (2 more tokens of budget) and eval/samples
+    (the first SAMPLES_LOGGED greedy completions, which the Tracker writes to samples.jsonl)."""
+    res = evaluate(policy, tok, task, sets["main"], max_new_tokens, n_samples=SAMPLES_LOGGED)
+    out = {"eval/acc": res["acc"], "eval/samples": res["samples"]}
     if pass_k:
         res = evaluate(policy, tok, task, sets["main"][:100], max_new_tokens, pass_k=pass_k, temperature=temperature)
         out[f"eval/pass@{pass_k}"] = res[f"pass@{pass_k}"]
@@ -489,7 +511,7 @@ def summarize(history: list[dict], gen_tokens: int, gen_time: float, wall_s: flo
         vals = [h[f"rollout/{key}"] for h in train if h.get(f"rollout/{key}") is not None]
         if vals:
             out[key] = float(np.mean(vals))
-    for key in [k[len("eval/"):] for k in evals[-1] if k.startswith("eval/") and k != "eval/acc"]:
+    for key in [k[len("eval/"):] for k in evals[-1] if k.startswith("eval/") and k not in ("eval/acc", "eval/samples")]:
         if f"eval/{key}" in evals[0]:
             out[f"eval_{key}_start"], out[f"eval_{key}_end"] = evals[0][f"eval/{key}"], evals[-1][f"eval/{key}"]
     print(f"held-out greedy accuracy {out['eval_acc_start']:.3f} -> {out['eval_acc_end']:.3f} "

@@ -83,6 +83,11 @@ class ArithmeticTask:
                 out.append(self.make(a, b))
         return out
 
+    @staticmethod
+    def parse(response: str) -> str:
+        """The final answer as verify reads it: what follows the last '='."""
+        return response.strip().rsplit("=", 1)[-1]
+
     def verify(self, response: str, answer: str) -> tuple[float, dict]:
         """Reward 1 for the exact final answer, else 0; components say whether the format was right."""
         pattern = r"\d+" if self.kind == "add" else r"(\d\+\d(\+1)?=\d+;)+=\d+"
@@ -129,6 +134,8 @@ class SumsTask:
                 out.append(self.make(xs))
         return out
 
+    parse = ArithmeticTask.parse
+
     def verify(self, response: str, answer: str) -> tuple[float, dict]:
         r = response.strip()
         fmt = re.fullmatch(r"(\d+\+\d+=\d+;)+=\d+", r) is not None
@@ -171,6 +178,9 @@ class WordProblemTask:
             out.append(Example(prompt, str(fn(a, b, c))))
         return out
 
+    def parse(self, response: str) -> str | None:
+        return final_answer(response)
+
     def verify(self, response: str, answer: str) -> tuple[float, dict]:
         """Correct when the final answer (final_answer: the one boxed answer, else the last number) equals the answer;
         'format' is 1 when the response ends in the form the prompt asks for (a number at the end, or one boxed)."""
@@ -188,6 +198,9 @@ class DatasetTask:
     def sample(self, split: str, n: int, rng: np.random.Generator) -> list[Example]:
         pool = self.train if split == "train" else self.test
         return [pool[i] for i in rng.integers(0, len(pool), size=n)]
+
+    def parse(self, response: str) -> str | None:
+        return final_answer(response)
 
     def verify(self, response: str, answer: str) -> tuple[float, dict]:
         from math_verify import parse, verify  # lazy: slow import, only real-data tasks need it

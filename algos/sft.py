@@ -269,7 +269,7 @@ def main(args: Args) -> dict:
         if step % args.eval_every == 0 or step == args.steps:
             metrics.update(eval_all(model, tok, tasks, eval_sets, args))
             history.append((step, metrics))
-            bar.set_postfix({k.split("/")[1]: f"{v:.2f}" for k, v in metrics.items() if k.startswith("eval/")})
+            bar.set_postfix({k.split("/")[1]: f"{v:.2f}" for k, v in metrics.items() if k.startswith("eval/") and isinstance(v, float)})
         tracker.log(metrics, step)
         if args.stop_at_acc and metrics.get(f"eval/{tasks[0].name}_acc", 0.0) >= args.stop_at_acc:
             print(f"stopping at step {step}: {tasks[0].name} held-out accuracy reached {args.stop_at_acc}")

@@ -319,9 +319,9 @@ def test_run_eval_keys_and_budgets(tiny, monkeypatch):
     sets = common.held_out_sets(task, 6, hard)
     calls = []
     monkeypatch.setattr(common, "evaluate", lambda m, t, tk, exs, budget, pass_k=0, **kw: calls.append(
-        (tk.digits, len(exs), budget, pass_k)) or {"acc": 0.25, f"pass@{pass_k}": 0.5})
+        (tk.digits, len(exs), budget, pass_k)) or {"acc": 0.25, f"pass@{pass_k}": 0.5, "samples": ["s"]})
     out = common.run_eval(model, tok, task, sets, 4, pass_k=3, hard_task=hard)
-    assert out == {"eval/acc": 0.25, "eval/pass@3": 0.5, "eval/acc_hard": 0.25}
+    assert out == {"eval/acc": 0.25, "eval/pass@3": 0.5, "eval/acc_hard": 0.25, "eval/samples": ["s"]}
     assert calls == [(2, 6, 4, 0), (2, 6, 4, 3), (3, 6, 6, 0)]  # the harder task gets 2 more tokens
 
 
@@ -681,3 +681,28 @@ def test_concat_rollouts_pads_prompts_left_and_completions_right():
     assert ro.completion_ids.tolist() == [[5, 0, 0], [5, 6, 2]] and ro.completion_mask.tolist() == [[1, 0, 0], [1, 1, 1]]
     assert ro.logprobs.tolist() == [[-0.5, 0.0, 0.0], [-1.0, -2.0, -3.0]]
     assert ro.finish_reasons == ["length", "stop"] and ro.texts == ["a", "b"]
+
+
+def test_evaluation_samples_go_to_samples_jsonl(tmp_path, tiny):
+    """run_eval returns the first SAMPLES_LOGGED greedy completions with answer, parsed answer and reward; the Tracker
+    writes them to samples.jsonl, keeps them out of metrics.jsonl, and summarize ignores them."""
+    model, tok = tiny
+    task = llm.make_task("add", 2)
+    sets = common.held_out_sets(task, 12)
+    out = common.run_eval(model, tok, task, sets, 8)
+    samples = out["eval/samples"]
+    assert len(samples) == common.SAMPLES_LOGGED and samples[0]["prompt"] == sets["main"][0].prompt
+    for s in samples:
+        assert s["reward"] == task.verify(s["completion"], s["answer"])[0] and "format" in s
+        assert s["parsed"] == task.parse(s["completion"])
+    tracker = common.Tracker(tmp_path, {"a": 1})
+    tracker.log(out, 0)
+    tracker.log({"rollout/reward": 0.5}, 1)
+    tracker.finish({})
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert "eval/samples" not in rows[0] and rows[0]["eval/acc"] == out["eval/acc"]
+    logged = [json.loads(x) for x in open(tmp_path / "samples.jsonl")]
+    assert len(logged) == common.SAMPLES_LOGGED and logged[0]["step"] == 0 and logged[0]["completion"] == samples[0][
+        "completion"]
+    summary = common.summarize([{"step": 0, **out}, {"step": 1, "rollout/reward": 0.5, **out}], 10, 1.0, 1.0)
+    assert "eval_samples_start" not in summary
