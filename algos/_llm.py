@@ -243,6 +243,60 @@ def _same_number(text: str, answer: str) -> bool:
         return False
 
 
+class ReasoningGymTask:
+    """`--task rg:NAME[,NAME...]`: procedural reasoning tasks from the reasoning-gym package (offline generators, each
+    with its own scorer: word problems such as gsm_symbolic, chain_sum, basic_arithmetic, algebra...). The held-out
+    split is generated with its own seed, and train drops any question it shares; prompts ask for a boxed answer."""
+
+    TRAIN, TEST, INSTRUCTION = (2000, 0), (500, 1), " Put the final answer in \\boxed{}."
+
+    class Answer(str):
+        """The reference answer, carrying the generator's entry and scorer."""
+
+    def __init__(self, names: str):
+        try:
+            import reasoning_gym
+        except ImportError:
+            raise SystemExit("--task rg:... needs the reasoning-gym package: pip install reasoning-gym")
+        known = sorted(reasoning_gym.factory.DATASETS)
+        unknown = [n for n in names.split(",") if n not in known]
+        if unknown or not names:
+            raise SystemExit(f"--task rg:{names}: unknown reasoning-gym task(s) {unknown}; available: {', '.join(known)}")
+        self.name, self.kind = f"rg:{names}", "reasoning-gym"
+        self.train, self.test = [], []
+        for name in names.split(","):
+            test = self._examples(reasoning_gym.create_dataset(name, size=self.TEST[0], seed=self.TEST[1]))
+            held_out = {e.prompt for e in test}
+            train = self._examples(reasoning_gym.create_dataset(name, size=self.TRAIN[0], seed=self.TRAIN[1]))
+            self.test += test
+            self.train += [e for e in train if e.prompt not in held_out]
+
+    def _examples(self, dataset) -> list[Example]:
+        out = []
+        for entry in dataset:
+            answer = ReasoningGymTask.Answer(entry["answer"])
+            answer.entry, answer.dataset = entry, dataset
+            out.append(Example(entry["question"] + self.INSTRUCTION, answer))
+        return out
+
+    def sample(self, split: str, n: int, rng: np.random.Generator) -> list[Example]:
+        pool = self.train if split == "train" else self.test
+        return [pool[i] for i in rng.integers(0, len(pool), size=n)]
+
+    @staticmethod
+    def parse(response: str) -> str | None:
+        """The one boxed answer (None for none, or two different ones)."""
+        boxed = {b.strip() for b in BOXED.findall(response)}
+        return boxed.pop() if len(boxed) == 1 else None
+
+    def verify(self, response: str, answer) -> tuple[float, dict]:
+        """The generator's own scorer on the boxed answer: reward 1 when it scores 1; 'score' keeps partial credit."""
+        final = self.parse(response)
+        score = float(answer.dataset.score_answer(final, answer.entry)) if final is not None else 0.0
+        return float(score >= 1.0), {"format": float(final is not None and final != ""), "score": score,
+                                     "correct": float(score >= 1.0)}
+
+
 def load_jsonl_task(path: str, test_frac: float = 0.1) -> DatasetTask:
     """Lines of JSON with 'prompt', 'answer' (optional 'solution'); the first `test_frac` of them held out."""
     if not Path(path).is_file():
@@ -285,7 +339,7 @@ def load_gsm8k() -> DatasetTask:
 
 def make_task(name: str, digits: int = 2):
     """A task by name (TASKS): 'add', 'addsteps', 'sums<N>' (N operands, 2..16), 'sumsmix' (heavy-tailed N), 'sums'
-    (= sums5), 'words' (word problems for a pretrained chat model), 'jsonl:PATH' or 'gsm8k'. `digits` only applies to
+    (= sums5), 'words' (word problems for a pretrained chat model), 'jsonl:PATH', 'gsm8k' or 'rg:NAME[,NAME...]'. `digits` only applies to
     the arithmetic tasks (tiny-sums is made for 'sums' with digits=1)."""
     if name in ("add", "addsteps"):
         return ArithmeticTask(name, digits)
@@ -298,9 +352,12 @@ def make_task(name: str, digits: int = 2):
         return load_jsonl_task(name[len("jsonl:"):])
     if name == "gsm8k":
         return load_gsm8k()
+    if name.startswith("rg:"):
+        return ReasoningGymTask(name[len("rg:"):])
     raise SystemExit(f"unknown task {name!r}: choose {TASKS}")
 
-TASKS = "add, addsteps, sums (= sums5), sums<N> (N operands, 2..16), sumsmix, words, jsonl:PATH or gsm8k"
+TASKS = ("add, addsteps, sums (= sums5), sums<N> (N operands, 2..16), sumsmix, words, jsonl:PATH, gsm8k or "
+         "rg:NAME[,NAME...] (reasoning-gym)")
 """Every name make_task takes: the --task help is made from it, so it cannot go stale."""
 
 

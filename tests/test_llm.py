@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,7 +30,7 @@ def test_llm_args_name_the_run_after_the_script_and_list_every_task():
     assert base <= {f.name for f in fields(grpo.Args)} and "group_size" not in base  # method fields stay in scripts
     for name in ("add", "addsteps", "sums", "sumsmix", "words", "jsonl:PATH", "gsm8k"):
         assert name in llm.TASKS
-    with pytest.raises(SystemExit, match="sumsmix, words, jsonl:PATH or gsm8k"):
+    with pytest.raises(SystemExit, match="sumsmix, words, jsonl:PATH, gsm8k or rg:NAME"):
         llm.make_task("nope")
 
 
@@ -175,3 +176,34 @@ def test_grpo_trains_on_a_weighted_sum_and_logs_each_term(tmp_path):
     for r in rows:  # the trained reward is correct + 0.5 * length, each term logged on its own
         assert r["rollout/reward"] == pytest.approx(r["reward/correct"] + 0.5 * r["reward/length"], abs=1e-6)
         assert -1 <= r["reward/length"] < 0
+
+
+@pytest.fixture(scope="module")
+def rg_task():
+    pytest.importorskip("reasoning_gym")
+    return llm.make_task("rg:basic_arithmetic,gsm_symbolic")
+
+
+def test_reasoning_gym_split_answers_and_errors(rg_task):
+    """A fixed held-out split (its own seed; no question in both), the generator's scorer on the one boxed answer,
+    the format instruction in every prompt, and unknown names listed."""
+    assert not {e.prompt for e in rg_task.train} & {e.prompt for e in rg_task.test}
+    assert len(rg_task.test) == 1000 and len(rg_task.train) > 2000
+    again = llm.make_task("rg:basic_arithmetic,gsm_symbolic")  # the same split every time
+    assert [e.prompt for e in again.test[:5]] == [e.prompt for e in rg_task.test[:5]]
+    ex = rg_task.sample("test", 20, np.random.default_rng(0))
+    assert all(e.prompt.endswith(r"Put the final answer in \boxed{}.") for e in ex)
+    for e in ex:
+        assert rg_task.verify(rf"so \boxed{{{e.answer}}}", e.answer)[0] == 1.0
+        assert rg_task.verify(rf"\boxed{{{e.answer}}} or \boxed{{{e.answer}1}}", e.answer)[0] == 0.0  # hedging
+        assert rg_task.verify(f"{e.answer}", e.answer)[1]["format"] == 0.0  # the form asked for is a box
+    with pytest.raises(SystemExit, match="unknown reasoning-gym task.*available: .*basic_arithmetic"):
+        llm.make_task("rg:no_such_task")
+
+
+def test_reasoning_gym_answer_check_cannot_be_gamed(rg_task):
+    e = next(x for x in rg_task.test if x.answer.lstrip("-").isdigit())
+    wrong = str(int(e.answer) + 1)
+    assert rg_task.verify(" ".join(str(i) for i in range(int(e.answer) - 5, int(e.answer) + 5)), e.answer)[0] == 0
+    assert rg_task.verify(rf"{e.answer} first, but finally \boxed{{{wrong}}}", e.answer)[0] == 0
+    assert rg_task.verify(rf"it is \boxed{{{e.answer}}}.", e.answer)[0] == 1
