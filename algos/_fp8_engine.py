@@ -194,25 +194,30 @@ def sample(model, tok, prompts: list[list[int]], group_size: int, max_new_tokens
 
 
 class FP8Engine:
-    """mu: a copy of the trainer at --rollout-dtype, re-synced (weights copied, re-quantised, KV scales reset) after
-    every update, so every weight sync re-quantises as an FP8 engine does. args: the script's Args (rollout_dtype,
-    kv_fp8 and kv_scale are read)."""
+    """mu: a copy of the trainer at `rollout_dtype` (fp8, bf16 or fp32) with an FP8 KV cache when kv_fp8 is e4m3 or
+    e5m2 (scales per layer, or per head), re-synced (weights copied, re-quantised, KV scales reset) after every
+    update, so every weight sync re-quantises as an FP8 engine does."""
 
-    def __init__(self, model, args):
-        self.args = args
+    def __init__(self, model, rollout_dtype: str = "fp8", kv_fp8: str = "off", kv_scale: str = "per-layer"):
+        self.rollout_dtype = rollout_dtype
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
         n_layers = len(self.model.get_decoder().layers)
-        self.kv = [KVScales(args.kv_fp8, args.kv_scale == "per-head") for _ in range(n_layers)] \
-            if args.kv_fp8 != "off" else None
-        if args.rollout_dtype == "bf16":
+        self.kv = [KVScales(kv_fp8, kv_scale == "per-head") for _ in range(n_layers)] if kv_fp8 != "off" else None
+        if rollout_dtype == "bf16":
             self.model.to(torch.bfloat16)
-        set_precision(self.model, "w8a8" if args.rollout_dtype == "fp8" else "off", self.kv)
+        set_precision(self.model, "w8a8" if rollout_dtype == "fp8" else "off", self.kv)
         self.sync_weights(model)
+
+    @property
+    def is_trainer(self) -> bool:
+        """True when mu is the trainer's own computation (fp32 weights, no FP8 KV cache, the trainer's autocast), as
+        common.Sampler.is_trainer: then the update needs no importance correction."""
+        return self.rollout_dtype == "fp32" and self.kv is None
 
     @torch.no_grad()
     def sync_weights(self, model) -> None:
         self.model.load_state_dict(model.state_dict())
-        set_precision(self.model, "w8a8" if self.args.rollout_dtype == "fp8" else "off", self.kv)  # re-quantises
+        set_precision(self.model, "w8a8" if self.rollout_dtype == "fp8" else "off", self.kv)  # re-quantises
         for kv in self.kv or []:
             kv.reset()
 

@@ -18,7 +18,6 @@ from collections import Counter
 
 import numpy as np
 
-import common
 from algos import _llm as llm
 
 # (c0 s per tick, c1 s per busy slot per tick, training s per step). cpu: tiny-sums decode steps measured on one

@@ -14,8 +14,8 @@ t - k sampled, and compares the off-policy corrections of:
   Mismatch and Repair Methods for Off-Policy Correction", arXiv:2605.12070;
 - the strict double-sided token clip of SAO (single-rollout asynchronous optimisation, GLM).
 
-Parent: algos/grpo.py; changed: Args, Args.eval_every, Args.exp_name, Args.kernels, Args.lr, Args.ppo_epochs,
-  Args.resume, Args.seed, Args.steps, Args.threads, check_args, update, main.
+Parent: algos/grpo.py; changed: Args, Args.eval_every, Args.kernels, Args.lr, Args.ppo_epochs, Args.resume,
+  Args.sampler_is_cap, Args.seed, Args.steps, Args.threads, check_args, update, main.
 
 Notation per completion token t of sequence i: mu = behaviour log-prob (stored by the sampler k versions ago),
 prox = the proximal policy (recomputed by the trainer before the update, or the EWMA copy), logp = pi_theta
@@ -67,6 +67,10 @@ Deviations:
 - PPO-EWMA: the EWMA is updated once per rollout batch (after the update), not after every optimiser step.
 - Decoupled PPO masks tokens whose behaviour weight exceeds --is-cap (AReaL's implementation); truncating them
   to the cap instead is not offered.
+- No grpo.py sampler-trainer weight: every correction divides by mu, the sampler's own log-probs (the bf16 copy's
+  on CUDA, vLLM's), so the gap between sampler and trainer is part of the behaviour ratio it corrects (recompute
+  ignores mu, and with it that gap, by design); a second weight would count it twice, so --sampler-is-cap is 0 here
+  and any other value is refused when the sampler is not the trainer (on CPU it is, and the weight would be 1).
 - --resume is not supported (the FIFO of stale batches and the EWMA copy are not checkpointed); --kernels only
   fuses the log-prob (the corrections are plain torch). With several processes the ESS, M2PO and VCPO
   statistics are per process.
@@ -106,51 +110,37 @@ from tqdm import tqdm
 
 import common
 from algos import _llm as llm
-from algos._vllm import VLLMEngine
+from algos._llm import LLMArgs
 
 CORRECTIONS = ("plain", "recompute", "decoupled", "decoupled-loglinear", "m2po-mask", "m2po-clip", "vcpo",
                "ppo-ewma", "double-sided")
 
 
 @dataclass
-class Args:
-    # bookkeeping
-    exp_name: str = "async_offpolicy_grpo"
-    """name of the run (the output folder is out_dir/exp_name)"""
+class Args(LLMArgs):
+    """Asynchronous off-policy GRPO's flags: GRPO's (algos/grpo.py), the staleness and the corrections; the plumbing
+    flags are LLMArgs'."""
     seed: int = 0
     """random seed: prompts and sampling of batch n depend only on (seed, n, rank)"""
-    track: bool = False
-    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
-    out_dir: str = "runs"
-    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
-    # model and task
-    model: str = "tiny-0.6m"
-    """tiny-0.6m, tiny-5m, smollm2-135m, a Hugging Face id or a local path"""
-    task: str = "add"
-    """add, addsteps, jsonl:PATH (prompt/answer records) or gsm8k"""
-    digits: int = 2
-    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
-    device: str = "auto"
-    """auto (CUDA if present), cpu or cuda"""
     threads: int = 1
     """torch CPU threads per process (1: on a shared 2-core machine two threads ran 10x slower here)"""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+    steps: int = 150
+    """rollout batches trained (each followed by ppo_epochs * minibatches optimiser steps)"""
+    lr: float = 5e-5
+    """peak learning rate (AdamW); half grpo.py's, since each batch gets two epochs (1e-4 made the tiny policy
+    oscillate here); real LLMs want about 1e-6"""
+    eval_every: int = 50
+    """rollout batches between held-out evaluations"""
+    resume: str = ""
+    """not supported here (the FIFO of stale batches is not checkpointed); kept so that the flag fails clearly"""
     # rollout
-    engine: Literal["hf", "vllm"] = "hf"
-    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
-    vllm_gpu_memory: float = 0.3
-    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
     prompts_per_step: int = 32
     """distinct prompts per rollout batch (per process)"""
     group_size: int = 8
     """completions per prompt (G)"""
-    max_new_tokens: int = 8
-    """generation budget per completion"""
-    temperature: float = 1.0
-    """sampling temperature (the trainer scores with the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling threshold"""
+    reward: tuple[str, ...] = ("correct",)
+    """reward terms NAME[:WEIGHT]: built-ins correct, format, length, or module:function (TRL's convention: prompts,
+    completions, answers in; a float or None per completion out); the total is their weighted sum"""
     # staleness
     staleness: int = 4
     """eta: a batch is trained at most this many policy versions after the weights that sampled it (0 = on-policy)"""
@@ -180,48 +170,16 @@ class Args:
     """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
     agg_const: int = 0
     """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    sampler_is_cap: float = 0.0
+    """grpo's sampler-trainer weight min(pi_old / pi_sampler, C): 0 here, since the corrections take mu, the sampler's
+    own log-probs, as the behaviour policy (its numerics included); refused when the sampler is not the trainer"""
     # optimisation
-    steps: int = 150
-    """rollout batches trained (each followed by ppo_epochs * minibatches optimiser steps)"""
     ppo_epochs: int = 2
     """passes over each rollout batch (two, so that the clip binds)"""
     minibatches: int = 1
     """optimiser steps per pass; the rollout batch is split into this many"""
-    micro_batch_size: int = 256
-    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
-    lr: float = 5e-5
-    """peak learning rate (AdamW); half grpo.py's, since each batch gets two epochs (1e-4 made the tiny policy
-    oscillate here); real LLMs want about 1e-6"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
-    warmup_steps: int = 0
-    """linear warm-up (optimiser steps)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm"""
     kernels: bool = False
     """use the Triton fused log-prob kernel when a GPU is present"""
-    grad_checkpointing: bool = False
-    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
-    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
-    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
-    sampler_is_cap: float = 2.0
-    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
-    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
-    # eval and checkpoints
-    eval_every: int = 50
-    """rollout batches between held-out evaluations"""
-    eval_examples: int = 500
-    """held-out prompts for greedy accuracy"""
-    pass_k: int = 8
-    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
-    eval_hard: bool = True
-    """also evaluate one digit harder than training (out of distribution)"""
-    save_every: int = 0
-    """rollout batches between checkpoints (0 = only at the end)"""
-    resume: str = ""
-    """not supported here (the FIFO of stale batches is not checkpointed); kept so that the flag fails clearly"""
 
 
 def check_args(args: Args) -> None:
@@ -547,43 +505,23 @@ def offpolicy_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
 
 
 # ---- rollout and update ----
-def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
+def rollout(sampler, tok, task, args: Args, rng, device) -> dict:
     """Sample G completions for each of prompts_per_step training prompts; reward them; A_i per group."""
     examples = task.sample("train", args.prompts_per_step, rng)
-    ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
-                         args.max_new_tokens, args.temperature, args.top_p, engine=engine)
-    answers = [e.answer for e in examples for _ in range(args.group_size)]
-    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
+    ro = common.generate(sampler, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
+                         args.max_new_tokens, args.temperature, args.top_p)
+    per_row = lambda xs: [x for x in xs for _ in range(args.group_size)]  # noqa: E731
+    total, terms = llm.Rewards(args.reward)(per_row([e.prompt for e in examples]), ro.texts,
+                                            per_row([e.answer for e in examples]), task=task,
+                                            completion_lengths=ro.completion_mask.sum(1).tolist(),
+                                            max_new_tokens=args.max_new_tokens)
+    rewards = torch.tensor(total, device=device)
     batch = {k: getattr(ro, k).to(device) for k in
              ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
     batch.update(rewards=rewards, adv=group_advantages(rewards, args.group_size, args.adv_std_norm),
-                 finish_reasons=ro.finish_reasons)
+                 finish_reasons=ro.finish_reasons, reward_terms={  # each term's mean where it applies
+                     f"reward/{k}": float(np.mean([v for v in vs if v is not None] or [0.0])) for k, vs in terms.items()})
     return batch
-
-
-def lr_factor(step: int, total: int, args: Args) -> float:
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    if args.lr_schedule == "constant":
-        return 1.0
-    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
-    """NaN guard, clip, scheduled lr, step; returns the gradient norm. With several processes FSDP2 has already
-    summed the gradients over ranks (the loss used step-global normalisers) and the norm is the global one; the
-    full sampler copy of a sharded model is gathered again after the step."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
-    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
-        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
-                         "intact. Lower --lr or check the rewards.")
-    for group in opt.param_groups:
-        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
-    opt.step()
-    common.sync_sampler(model)
-    return grad_norm
 
 
 def grad_split_noise(model, first_half: list) -> float:
@@ -597,8 +535,8 @@ def grad_split_noise(model, first_half: list) -> float:
     return num / max(den, 1e-30)
 
 
-def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None,
-           prox_model=None) -> dict:
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampler, ref_model=None,
+           fused_logprob=None, prox_model=None) -> dict:
     """ppo_epochs x minibatches optimiser steps on one (stale) rollout batch (micro-batches accumulate gradients).
 
     Changed from grpo.py because the corrections need the whole batch before the first step: the proximal policy
@@ -606,7 +544,8 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
     correction's per-batch quantities, and KL(mu || pi) is measured against the sampler's log-probs
     (rollout/logprob_mismatch is then mean |log pi - mu|: staleness plus any engine mismatch). Each mini-batch is
     accumulated in two halves whose gradients give the noise metric; VCPO's lr scale multiplies the lr that
-    optimizer_step sets.
+    optimizer_step sets. No grpo sampler-trainer weight: mu, the behaviour policy of every correction, is the
+    sampler's own log-probs (the sampler is refreshed after each optimiser step).
     """
     B = batch["completion_ids"].shape[0]
     micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
@@ -626,14 +565,13 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
                "rollout/logprob_mismatch": common.masked_mean(d.abs(), cmask).item()}
     rows = {"adv": prep.pop("adv", batch["adv"]), "mask": cmask, "old": prox, "behav": batch["logprobs"], "ref": ref,
             **{k: prep.pop(k) for k in ("keep", "seq_w") if k in prep}}
-    lr_args = dataclasses.replace(args, lr=args.lr * prep["lr_scale"])
+    args = dataclasses.replace(args, lr=args.lr * prep["lr_scale"])  # VCPO: the lr optimizer_step sets (else x1)
+    total = args.steps * args.ppo_epochs * args.minibatches
     stats = {"pg": 0.0, "entropy": 0.0, "grad_norm": 0.0, "grad_noise": 0.0}
     n_opt = 0
     for _ in range(args.ppo_epochs):
         for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
-            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
-                                  device=batch["adv"].device)
-            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            n_seqs, n_tokens = llm.step_counts(batch["completion_mask"][mb_idx], accel)
             opt.zero_grad(set_to_none=True)
             for h, half in enumerate(mb_idx.chunk(2)):
                 for idx in micro(half):
@@ -648,7 +586,7 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_m
                     first = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
             stats["grad_noise"] += grad_split_noise(model, first)
             opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
-            stats["grad_norm"] += optimizer_step(model, opt, lr_args, accel, opt_step)
+            stats["grad_norm"] += llm.optimizer_step(model, opt, args, opt_step, total, sampler)
             n_opt += 1
     return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, **metrics}
 
@@ -667,17 +605,6 @@ def offpolicy_summary(history: list[dict]) -> dict:
     return out
 
 
-def load_policy(args: Args, accel):
-    """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
-    only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    return common.shard(model, accel), tok, common.shard(ref_model, accel, sampler=False)
-
-
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
@@ -690,22 +617,25 @@ def main(args: Args) -> dict:
     task = llm.make_task(args.task, args.digits)
     hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
+    # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
+    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
+    if args.sampler_is_cap > 0 and not sampler.is_trainer:
+        raise SystemExit("--sampler-is-cap: the off-policy corrections take mu, the sampler's own log-probs, as the "
+                         "behaviour policy, so its mismatch with the trainer is already in their ratios; grpo's weight "
+                         "min(pi_old / pi_sampler, C) would count it twice: use --sampler-is-cap 0")
     ewma = EWMA(model, args.ewma_decay) if args.correction == "ppo-ewma" else None
-    engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
-        if args.engine == "vllm" else None
     fused_logprob = None
     if args.kernels and accel.device.type == "cuda":  # Triton: the fused lm_head + log-softmax
         from kernels.fused_logprob import fused_linear_logprob as fused_logprob
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = llm.make_optimizer(model.parameters(), args)
     fifo = StaleFIFO(args.staleness, args.steps, args.gen_rate)  # the asynchronous pipeline, simulated
 
     run_dir = Path(args.out_dir) / args.exp_name
     gen_tokens, gen_time, history = 0, 0.0, []
     tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
     timer, t_start = common.Timer(), time.time()
-    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
-                                       args.temperature, hard_task, engine)
+    evaluate = lambda: common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task)
 
     def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
@@ -714,7 +644,7 @@ def main(args: Args) -> dict:
 
     def make(n: int) -> dict:  # rollout batch n, sampled by the current weights; its draws depend on (seed, n, rank)
         torch.manual_seed(hash((args.seed, n + 1, rank)) % 2**31)
-        return rollout(model, tok, task, args, np.random.default_rng([args.seed, n + 1, rank]), accel.device, engine)
+        return rollout(sampler, tok, task, args, np.random.default_rng([args.seed, n + 1, rank]), accel.device)
 
     if is_main:
         log(evaluate(), 0)
@@ -725,18 +655,16 @@ def main(args: Args) -> dict:
             batch = fifo.next_batch(step - 1, make)  # made by version batch["version"]; the trainer holds step - 1
         batch["staleness"] = step - 1 - batch["version"]
         torch.manual_seed(hash((args.seed, step, rank, 1)) % 2**31)  # mini-batch order
-        with timer("train"):
-            stats = update(model, opt, batch, offpolicy_loss, args, step, accel, ref_model, fused_logprob,
+        with timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, offpolicy_loss, args, step, accel, sampler, ref_model, fused_logprob,
                            ewma.model if ewma else None)
         if ewma is not None:
             ewma.update(model)
-        if engine is not None:
-            with timer("sync"):
-                engine.sync_weights(model)
         t = timer.pop()
         gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
         metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
-                                            args.group_size, t["gen"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
+                                            args.group_size, t["gen"]), **batch["reward_terms"], **stats,
+                   "perf/lr": opt.param_groups[0]["lr"],
                    "offpolicy/staleness": batch["staleness"], **{f"perf/{k}_s": v for k, v in t.items()}}
         if is_main and (step % args.eval_every == 0 or step == args.steps):
             metrics.update(evaluate())

@@ -3,7 +3,7 @@
 Paper: Li et al., "FP4 Explore, BF16 Train: Diffusion Reinforcement Learning via Efficient Rollout Scaling" (Sol-RL),
 arXiv:2604.06916 (a low-precision candidate pool, the contrastive subset regenerated at full precision).
 
-Parent: algos/fp8_rollout.py; changed: Args, Args.exp_name, check_args, step_diagnostics, mismatch_summary, main.
+Parent: algos/fp8_rollout.py; changed: Args, check_args, step_diagnostics, mismatch_summary, main.
 
 The idea (sol_rollout): K = --sol-candidates candidates per prompt from mu (the simulated FP8 engine of
 algos/_fp8_engine.py, W8A8 by default) with recorded per-position Gumbel noise; by reward, the best G/2 and the worst
@@ -37,8 +37,6 @@ separated same-prompt pairs (3 seeds).
 """
 from __future__ import annotations
 
-import copy
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -55,48 +53,27 @@ from tqdm import tqdm
 import common
 from algos import _llm as llm
 from algos._fp8_engine import EXACT_KL_MAX_VOCAB, FP8Engine, precision, sample, set_precision
+from algos._llm import LLMArgs
 
 
 @dataclass
-class Args:
-    # bookkeeping
-    exp_name: str = "fp8_sol_rl"
-    """name of the run (the output folder is out_dir/exp_name)"""
-    seed: int = 0
-    """random seed: prompts and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
-    track: bool = False
-    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
-    out_dir: str = "runs"
-    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
-    # model and task
-    model: str = "tiny-0.6m"
-    """tiny-0.6m, tiny-5m, smollm2-135m, a Hugging Face id or a local path"""
-    task: str = "add"
-    """add, addsteps, jsonl:PATH (prompt/answer records) or gsm8k"""
-    digits: int = 2
-    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
-    device: str = "auto"
-    """auto (CUDA if present), cpu or cuda"""
+class Args(LLMArgs):
+    """Sol-RL's flags: algos/fp8_rollout.py's and the candidate pool; the plumbing flags are LLMArgs'."""
     threads: int = 1
     """torch CPU threads per process (1: the FP8 simulation is many small ops; a second thread on a shared 2-core
     machine slowed a rollout batch about tenfold)"""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+    top_p: float = 1.0
+    """nucleus sampling threshold (the FP8 sampler draws from the full softmax: only 1.0)"""
+    steps: int = 150
+    """rollout batches"""
     # rollout
-    engine: Literal["hf", "vllm"] = "hf"
-    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
-    vllm_gpu_memory: float = 0.3
-    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
     prompts_per_step: int = 32
     """distinct prompts per rollout batch (per process)"""
     group_size: int = 8
     """completions per prompt (G)"""
-    max_new_tokens: int = 8
-    """generation budget per completion"""
-    temperature: float = 1.0
-    """sampling temperature (the trainer scores with the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling threshold (the FP8 sampler draws from the full softmax: only 1.0)"""
+    reward: tuple[str, ...] = ("correct",)
+    """reward terms NAME[:WEIGHT]: built-ins correct, format, length, or module:function (TRL's convention: prompts,
+    completions, answers in; a float or None per completion out); the total is their weighted sum"""
     # FP8 rollout numerics and corrections
     rollout_dtype: Literal["fp8", "bf16", "fp32"] = "fp8"
     """rollout policy mu: fp8 = blockwise W8A8 e4m3 (128x128 weights, 1x128 activations), bf16 (whole copy), fp32"""
@@ -118,13 +95,13 @@ class Args:
     """geo-rs keeps a sequence when its geometric-mean ratio exp(mean_t log rho_t) is at least this"""
     geo_high: float = 1.02
     """... and at most this"""
-    sol_candidates: int = 16
-    """Sol-RL: FP8 candidates per prompt (> group_size; 0 = the parent's plain FP8 rollouts); the best and worst
-    group_size/2 are regenerated in fp32"""
     diag_every: int = 5
     """rollout batches between mismatch diagnostics (two extra trainer forwards; the first batch always)"""
     divergence_rows: int = 64
     """rollouts re-decoded by pi_train with the same Gumbel noise at eval steps (first divergence; 0 = off)"""
+    sol_candidates: int = 16
+    """Sol-RL: FP8 candidates per prompt (> group_size; 0 = the parent's plain FP8 rollouts); the best and worst
+    group_size/2 are regenerated in fp32"""
     # objective
     adv_std_norm: bool = True
     """divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
@@ -138,47 +115,16 @@ class Args:
     """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
     agg_const: int = 0
     """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    sampler_is_cap: float = 0.0
+    """grpo's sampler-trainer weight min(pi_old / pi_sampler, C): 0 here, since the FP8 sampler's mismatch is what
+    --correction corrects (token-tis with --tis-cap C is that weight); refused unless the sampler is the trainer"""
     # optimisation
-    steps: int = 150
-    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
     ppo_epochs: int = 1
     """passes over each rollout batch"""
     minibatches: int = 1
     """optimiser steps per pass; the rollout batch is split into this many"""
-    micro_batch_size: int = 256
-    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
-    lr: float = 1e-4
-    """peak learning rate (AdamW); 1e-3 collapses the tiny policy, real LLMs want about 1e-6"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
-    warmup_steps: int = 0
-    """linear warm-up (optimiser steps)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm"""
     kernels: bool = False
     """use the Triton kernels (fused log-prob, fused clipped loss) when a GPU is present"""
-    grad_checkpointing: bool = False
-    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
-    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
-    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
-    sampler_is_cap: float = 2.0
-    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
-    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
-    # eval and checkpoints
-    eval_every: int = 25
-    """rollout batches between held-out evaluations"""
-    eval_examples: int = 500
-    """held-out prompts for greedy accuracy"""
-    pass_k: int = 8
-    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
-    eval_hard: bool = True
-    """also evaluate one digit harder than training (out of distribution)"""
-    save_every: int = 0
-    """rollout batches between checkpoints (0 = only at the end)"""
-    resume: str = ""
-    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
 
 
 def check_args(args: Args) -> None:
@@ -441,18 +387,29 @@ def first_divergence(model, tok, batch: dict, args: Args, rows: int) -> dict:
 
 
 # ---- rollout and update ----
+def score(task, examples: list, ro, per: int, args: Args, device) -> tuple[torch.Tensor, dict]:
+    """--reward (llm.Rewards) on `per` completions of each example, as grpo.py's rollout: the total per row [B] and
+    each term's mean where it applies (reward/<name>)."""
+    per_row = lambda xs: [x for x in xs for _ in range(per)]  # noqa: E731
+    total, terms = llm.Rewards(args.reward)(per_row([e.prompt for e in examples]), ro.texts,
+                                            per_row([e.answer for e in examples]), task=task,
+                                            completion_lengths=ro.completion_mask.sum(1).tolist(),
+                                            max_new_tokens=args.max_new_tokens)
+    return torch.tensor(total, device=device), {
+        f"reward/{k}": float(np.mean([v for v in vs if v is not None] or [0.0])) for k, vs in terms.items()}
+
+
 def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
     """Sample G completions for each of prompts_per_step training prompts from mu (the FP8 engine, which records its
     own log-probs, full distribution and Gumbel noise); reward them; A_i per group."""
     examples = task.sample("train", args.prompts_per_step, rng)
     ro, mu_full, noise = engine.sample(tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
                                        args.max_new_tokens, args.temperature)
-    answers = [e.answer for e in examples for _ in range(args.group_size)]
-    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
+    rewards, terms = score(task, examples, ro, args.group_size, args, device)
     batch = {k: getattr(ro, k).to(device) for k in
              ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
     batch.update(rewards=rewards, adv=group_advantages(rewards, args.group_size, args.adv_std_norm),
-                 finish_reasons=ro.finish_reasons, mu_full=mu_full, noise=noise)
+                 finish_reasons=ro.finish_reasons, reward_terms=terms, mu_full=mu_full, noise=noise)
     return batch
 
 
@@ -467,19 +424,18 @@ def sol_rollout(model, tok, task, args: Args, rng, device, engine) -> dict:
     cand, _, noise = engine.sample(tok, prompts, K, args.max_new_tokens, args.temperature)
     if noise is None:
         raise SystemExit(f"--sol-candidates replays recorded noise: only for a vocabulary <= {EXACT_KL_MAX_VOCAB}")
-    r_cand = torch.tensor([task.verify(t, examples[i // K].answer)[0] for i, t in enumerate(cand.texts)]).view(-1, K)
+    r_cand = score(task, examples, cand, K, args, "cpu")[0].view(-1, K)
     order = torch.sort(-r_cand, dim=1, stable=True).indices  # best first; ties keep the drawing order
     pick = torch.cat([order[:, :G // 2], order[:, K - (G - G // 2):]], 1)  # [P, G]
     sel = (pick + K * torch.arange(len(examples))[:, None]).view(-1)
     with precision(model, "off"):
         ro, mu_full, _ = sample(model, tok, [prompts[i // K] for i in sel.tolist()], 1, args.max_new_tokens,
                                 args.temperature, noise[sel])
-    answers = [e.answer for e in examples for _ in range(G)]
-    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
+    rewards, terms = score(task, examples, ro, G, args, device)
     batch = {k: getattr(ro, k).to(device) for k in
              ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
     batch.update(rewards=rewards, adv=group_advantages(rewards, G, args.adv_std_norm), finish_reasons=ro.finish_reasons,
-                 mu_full=mu_full, noise=noise[sel])
+                 reward_terms=terms, mu_full=mu_full, noise=noise[sel])
     c_ids, c_mask = cand.completion_ids[sel], cand.completion_mask[sel]
     W = max(c_ids.shape[1], ro.completion_ids.shape[1])
     pad = lambda x: torch.nn.functional.pad(x, (0, W - x.shape[1]))  # noqa: E731
@@ -495,74 +451,60 @@ def sol_rollout(model, tok, task, args: Args, rng, device, engine) -> dict:
     return batch
 
 
-def lr_factor(step: int, total: int, args: Args) -> float:
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    if args.lr_schedule == "constant":
-        return 1.0
-    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+def sampler_gap(old_logp, sampler_logp, is_weight, mask, cap: float) -> dict:
+    """This micro-batch's sums for rollout/logprob_mismatch (|log pi_old - log pi_sampler| per token, on the sampler's
+    weights) and, when the correction is on, the mean importance weight and the fraction truncated at C."""
+    out = {"gap/sum": common.masked_sum((old_logp - sampler_logp).abs(), mask).item(), "gap/tokens": mask.sum().item()}
+    if is_weight is not None:
+        out.update({"gap/is_w": common.masked_sum(is_weight, mask).item(),
+                    "gap/is_cut": common.masked_sum((is_weight >= cap).float(), mask).item()})
+    return out
 
 
-def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
-    """NaN guard, clip, scheduled lr, step; returns the gradient norm. With several processes FSDP2 has already
-    summed the gradients over ranks (the loss used step-global normalisers) and the norm is the global one; the
-    full sampler copy of a sharded model is gathered again after the step."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
-    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
-        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
-                         "intact. Lower --lr or check the rewards.")
-    for group in opt.param_groups:
-        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
-    opt.step()
-    common.sync_sampler(model)
-    return grad_norm
-
-
-def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampler, ref_model=None,
+           fused_logprob=None) -> dict:
     """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
 
     pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
-    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged.
+    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged. The logged
+    statistics are sums over all ranks divided by global counts: every rank returns the same values.
+    FP8 rollouts: each micro-batch also carries mu, the FP8 sampler's log-probs, for the --correction weights
+    (which take the place of grpo's sampler-trainer weight); `sampler` is the trainer's own (held-out evaluation).
     """
-    B = batch["completion_ids"].shape[0]
+    B, mask = batch["completion_ids"].shape[0], batch["completion_mask"]
     micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
     logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
-        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
-        batch["completion_mask"][idx], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx], mask[idx],
+        args.temperature, with_entropy=ent, fused_fn=fused_logprob)
     on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
     with torch.no_grad():
         old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
         ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
-    stats = {"pg": 0.0, "entropy": 0.0, "grad_norm": 0.0}
-    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
-    mismatch = 0.0 if on_policy else common.masked_mean((old - batch["logprobs"]).abs(),
-                                                        batch["completion_mask"].float()).item()
-    n_opt = 0
-    for _ in range(args.ppo_epochs):
+    sums, n_opt, grad_norm = {}, 0, 0.0  # sums: this rank's share of each logged mean, summed over ranks below
+    total = args.steps * args.ppo_epochs * args.minibatches
+    for epoch in range(args.ppo_epochs):
         for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
-            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
-                                  device=batch["adv"].device)
-            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            n_seqs, n_tokens = llm.step_counts(mask[mb_idx], accel)
             opt.zero_grad(set_to_none=True)
             for idx in micro(mb_idx):
                 logp, ent = logprobs_of(model, idx, True)
-                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
+                mb = {"adv": batch["adv"][idx], "mask": mask[idx].float(),
                       "mu": batch["logprobs"][idx],  # the behaviour log-probs, for the rollout correction
                       "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx]}
                 loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
                 loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
-                stats["pg"] += loss.item()
-                for k, v in {**token_stats, "entropy": ent}.items():
-                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
-                if on_policy:  # the only forward on the sampler's weights
-                    mismatch += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
-                                                  mb["mask"]).item() / max(n_tokens, 1)
+                for k, v in {"pg": loss.item(), **{k: common.masked_sum(v.detach(), mb["mask"]).item() / max(
+                        n_tokens, 1) for k, v in {**token_stats, "entropy": ent}.items()}}.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                if epoch == 0:  # every token once, on the sampler's weights (pi_old)
+                    for k, v in sampler_gap(mb["old"], mb["mu"], None, mb["mask"], 0.0).items():  # no grpo weight
+                        sums[k] = sums.get(k, 0.0) + v
             opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
-            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+            grad_norm += llm.optimizer_step(model, opt, args, opt_step, total, sampler)
             n_opt += 1
-    return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, "rollout/logprob_mismatch": mismatch}
+    tot = llm.all_ranks_sum(sums, accel, mask.device)
+    return {**{f"loss/{k}": v / n_opt for k, v in tot.items() if not k.startswith("gap/")},
+            "loss/grad_norm": grad_norm / n_opt, "rollout/logprob_mismatch": tot["gap/sum"] / max(tot["gap/tokens"], 1)}
 
 
 def step_diagnostics(model, tok, batch: dict, engine: FP8Engine, args: Args, step: int) -> dict:
@@ -573,6 +515,20 @@ def step_diagnostics(model, tok, batch: dict, engine: FP8Engine, args: Args, ste
     return {**out, **batch.get("sol", {})}
 
 
+def make_engine(model, args: Args) -> FP8Engine:
+    """mu: the FP8Engine at --rollout-dtype / --kv-fp8 / --kv-scale (with --unified the trainer then runs its FP8 graph,
+    straight-through gradients and the rollout's KV scales). grpo's sampler-trainer weight is refused: this sampler is
+    not the trainer's computation (but with fp32 rollouts), and --correction already corrects its mismatch."""
+    engine = FP8Engine(model, args.rollout_dtype, args.kv_fp8, args.kv_scale)
+    if args.sampler_is_cap > 0 and not engine.is_trainer:
+        raise SystemExit("--sampler-is-cap: the FP8 sampler is not the trainer's computation, and --correction already "
+                         "corrects its mismatch (token-tis with --tis-cap C is grpo's weight min(pi_old / pi_sampler, "
+                         "C)); a second weight would count it twice: use --sampler-is-cap 0")
+    if args.unified:  # Jet-RL: the trainer runs the rollout's FP8 graph, with straight-through gradients
+        set_precision(model, "ste", engine.kv)
+    return engine
+
+
 def mismatch_summary(history: list[dict]) -> dict:
     """Run means of the per-step mismatch/, is/ and sol/ figures: mismatch/kl_fp8 -> kl_fp8, is/ess -> is_ess, ..."""
     out = {}
@@ -581,17 +537,6 @@ def mismatch_summary(history: list[dict]) -> dict:
         name = key.split("/", 1)[1] if key.startswith("mismatch/") else key.replace("/", "_")
         out[name] = float(np.mean(vals))
     return out
-
-
-def load_policy(args: Args, accel):
-    """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
-    only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    return common.shard(model, accel), tok, common.shard(ref_model, accel, sampler=False)
 
 
 # ---- main ----
@@ -606,20 +551,20 @@ def main(args: Args) -> dict:
     task = llm.make_task(args.task, args.digits)
     hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
-    engine = FP8Engine(model, args)  # mu: the rollout copy at --rollout-dtype, re-quantised after every update
-    if args.unified:  # Jet-RL: the trainer runs the rollout's FP8 graph, with straight-through gradients
-        set_precision(model, "ste", engine.kv)
+    # sharded when several processes run; the sampler (the trainer itself on CPU) decodes the held-out evaluation
+    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
+    engine = make_engine(model, args)  # mu: the rollout copy at --rollout-dtype, re-quantised after every update
     use_kernels = args.kernels and accel.device.type == "cuda"
     fused_logprob = None
     if use_kernels:  # Triton: the fused lm_head + log-softmax (the loss kernel is in kernel_grpo_loss)
         from kernels.fused_logprob import fused_linear_logprob as fused_logprob
     loss_fn = kernel_grpo_loss if use_kernels and args.correction == "none" else corrected_grpo_loss
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = llm.make_optimizer(model.parameters(), args)
 
     run_dir = Path(args.out_dir) / args.exp_name
     state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
     if args.resume:
+        sampler.refresh()
         engine.sync_weights(model)
     start_step, history = state.get("step", 0), state.get("history", [])
     gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
@@ -628,7 +573,7 @@ def main(args: Args) -> dict:
 
     def evaluate():  # the trainer in fp32 in every mode, so accuracies compare across modes
         with precision(model, "off"):
-            return common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k, args.temperature,
+            return common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k, args.temperature,
                                    hard_task)
 
     def log(metrics: dict, step: int):
@@ -649,13 +594,13 @@ def main(args: Args) -> dict:
         with timer("diag"):  # mu against pi_train on these tokens, before the update
             diag = step_diagnostics(model, tok, batch, engine, args, step)
         with timer("train"):
-            stats = update(model, opt, batch, loss_fn, args, step, accel, ref_model, fused_logprob)
+            stats = update(model, opt, batch, loss_fn, args, step, accel, sampler, ref_model, fused_logprob)
         with timer("sync"):  # weights copied into mu, re-quantised; KV scales recalibrate at the next rollout
             engine.sync_weights(model)
         t = timer.pop()
         gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
         metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
-                                            args.group_size, t["gen"]), **stats, **diag,
+                                            args.group_size, t["gen"]), **batch["reward_terms"], **stats, **diag,
                    "perf/lr": opt.param_groups[0]["lr"], **{f"perf/{k}_s": v for k, v in t.items()}}
         if is_main and (step % args.eval_every == 0 or step == args.steps):
             metrics.update(evaluate())

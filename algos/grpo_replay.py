@@ -18,6 +18,9 @@ Equations and choices (each implemented by the function named on the right):
   loss               l_it = -min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i): a replayed token is
                      importance-weighted by rho and stops pushing once rho leaves the clip range (PPO's trust
                      region, taken against the policy that sampled it); aggregated as grpo.py   replay_loss
+  sampler weight     fresh tokens: l_it <- min(pi_old / pi_sampler, C) l_it when the sampler is not the trainer's
+                     computation (grpo.py's truncated_is_weight, C = --sampler-is-cap); replayed tokens need none
+                     (their ratio is already to mu, the sampler's own log-probs), RLEP tokens have no mu  update
   RLEP               phase 1 (--experience-out): after training, the final policy samples
                      --experience-samples completions per training prompt; the verified successes are saved.
                      Phase 2 (--experience-in): each group whose prompt has saved successes gets
@@ -25,11 +28,12 @@ Equations and choices (each implemented by the function named on the right):
                      group of G + M                                                            rlep_rows,
                      A_i = (r_i - mean_g r) / (std_g r + eps) over a group of any size         ragged_group_advantages
 
-Parent: algos/grpo.py; changed: Args, Args.exp_name, Args.steps, Args.threads, check_args, rollout, update, main.
+Parent: algos/grpo.py; changed: Args, Args.kernels, Args.steps, Args.threads, check_args, rollout, update, main.
 
-`update` changes in two lines: each micro-batch also carries the rows' behaviour log-probs and their source
-(fresh, replayed, RLEP), which replay_loss needs, and rollout/logprob_mismatch is measured on fresh rows only
-(a replayed row's stored log-probs come from an older policy by design).
+`update` changes in three lines: each micro-batch also carries the rows' behaviour log-probs and their source
+(fresh, replayed, RLEP), which replay_loss needs, grpo's sampler-trainer weight is 1 on the rows that are not fresh,
+and rollout/logprob_mismatch (with rollout/is_weight_mean and rollout/is_truncated_frac) is measured on fresh rows
+only (a replayed row's stored log-probs come from an older policy by design).
 
 Training prompts: --pool-size N fixes a data set of N prompts drawn once from the task's training split (the
 same for every seed), sampled with replacement each step; RLEP needs it (its successes are per prompt).
@@ -70,7 +74,6 @@ RLEP reaches GRPO's peak in 13.3 +- 8.3 updates against GRPO's own 20.0 +- 18.3 
 """
 from __future__ import annotations
 
-import copy
 import json
 import math
 import sys
@@ -88,48 +91,24 @@ from tqdm import tqdm
 
 import common
 from algos import _llm as llm
-from algos._vllm import VLLMEngine
+from algos._llm import LLMArgs
 
 
 @dataclass
-class Args:
-    # bookkeeping
-    exp_name: str = "grpo_replay"
-    """name of the run (the output folder is out_dir/exp_name)"""
-    seed: int = 0
-    """random seed: prompts and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
-    track: bool = False
-    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
-    out_dir: str = "runs"
-    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
-    # model and task
-    model: str = "tiny-0.6m"
-    """tiny-0.6m, tiny-5m, smollm2-135m, a Hugging Face id or a local path"""
-    task: str = "add"
-    """add, addsteps, jsonl:PATH (prompt/answer records) or gsm8k"""
-    digits: int = 2
-    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
-    device: str = "auto"
-    """auto (CUDA if present), cpu or cuda"""
+class Args(LLMArgs):
+    """GRPO's flags (algos/grpo.py), the replay buffer's and RLEP's; the plumbing flags are LLMArgs'."""
     threads: int = 1
     """torch CPU threads per process (1: on a shared 2-core machine a second thread made a step 6x slower)"""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+    steps: int = 100
+    """rollout batches"""
     # rollout
-    engine: Literal["hf", "vllm"] = "hf"
-    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
-    vllm_gpu_memory: float = 0.3
-    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
     prompts_per_step: int = 32
     """distinct prompts per rollout batch (per process)"""
     group_size: int = 8
     """completions per prompt (G)"""
-    max_new_tokens: int = 8
-    """generation budget per completion"""
-    temperature: float = 1.0
-    """sampling temperature (the trainer scores with the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling threshold"""
+    reward: tuple[str, ...] = ("correct",)
+    """reward terms NAME[:WEIGHT]: built-ins correct, format, length, or module:function (TRL's convention: prompts,
+    completions, answers in; a float or None per completion out); the total is their weighted sum"""
     pool_size: int = 0
     """training prompts drawn once from the task's training split (0 = fresh prompts every step, as grpo.py)"""
     # replay
@@ -159,47 +138,16 @@ class Args:
     """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
     agg_const: int = 0
     """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    sampler_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
+    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
     # optimisation
-    steps: int = 100
-    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
     ppo_epochs: int = 1
     """passes over each rollout batch"""
     minibatches: int = 1
     """optimiser steps per pass; the rollout batch is split into this many"""
-    micro_batch_size: int = 256
-    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
-    lr: float = 1e-4
-    """peak learning rate (AdamW); 1e-3 collapses the tiny policy, real LLMs want about 1e-6"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
-    warmup_steps: int = 0
-    """linear warm-up (optimiser steps)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm"""
     kernels: bool = False
-    """use the Triton kernels (fused log-prob, fused clipped loss) when a GPU is present"""
-    grad_checkpointing: bool = False
-    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
-    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
-    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
-    sampler_is_cap: float = 2.0
-    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
-    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
-    # eval and checkpoints
-    eval_every: int = 25
-    """rollout batches between held-out evaluations"""
-    eval_examples: int = 500
-    """held-out prompts for greedy accuracy"""
-    pass_k: int = 8
-    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
-    eval_hard: bool = True
-    """also evaluate one digit harder than training (out of distribution)"""
-    save_every: int = 0
-    """rollout batches between checkpoints (0 = only at the end)"""
-    resume: str = ""
-    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
+    """use the Triton fused log-prob kernel when a GPU is present (the fused loss kernel takes no per-token weights)"""
 
 
 def check_args(args: Args) -> None:
@@ -292,6 +240,13 @@ def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
     return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
 
 
+def truncated_is_weight(old_logp, sampler_logp, cap: float):
+    """w_t = min(pi_old(o_t) / pi_sampler(o_t), C): corrects the update for samples drawn by another computation
+    than the trainer's (truncated importance sampling, as verl's rollout correction); no gradient."""
+    return torch.exp(old_logp - sampler_logp).clamp(max=cap).detach()
+
+
+
 def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
     """grpo_loss from the fused Triton kernel (--kernels on a GPU): the same value and gradient.
 
@@ -320,9 +275,12 @@ def behaviour_old(old_logp, behav_logp, source):
 def replay_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
     """grpo_loss with a replayed token's ratio taken against its behaviour policy: rho = pi_theta / mu, the
     importance weight, clipped to [1 - eps_low, 1 + eps_high] as PPO clips (with nothing replayed this is
-    grpo_loss exactly). mb also holds behav [b, C] and source [b] (0 fresh, 1 replayed, 2 RLEP)."""
+    grpo_loss exactly). mb also holds behav [b, C], source [b] (0 fresh, 1 replayed, 2 RLEP) and is_weight
+    [b, C] or None (grpo's sampler-trainer weight, 1 on the rows that are not fresh)."""
     old = behaviour_old(mb["old"], mb["behav"], mb["source"])
     tok_loss, clipped = clipped_pg_loss(logp, old, mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    if mb.get("is_weight") is not None:  # the sampler is not the trainer: truncated importance weight per token
+        tok_loss = tok_loss * mb["is_weight"]
     stats = {"clipfrac": clipped, "ratio": torch.exp(logp.detach() - old)}
     if mb["ref"] is not None:
         kl = k3_kl(logp, mb["ref"])
@@ -383,15 +341,25 @@ def rlep_rows(tok, prompt: str, completions: list) -> common.Rollout:
                           tok.batch_decode(comp, skip_special_tokens=True))
 
 
+def score_rows(task, examples: list, ro: common.Rollout, args: Args, device) -> tuple[torch.Tensor, dict]:
+    """--reward (llm.Rewards) on rollout rows, examples[i] the one of row i, as grpo.py's rollout: the total per row
+    and each term's mean where it applies (reward/<name>)."""
+    total, terms = llm.Rewards(args.reward)([e.prompt for e in examples], ro.texts, [e.answer for e in examples],
+                                            task=task, completion_lengths=ro.completion_mask.sum(1).tolist(),
+                                            max_new_tokens=args.max_new_tokens)
+    return torch.tensor(total, device=device), {
+        f"reward/{k}": float(np.mean([v for v in vs if v is not None] or [0.0])) for k, vs in terms.items()}
+
+
 @torch.no_grad()
-def collect_experience(model, tok, task, pool: list, args: Args) -> dict:
+def collect_experience(sampler, tok, task, pool: list, args: Args) -> dict:
     """RLEP phase 1: experience_samples completions per training prompt from the policy; the distinct verified
     successes, {prompt: [completion token ids]}."""
     out = {}
     for s in range(0, len(pool), 64):
         chunk = pool[s:s + 64]
         n = args.experience_samples
-        ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in chunk]), n,
+        ro = common.generate(sampler, tok, common.encode_prompts(tok, [e.prompt for e in chunk]), n,
                              args.max_new_tokens, args.temperature, args.top_p)
         for i, t in enumerate(ro.texts):
             e = chunk[i // n]
@@ -402,7 +370,7 @@ def collect_experience(model, tok, task, pool: list, args: Args) -> dict:
 
 
 # ---- rollout and update ----
-def rollout(model, tok, task, args: Args, rng, device, engine=None, pool=None, buffer=None, experience=None,
+def rollout(sampler, tok, task, args: Args, rng, device, pool=None, buffer=None, experience=None,
             step: int = 0) -> dict:
     """Fresh groups (prompts_per_step / reuse of them) + RLEP successes appended to their groups + replayed
     groups from the buffer; A_i per group (fresh and RLEP rows together; replayed rows keep theirs).
@@ -412,20 +380,19 @@ def rollout(model, tok, task, args: Args, rng, device, engine=None, pool=None, b
     metrics)."""
     G = args.group_size
     examples = draw_prompts(task, pool, math.ceil(args.prompts_per_step / args.reuse), rng)
-    ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), G,
-                         args.max_new_tokens, args.temperature, args.top_p, engine=engine)
-    answers = [e.answer for e in examples for _ in range(G)]
-    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
+    ro = common.generate(sampler, tok, common.encode_prompts(tok, [e.prompt for e in examples]), G,
+                         args.max_new_tokens, args.temperature, args.top_p)
+    rewards, terms = score_rows(task, [e for e in examples for _ in range(G)], ro, args, device)
     parts, group_ids, rlep = [ro], torch.arange(len(examples), device=device).repeat_interleave(G), []
     for i, e in enumerate(examples if experience else []):  # RLEP: saved successes join the group
         saved = experience.get(e.prompt, [])
         for j in rng.choice(len(saved), size=min(args.rlep_replay, len(saved)), replace=False) if saved else []:
             rlep.append((i, saved[j]))
-    if rlep:
+    if rlep:  # scored as their group's members (a saved success is correct)
         parts.append(common.concat_rollouts([rlep_rows(tok, examples[i].prompt, [c]) for i, c in rlep],
                                             tok.pad_token_id))
         group_ids = torch.cat([group_ids, torch.tensor([i for i, _ in rlep], device=device)])
-        rewards = torch.cat([rewards, torch.ones(len(rlep), device=device)])
+        rewards = torch.cat([rewards, score_rows(task, [examples[i] for i, _ in rlep], parts[-1], args, device)[0]])
     adv = ragged_group_advantages(rewards, group_ids, args.adv_std_norm) if rlep else \
         group_advantages(rewards, G, args.adv_std_norm)
     replayed = replay_pick(buffer, step, args.prompts_per_step - len(examples), args) if buffer is not None else []
@@ -443,80 +410,75 @@ def rollout(model, tok, task, args: Args, rng, device, engine=None, pool=None, b
                  group=torch.cat([group_ids, len(examples) + torch.arange(n_old, device=device) // G]),
                  age=torch.tensor([0] * (n_fresh + n_rlep) + [step - g["birth"] for g in replayed for _ in range(G)],
                                   device=device),
-                 drawn={"rewards": rewards[:n_fresh], "completion_mask": ro.completion_mask,
-                        "finish_reasons": ro.finish_reasons})
+                 reward_terms=terms, drawn={"rewards": rewards[:n_fresh], "completion_mask": ro.completion_mask,
+                                            "finish_reasons": ro.finish_reasons})
     return batch
 
 
-def lr_factor(step: int, total: int, args: Args) -> float:
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    if args.lr_schedule == "constant":
-        return 1.0
-    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+def sampler_gap(old_logp, sampler_logp, is_weight, mask, cap: float) -> dict:
+    """This micro-batch's sums for rollout/logprob_mismatch (|log pi_old - log pi_sampler| per token, on the sampler's
+    weights) and, when the correction is on, the mean importance weight and the fraction truncated at C."""
+    out = {"gap/sum": common.masked_sum((old_logp - sampler_logp).abs(), mask).item(), "gap/tokens": mask.sum().item()}
+    if is_weight is not None:
+        out.update({"gap/is_w": common.masked_sum(is_weight, mask).item(),
+                    "gap/is_cut": common.masked_sum((is_weight >= cap).float(), mask).item()})
+    return out
 
 
-def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
-    """NaN guard, clip, scheduled lr, step; returns the gradient norm. With several processes FSDP2 has already
-    summed the gradients over ranks (the loss used step-global normalisers) and the norm is the global one; the
-    full sampler copy of a sharded model is gathered again after the step."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
-    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
-        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
-                         "intact. Lower --lr or check the rewards.")
-    for group in opt.param_groups:
-        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
-    opt.step()
-    common.sync_sampler(model)
-    return grad_norm
-
-
-def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampler, ref_model=None,
+           fused_logprob=None) -> dict:
     """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
 
     pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
-    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged.
+    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged. The logged
+    statistics are sums over all ranks divided by global counts: every rank returns the same values.
     """
-    B = batch["completion_ids"].shape[0]
+    B, mask = batch["completion_ids"].shape[0], batch["completion_mask"]
     micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
     logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
-        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
-        batch["completion_mask"][idx], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx], mask[idx],
+        args.temperature, with_entropy=ent, fused_fn=fused_logprob)
     on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
     with torch.no_grad():
         old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
         ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
-    stats = {"pg": 0.0, "entropy": 0.0, "grad_norm": 0.0}
-    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch, on the
-    # rows this step generated (a replayed row's log-probs come from an older policy by design).
-    fresh = batch["completion_mask"].float() * (batch["source"] == 0).float().unsqueeze(1)
-    mismatch = 0.0 if on_policy else common.masked_mean((old - batch["logprobs"]).abs(), fresh).item()
-    n_opt = 0
-    for _ in range(args.ppo_epochs):
+    correct = args.sampler_is_cap > 0 and not sampler.is_trainer  # the sampler is another computation
+    # the sampler's gap and weight on the rows this step generated: a replayed row's ratio is already to its stored
+    # log-probs mu (an older policy's by design), and RLEP rows have none
+    fresh = (batch["source"] == 0).unsqueeze(1)
+    sums, n_opt, grad_norm = {}, 0, 0.0  # sums: this rank's share of each logged mean, summed over ranks below
+    total = args.steps * args.ppo_epochs * args.minibatches
+    for epoch in range(args.ppo_epochs):
         for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
-            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
-                                  device=batch["adv"].device)
-            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            n_seqs, n_tokens = llm.step_counts(mask[mb_idx], accel)
             opt.zero_grad(set_to_none=True)
             for idx in micro(mb_idx):
                 logp, ent = logprobs_of(model, idx, True)
-                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
+                mb = {"adv": batch["adv"][idx], "mask": mask[idx].float(),
                       "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx],
                       "behav": batch["logprobs"][idx], "source": batch["source"][idx]}
+                mb["is_weight"] = torch.where(fresh[idx], truncated_is_weight(mb["old"], mb["behav"],
+                                                                              args.sampler_is_cap), 1.0) \
+                    if correct else None
                 loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
                 loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
-                stats["pg"] += loss.item()
-                for k, v in {**token_stats, "entropy": ent}.items():
-                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
-                if on_policy:  # the only forward on the sampler's weights
-                    mismatch += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
-                                                  fresh[idx]).item() / max(float(fresh.sum()), 1)
+                for k, v in {"pg": loss.item(), **{k: common.masked_sum(v.detach(), mb["mask"]).item() / max(
+                        n_tokens, 1) for k, v in {**token_stats, "entropy": ent}.items()}}.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                if epoch == 0:  # every fresh token once, on the sampler's weights (pi_old)
+                    for k, v in sampler_gap(mb["old"], mb["behav"], mb["is_weight"], mb["mask"] * fresh[idx],
+                                            args.sampler_is_cap).items():
+                        sums[k] = sums.get(k, 0.0) + v
             opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
-            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+            grad_norm += llm.optimizer_step(model, opt, args, opt_step, total, sampler)
             n_opt += 1
-    return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, "rollout/logprob_mismatch": mismatch}
+    tot = llm.all_ranks_sum(sums, accel, mask.device)
+    out = {**{f"loss/{k}": v / n_opt for k, v in tot.items() if not k.startswith("gap/")},
+           "loss/grad_norm": grad_norm / n_opt, "rollout/logprob_mismatch": tot["gap/sum"] / max(tot["gap/tokens"], 1)}
+    if correct:
+        out.update({"rollout/is_weight_mean": tot["gap/is_w"] / max(tot["gap/tokens"], 1),
+                    "rollout/is_truncated_frac": tot["gap/is_cut"] / max(tot["gap/tokens"], 1)})
+    return out
 
 
 def replay_metrics(batch: dict, args: Args) -> dict:
@@ -526,17 +488,6 @@ def replay_metrics(batch: dict, args: Args) -> dict:
            "replay/rlep_frac": float((batch["source"] == 2).sum()) / n}
     out.update({f"replay/age_{a}": float((batch["age"] == a).sum()) / n for a in range(args.max_age + 1)})
     return out
-
-
-def load_policy(args: Args, accel):
-    """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
-    only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    return common.shard(model, accel), tok, common.shard(ref_model, accel, sampler=False)
 
 
 # ---- main ----
@@ -551,28 +502,27 @@ def main(args: Args) -> dict:
     task = llm.make_task(args.task, args.digits)
     hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
-    engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
-        if args.engine == "vllm" else None
+    # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
+    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
     use_kernels = args.kernels and accel.device.type == "cuda"
     fused_logprob = None
-    if use_kernels:  # Triton: the fused lm_head + log-softmax (the loss kernel is in kernel_grpo_loss)
+    if use_kernels:  # Triton: the fused lm_head + log-softmax
         from kernels.fused_logprob import fused_linear_logprob as fused_logprob
     loss_fn = replay_loss  # (the fused loss kernel takes no per-token weights; --kernels fuses the log-probs)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = llm.make_optimizer(model.parameters(), args)
 
     run_dir = Path(args.out_dir) / args.exp_name
     state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
-    if args.resume and engine is not None:
-        engine.sync_weights(model)
+    if args.resume:
+        sampler.refresh()
     start_step, history = state.get("step", 0), state.get("history", [])
     gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
     pool, buffer = make_pool(task, args), []  # a resumed run starts with an empty buffer
     experience = json.loads(Path(args.experience_in).read_text()) if args.experience_in else None
     tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
     timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
-    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
-                                       args.temperature, hard_task, engine)
+    evaluate = lambda: common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task)
 
     def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
@@ -588,16 +538,14 @@ def main(args: Args) -> dict:
         torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
         rng = np.random.default_rng([args.seed, step, rank])
         with timer("gen"):
-            batch = rollout(model, tok, task, args, rng, accel.device, engine, pool, buffer, experience, step)
-        with timer("train"):
-            stats = update(model, opt, batch, loss_fn, args, step, accel, ref_model, fused_logprob)
-        if engine is not None:
-            with timer("sync"):
-                engine.sync_weights(model)
+            batch = rollout(sampler, tok, task, args, rng, accel.device, pool, buffer, experience, step)
+        with timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, loss_fn, args, step, accel, sampler, ref_model, fused_logprob)
         t, drawn = timer.pop(), batch["drawn"]
         gen_tokens, gen_time = gen_tokens + int(drawn["completion_mask"].sum()), gen_time + t["gen"]
         metrics = {**common.rollout_metrics(drawn["rewards"], drawn["completion_mask"], drawn["finish_reasons"],
-                                            args.group_size, t["gen"]), **replay_metrics(batch, args), **stats,
+                                            args.group_size, t["gen"]), **batch["reward_terms"],
+                   **replay_metrics(batch, args), **stats,
                    "rollout/gen_tokens": gen_tokens, "perf/lr": opt.param_groups[0]["lr"],
                    **{f"perf/{k}_s": v for k, v in t.items()}}
         if is_main and (step % args.eval_every == 0 or step == args.steps):
@@ -613,7 +561,7 @@ def main(args: Args) -> dict:
     if not is_main:
         return {}
     if args.experience_out:  # RLEP phase 1: the final policy's verified successes on the training prompts
-        Path(args.experience_out).write_text(json.dumps(collect_experience(model, tok, task, pool, args)))
+        Path(args.experience_out).write_text(json.dumps(collect_experience(sampler, tok, task, pool, args)))
     summary = common.summarize(history, gen_tokens, gen_time, time.time() - t_start)
     train = [h for h in history if "loss/entropy" in h]
     summary.update(replayed_frac=float(np.mean([h["replay/replayed_frac"] for h in train])),

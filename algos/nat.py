@@ -16,16 +16,19 @@ Equations (each implemented by the function named on the right; GRPO's own are a
   HT weight             w_it = keep_it / pi_it  (E[w_it] = 1)                                 select_tokens
   NAT loss              J_NAT = aggregate_loss(w * l), with grpo's step normaliser (N_seq, |o_i|, sum |o_i|) over
                         ALL generated tokens, so E_keep[J_NAT] = J_GRPO and E[grad J_NAT] = grad J_GRPO   nat_loss
+                        (l_it is grpo's, with its sampler-trainer weight min(pi_old / pi_sampler, C) when the
+                        sampler is not the trainer's computation: truncated_is_weight)
   RPC compute           a micro-batch runs forward and backward only up to its longest kept prefix (the model is
                         causal, so the kept tokens' log-probs do not change); the mini-batch is sorted by kept
                         length first, so that like prefixes share a micro-batch                   update, kept_columns
 
-Parent: algos/grpo.py; changed: Args, Args.exp_name, check_args, update, main.
+Parent: algos/grpo.py; changed: Args, Args.kernels, check_args, update, main.
 
 The diff against algos/grpo.py: the two flags, select_tokens / rpc_inclusion / nat_loss / kept_columns /
 nat_summary, and in update the token selection, the sort and truncation for RPC, the HT-weighted stats and the
-timing of the forward and backward. kernel_grpo_loss is gone (the fused loss kernel takes no per-token weights);
---kernels still uses the fused log-prob kernel.
+timing of the forward and backward (the sampler-trainer weight is grpo's, cut to the kept columns).
+kernel_grpo_loss is gone (the fused loss kernel takes no per-token weights); --kernels still uses the fused
+log-prob kernel.
 
 Deviations from the paper:
 - The RPC cut distribution (K above) is our choice, stated so that pi_t has a closed form and the mean kept fraction
@@ -33,8 +36,9 @@ Deviations from the paper:
   stays unbiased; a single draw per completion serves all ppo_epochs of a rollout batch.
 - The saving of RPC here comes from truncating padded micro-batches (no sequence packing): it needs
   --micro-batch-size smaller than the rollout batch, and it is a saving of compute, not of the rollout.
-- The loss/* statistics (entropy, clip fraction) and rollout/logprob_mismatch are HT estimates over the kept
-  tokens (unbiased for grpo's full-token figures; equal to them with --selector full).
+- The loss/* statistics (entropy, clip fraction), rollout/logprob_mismatch and (when the sampler is not the trainer)
+  rollout/is_weight_mean and rollout/is_truncated_frac are HT estimates over the kept tokens (unbiased for grpo's
+  full-token figures; equal to them with --selector full).
 - On CPU peak memory is not measured reliably; nat/positions counts the token positions (prompt + kept prefix
   columns, per sequence) that go through the forward and backward of a rollout batch, which is what compute scales
   with; nat/peak_positions counts those of its widest micro-batch, which is what peak activation memory scales with
@@ -58,8 +62,6 @@ but its widest micro-batch was about as wide as full's (0.97x peak positions): l
 """
 from __future__ import annotations
 
-import copy
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -75,48 +77,20 @@ from tqdm import tqdm
 
 import common
 from algos import _llm as llm
-from algos._vllm import VLLMEngine
+from algos._llm import LLMArgs
 
 
 @dataclass
-class Args:
-    # bookkeeping
-    exp_name: str = "nat"
-    """name of the run (the output folder is out_dir/exp_name)"""
-    seed: int = 0
-    """random seed: prompts and sampling of step s depend only on (seed, s, rank), which makes resume exact"""
-    track: bool = False
-    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
-    out_dir: str = "runs"
-    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
-    # model and task
-    model: str = "tiny-0.6m"
-    """tiny-0.6m, tiny-5m, smollm2-135m, a Hugging Face id or a local path"""
-    task: str = "add"
-    """add, addsteps, jsonl:PATH (prompt/answer records) or gsm8k"""
-    digits: int = 2
-    """operand digits of the arithmetic tasks (training and the main held-out eval)"""
-    device: str = "auto"
-    """auto (CUDA if present), cpu or cuda"""
-    threads: int = 2
-    """torch CPU threads per process"""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+class Args(LLMArgs):
+    """NAT's flags: GRPO's (algos/grpo.py) and the token selector; the plumbing flags are LLMArgs'."""
     # rollout
-    engine: Literal["hf", "vllm"] = "hf"
-    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
-    vllm_gpu_memory: float = 0.3
-    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
     prompts_per_step: int = 32
     """distinct prompts per rollout batch (per process)"""
     group_size: int = 8
     """completions per prompt (G)"""
-    max_new_tokens: int = 8
-    """generation budget per completion"""
-    temperature: float = 1.0
-    """sampling temperature (the trainer scores with the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling threshold"""
+    reward: tuple[str, ...] = ("correct",)
+    """reward terms NAME[:WEIGHT]: built-ins correct, format, length, or module:function (TRL's convention: prompts,
+    completions, answers in; a float or None per completion out); the total is their weighted sum"""
     # objective
     adv_std_norm: bool = True
     """divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
@@ -130,51 +104,20 @@ class Args:
     """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
     agg_const: int = 0
     """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    sampler_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
+    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
     selector: Literal["rpc", "urs", "full"] = "rpc"
     """NAT token selector: rpc (random prefix cutting), urs (uniform random sampling), full (every token: GRPO)"""
     keep_prob: float = 0.5
     """urs: each token's keep probability; rpc: the mean kept fraction of a completion (ignored by full)"""
     # optimisation
-    steps: int = 400
-    """rollout batches (each followed by ppo_epochs * minibatches optimiser steps)"""
     ppo_epochs: int = 1
     """passes over each rollout batch"""
     minibatches: int = 1
     """optimiser steps per pass; the rollout batch is split into this many"""
-    micro_batch_size: int = 256
-    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
-    lr: float = 1e-4
-    """peak learning rate (AdamW); 1e-3 collapses the tiny policy, real LLMs want about 1e-6"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
-    warmup_steps: int = 0
-    """linear warm-up (optimiser steps)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm"""
     kernels: bool = False
-    """use the Triton kernels (fused log-prob, fused clipped loss) when a GPU is present"""
-    grad_checkpointing: bool = False
-    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
-    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
-    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
-    sampler_is_cap: float = 2.0
-    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
-    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
-    # eval and checkpoints
-    eval_every: int = 25
-    """rollout batches between held-out evaluations"""
-    eval_examples: int = 500
-    """held-out prompts for greedy accuracy"""
-    pass_k: int = 8
-    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
-    eval_hard: bool = True
-    """also evaluate one digit harder than training (out of distribution)"""
-    save_every: int = 0
-    """rollout batches between checkpoints (0 = only at the end)"""
-    resume: str = ""
-    """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
+    """use the Triton fused log-prob kernel when a GPU is present (the fused loss kernel takes no per-token weights)"""
 
 
 def check_args(args: Args) -> None:
@@ -261,6 +204,12 @@ def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
     return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
 
 
+def truncated_is_weight(old_logp, sampler_logp, cap: float):
+    """w_t = min(pi_old(o_t) / pi_sampler(o_t), C): corrects the update for samples drawn by another computation
+    than the trainer's (truncated importance sampling, as verl's rollout correction); no gradient."""
+    return torch.exp(old_logp - sampler_logp).clamp(max=cap).detach()
+
+
 # ---- the idea of NAT: a random subset of the tokens, each weighted by 1 / P(kept) ----
 def rpc_inclusion(mask, q: float):
     """pi_t = P(K >= t) of random prefix cutting, K = floor(n U^(1/q - 1) + V); mask [B, C] (right-padded) -> [B, C].
@@ -300,11 +249,14 @@ def select_tokens(mask, selector: str, keep_prob: float, gen=None):
 def nat_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
     """grpo_loss with each token's loss weighted by keep / P(keep) (Horvitz-Thompson); the normaliser is grpo's.
 
-    logp [b, L] covers the first L completion positions (L >= the last kept one); old, ref (or None) and ht
-    (the HT weights) are [b, L]; adv [b]; mask [b, C] is the full completion mask, so |o_i|, N_seq and sum |o_i|
-    count every generated token and E_keep[loss] = grpo_loss. Returns (loss, per-token stats [b, L]).
+    logp [b, L] covers the first L completion positions (L >= the last kept one); old, ref (or None), ht (the HT
+    weights) and is_weight (or None: grpo's sampler-trainer weight) are [b, L]; adv [b]; mask [b, C] is the full
+    completion mask, so |o_i|, N_seq and sum |o_i| count every generated token and E_keep[loss] = grpo_loss.
+    Returns (loss, per-token stats [b, L]).
     """
     tok_loss, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    if mb.get("is_weight") is not None:  # the sampler is not the trainer: truncated importance weight per token
+        tok_loss = tok_loss * mb["is_weight"]
     stats = {"clipfrac": clipped}
     if mb["ref"] is not None:
         kl = k3_kl(logp, mb["ref"])
@@ -332,113 +284,101 @@ def nat_summary(history: list[dict]) -> dict:
 
 
 # ---- rollout and update ----
-def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
+def rollout(sampler, tok, task, args: Args, rng, device) -> dict:
     """Sample G completions for each of prompts_per_step training prompts; reward them; A_i per group."""
     examples = task.sample("train", args.prompts_per_step, rng)
-    ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
-                         args.max_new_tokens, args.temperature, args.top_p, engine=engine)
-    answers = [e.answer for e in examples for _ in range(args.group_size)]
-    rewards = torch.tensor([task.verify(t, a)[0] for t, a in zip(ro.texts, answers)], device=device)
+    ro = common.generate(sampler, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
+                         args.max_new_tokens, args.temperature, args.top_p)
+    per_row = lambda xs: [x for x in xs for _ in range(args.group_size)]  # noqa: E731
+    total, terms = llm.Rewards(args.reward)(per_row([e.prompt for e in examples]), ro.texts,
+                                            per_row([e.answer for e in examples]), task=task,
+                                            completion_lengths=ro.completion_mask.sum(1).tolist(),
+                                            max_new_tokens=args.max_new_tokens)
+    rewards = torch.tensor(total, device=device)
     batch = {k: getattr(ro, k).to(device) for k in
              ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
     batch.update(rewards=rewards, adv=group_advantages(rewards, args.group_size, args.adv_std_norm),
-                 finish_reasons=ro.finish_reasons)
+                 finish_reasons=ro.finish_reasons, reward_terms={  # each term's mean where it applies
+                     f"reward/{k}": float(np.mean([v for v in vs if v is not None] or [0.0])) for k, vs in terms.items()})
     return batch
 
 
-def lr_factor(step: int, total: int, args: Args) -> float:
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    if args.lr_schedule == "constant":
-        return 1.0
-    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+def sampler_gap(old_logp, sampler_logp, is_weight, mask, cap: float) -> dict:
+    """This micro-batch's sums for rollout/logprob_mismatch (|log pi_old - log pi_sampler| per token, on the sampler's
+    weights) and, when the correction is on, the mean importance weight and the fraction truncated at C."""
+    out = {"gap/sum": common.masked_sum((old_logp - sampler_logp).abs(), mask).item(), "gap/tokens": mask.sum().item()}
+    if is_weight is not None:
+        out.update({"gap/is_w": common.masked_sum(is_weight, mask).item(),
+                    "gap/is_cut": common.masked_sum((is_weight >= cap).float(), mask).item()})
+    return out
 
 
-def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
-    """NaN guard, clip, scheduled lr, step; returns the gradient norm. With several processes FSDP2 has already
-    summed the gradients over ranks (the loss used step-global normalisers) and the norm is the global one; the
-    full sampler copy of a sharded model is gathered again after the step."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
-    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
-        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
-                         "intact. Lower --lr or check the rewards.")
-    for group in opt.param_groups:
-        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
-    opt.step()
-    common.sync_sampler(model)
-    return grad_norm
-
-
-def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampler, ref_model=None,
+           fused_logprob=None) -> dict:
     """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
 
     pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
-    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged.
+    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged. The logged
+    statistics are sums over all ranks divided by global counts: every rank returns the same values.
     NAT: one token selection per rollout batch; each micro-batch runs forward and backward over its longest kept
     prefix only (RPC sorts the mini-batch by kept length, so like prefixes share a micro-batch); stats are HT estimates.
     """
-    B = batch["completion_ids"].shape[0]
+    B, mask = batch["completion_ids"].shape[0], batch["completion_mask"]
     micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
     logprobs_of = lambda m, idx, ent=False, cols=None: common.token_logprobs(  # noqa: E731
         m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx, :cols],
-        batch["completion_mask"][idx, :cols], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
-    ht = select_tokens(batch["completion_mask"], args.selector, args.keep_prob)  # [B, C] keep / P(keep)
+        mask[idx, :cols], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+    ht = select_tokens(mask, args.selector, args.keep_prob)  # [B, C] keep / P(keep)
     on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
     with torch.no_grad():
         old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
         ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
-    stats = {"pg": 0.0, "entropy": 0.0, "grad_norm": 0.0}
-    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
-    mismatch = 0.0 if on_policy else common.masked_mean((old - batch["logprobs"]).abs(),
-                                                        batch["completion_mask"].float()).item()
-    n_opt, positions, peak, t_fwd, t_bwd = 0, 0, 0, 0.0, 0.0
-    for _ in range(args.ppo_epochs):
+    correct = args.sampler_is_cap > 0 and not sampler.is_trainer  # the sampler is another computation
+    sums, n_opt, grad_norm = {}, 0, 0.0  # sums: this rank's share of each logged mean, summed over ranks below
+    positions, peak, t_fwd, t_bwd = 0, 0, 0.0, 0.0
+    total = args.steps * args.ppo_epochs * args.minibatches
+    for epoch in range(args.ppo_epochs):
         for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
-            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
-                                  device=batch["adv"].device)
-            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
-            opt.zero_grad(set_to_none=True)
+            n_seqs, n_tokens = llm.step_counts(mask[mb_idx], accel)
             if args.selector == "rpc":  # longest kept prefixes first: each micro-batch is cut to its own longest
                 mb_idx = mb_idx[(ht[mb_idx] > 0).sum(1).argsort(descending=True, stable=True)]
+            opt.zero_grad(set_to_none=True)
             for idx in micro(mb_idx):
                 cols = kept_columns(ht[idx])
                 t0 = time.perf_counter()
                 logp, ent = logprobs_of(model, idx, True, cols)
-                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(), "ht": ht[idx, :cols],
+                mb = {"adv": batch["adv"][idx], "mask": mask[idx].float(), "ht": ht[idx, :cols],
                       "old": logp.detach() if old is None else old[idx, :cols],
                       "ref": None if ref is None else ref[idx, :cols]}
+                mb["is_weight"] = truncated_is_weight(mb["old"], batch["logprobs"][idx, :cols], args.sampler_is_cap) \
+                    if correct else None
                 loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
                 t1 = time.perf_counter()
                 loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
                 t_fwd, t_bwd = t_fwd + t1 - t0, t_bwd + time.perf_counter() - t1
                 width = len(idx) * (batch["prompt_ids"].shape[1] + cols)  # positions through this micro-batch
                 positions, peak = positions + width, max(peak, width)
-                stats["pg"] += loss.item()
-                for k, v in {**token_stats, "entropy": ent}.items():
-                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["ht"]).item() / max(n_tokens, 1)
-                if on_policy:  # the only forward on the sampler's weights
-                    mismatch += common.masked_sum((logp.detach() - batch["logprobs"][idx, :cols]).abs(),
-                                                  mb["ht"]).item() / max(n_tokens, 1)
+                for k, v in {"pg": loss.item(), **{k: common.masked_sum(v.detach(), mb["ht"]).item() / max(
+                        n_tokens, 1) for k, v in {**token_stats, "entropy": ent}.items()}}.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                if epoch == 0:  # every token once, on the sampler's weights (pi_old): HT sums over the kept ones
+                    gap = sampler_gap(mb["old"], batch["logprobs"][idx, :cols], mb["is_weight"], mb["ht"],
+                                      args.sampler_is_cap)
+                    gap["gap/tokens"] = mb["mask"].sum().item()  # the HT sums estimate those over every token
+                    for k, v in gap.items():
+                        sums[k] = sums.get(k, 0.0) + v
             opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
-            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+            grad_norm += llm.optimizer_step(model, opt, args, opt_step, total, sampler)
             n_opt += 1
-    kept = float((ht > 0).sum() / batch["completion_mask"].sum().clamp(min=1))
-    return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, "rollout/logprob_mismatch": mismatch,
-            "nat/kept_frac": kept, "nat/positions": positions, "nat/peak_positions": peak, "perf/forward_s": t_fwd,
-            "perf/backward_s": t_bwd}
-
-
-def load_policy(args: Args, accel):
-    """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
-    only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    return common.shard(model, accel), tok, common.shard(ref_model, accel, sampler=False)
+    tot = llm.all_ranks_sum(sums, accel, mask.device)
+    out = {**{f"loss/{k}": v / n_opt for k, v in tot.items() if not k.startswith("gap/")},
+           "loss/grad_norm": grad_norm / n_opt, "rollout/logprob_mismatch": tot["gap/sum"] / max(tot["gap/tokens"], 1)}
+    if correct:
+        out.update({"rollout/is_weight_mean": tot["gap/is_w"] / max(tot["gap/tokens"], 1),
+                    "rollout/is_truncated_frac": tot["gap/is_cut"] / max(tot["gap/tokens"], 1)})
+    kept = float((ht > 0).sum() / mask.sum().clamp(min=1))
+    return {**out, "nat/kept_frac": kept, "nat/positions": positions, "nat/peak_positions": peak,
+            "perf/forward_s": t_fwd, "perf/backward_s": t_bwd}
 
 
 # ---- main ----
@@ -453,26 +393,25 @@ def main(args: Args) -> dict:
     task = llm.make_task(args.task, args.digits)
     hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
-    engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
-        if args.engine == "vllm" else None
+    # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
+    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
     use_kernels = args.kernels and accel.device.type == "cuda"
     fused_logprob = None
     if use_kernels:  # Triton: the fused lm_head + log-softmax (the fused loss kernel takes no per-token weights)
         from kernels.fused_logprob import fused_linear_logprob as fused_logprob
     loss_fn = nat_loss
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = llm.make_optimizer(model.parameters(), args)
 
     run_dir = Path(args.out_dir) / args.exp_name
     state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
-    if args.resume and engine is not None:
-        engine.sync_weights(model)
+    if args.resume:
+        sampler.refresh()
     start_step, history = state.get("step", 0), state.get("history", [])
     gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
     tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
     timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
-    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
-                                       args.temperature, hard_task, engine)
+    evaluate = lambda: common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task)
 
     def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
@@ -488,16 +427,14 @@ def main(args: Args) -> dict:
         torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
         rng = np.random.default_rng([args.seed, step, rank])
         with timer("gen"):
-            batch = rollout(model, tok, task, args, rng, accel.device, engine)
-        with timer("train"):
-            stats = update(model, opt, batch, loss_fn, args, step, accel, ref_model, fused_logprob)
-        if engine is not None:
-            with timer("sync"):
-                engine.sync_weights(model)
+            batch = rollout(sampler, tok, task, args, rng, accel.device)
+        with timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, loss_fn, args, step, accel, sampler, ref_model, fused_logprob)
         t = timer.pop()
         gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
         metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
-                                            args.group_size, t["gen"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
+                                            args.group_size, t["gen"]), **batch["reward_terms"], **stats,
+                   "perf/lr": opt.param_groups[0]["lr"],
                    **{f"perf/{k}_s": v for k, v in t.items()}}
         if is_main and (step % args.eval_every == 0 or step == args.steps):
             metrics.update(evaluate())

@@ -8,9 +8,9 @@ Reinforcement Learning via Concurrency-Controlled Partial Rollout with Importanc
 sampling; up to 1.94x faster training); the decoupled PPO objective of "AReaL: A Large-Scale Asynchronous
 Reinforcement Learning System for Language Reasoning", arXiv:2505.24298.
 
-Parent: algos/grpo.py; changed: Args, Args.digits, Args.eval_every, Args.exp_name, Args.kernels,
-  Args.max_new_tokens, Args.model, Args.prompts_per_step, Args.resume, Args.save_every, Args.seed, Args.steps,
-  Args.task, Args.threads, check_args, rollout, update, main.
+Parent: algos/grpo.py; changed: Args, Args.digits, Args.eval_every, Args.kernels, Args.max_new_tokens,
+  Args.model, Args.prompts_per_step, Args.resume, Args.save_every, Args.seed, Args.steps, Args.task, Args.threads,
+  check_args, rollout, update, main.
 
 Two layers share one scheduler (Scheduler: which trajectories hold the S decode slots, when a step stops, what is
 carried over):
@@ -39,6 +39,9 @@ before the update, as in grpo.py; A_i, the clip and the aggregation as in grpo.p
   cross-stage  rho_it = pi_theta / mu_it where v_it < v (the token's own buffered behaviour log-prob),
                pi_theta / pi_prox where v_it = v (CoPRIS)
   decoupled    min(pi_prox / mu_it, cap) * clipped surrogate of rho_it = pi_theta / pi_prox (AReaL; cap = --is-cap)
+  sampler      when the sampler is not the trainer's computation, each fresh token's loss (v_it = v) is weighted by
+               grpo's min(pi_prox / mu_it, C), C = --sampler-is-cap (truncated_is_weight); stale tokens keep their
+               --is correction, and decoupled's own weight already is this one on the fresh tokens
 With nothing interrupted every mode is grpo's loss (v_it = v everywhere and mu = pi_prox up to sampler mismatch).
 
 Deviations from the papers:
@@ -52,8 +55,10 @@ Deviations from the papers:
   lengths of the sums task's operand mix (equal within a group).
 - APRIL trains the B oldest complete groups of a step; when more completed at the same chunk boundary, the rest wait
   in the buffer for the next step (nothing is dropped). CoPRIS's pool equals the slot count S.
-- rollout/logprob_mismatch is measured on the fresh tokens only (those sampled with the weights being trained);
-  loss/stale_gap is the mean |log pi_prox - log mu| over stale tokens times their share.
+- rollout/logprob_mismatch (and, with the sampler weight on, rollout/is_weight_mean and rollout/is_truncated_frac)
+  is measured on the fresh tokens only (those sampled with the weights being trained); loss/stale_gap is the mean
+  |log pi_prox - log mu| over stale tokens times their share. --is decoupled applies no second sampler weight: its
+  min(pi_prox / mu, --is-cap) is that weight on the fresh tokens (capped at --is-cap, not --sampler-is-cap).
 - A resumed run restores the buffer of unfinished trajectories from the checkpoint; the sums task's running totals
   (its partial-credit component) are kept, other answer metadata is not.
 - Everything of GRPO's deviations (algos/grpo.py) applies.
@@ -76,7 +81,6 @@ benchmarks/results/partial_rollout.md (3 seeds) the simulator holds APRIL's and 
 """
 from __future__ import annotations
 
-import copy
 import math
 import sys
 import time
@@ -94,50 +98,42 @@ from tqdm import tqdm
 
 import common
 from algos import _llm as llm
+from algos._llm import LLMArgs
 from algos._slot_sim import compare_policies
-from algos._vllm import VLLMEngine
 
 
 @dataclass
-class Args:
-    # bookkeeping
-    exp_name: str = "partial_rollout"
-    """name of the run (the output folder is out_dir/exp_name)"""
+class Args(LLMArgs):
+    """Partial rollouts' flags: GRPO's (algos/grpo.py), the scheduler's, the corrections' and the simulator's; the
+    plumbing flags are LLMArgs'."""
     seed: int = 0
     """random seed: prompts and sampling of step s depend only on (seed, s, rank) and the carried buffer"""
-    track: bool = False
-    """log to Weights & Biases as well (WANDB_MODE=offline works without network)"""
-    out_dir: str = "runs"
-    """where metrics.jsonl, summary.json, the curve and checkpoints go"""
-    # model and task
     model: str = "tiny-sums"
     """tiny-0.6m, tiny-5m, tiny-sums, smollm2-135m, a Hugging Face id or a local path"""
-    task: str = "sums"
-    """sums (5 operands), sumsmix (2..16 operands: heavy-tailed lengths), add, addsteps, jsonl:PATH or gsm8k"""
+    task: Annotated[str, tyro.conf.arg(help=f"training and held-out task: {llm.TASKS}")] = "sums"
     digits: int = 1
     """operand digits of the arithmetic tasks (training and the main held-out eval)"""
-    device: str = "auto"
-    """auto (CUDA if present), cpu or cuda"""
     threads: int = 1
     """torch CPU threads per process (1: the chunk loop is bound by per-call costs; 2 ran 4x slower on a busy 2-core
     machine)"""
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+    max_new_tokens: int = 48
+    """generation budget per completion (a multiple of --chunk)"""
+    steps: int = 40
+    """training steps (each trains B complete groups; 0 = simulator only)"""
+    eval_every: int = 20
+    """training steps between held-out evaluations"""
+    save_every: int = 0
+    """training steps between checkpoints (0 = only at the end)"""
+    resume: str = ""
+    """checkpoint folder to resume from (the buffer of unfinished trajectories is restored too)"""
     # rollout
-    engine: Literal["hf", "vllm"] = "hf"
-    """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
-    vllm_gpu_memory: float = 0.3
-    """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
     prompts_per_step: int = 32
     """complete groups trained per step (B)"""
     group_size: int = 8
     """completions per prompt (G)"""
-    max_new_tokens: int = 48
-    """generation budget per completion (a multiple of --chunk)"""
-    temperature: float = 1.0
-    """sampling temperature (the trainer scores with the same temperature)"""
-    top_p: float = 1.0
-    """nucleus sampling threshold"""
+    reward: tuple[str, ...] = ("correct",)
+    """reward terms NAME[:WEIGHT]: built-ins correct, format, length, or module:function (TRL's convention: prompts,
+    completions, answers in; a float or None per completion out); the total is their weighted sum"""
     # partial rollouts
     policy: Literal["sync", "april", "copris"] = "copris"
     """rollout scheduler: sync (wait for all), april (over-provision, stop at B groups), copris (fixed pool)"""
@@ -176,47 +172,16 @@ class Args:
     """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
     agg_const: int = 0
     """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    sampler_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
+    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
     # optimisation
-    steps: int = 40
-    """training steps (each trains B complete groups; 0 = simulator only)"""
     ppo_epochs: int = 1
     """passes over each rollout batch"""
     minibatches: int = 1
     """optimiser steps per pass; the rollout batch is split into this many"""
-    micro_batch_size: int = 256
-    """sequences per forward/backward (gradient accumulation inside a mini-batch)"""
-    lr: float = 1e-4
-    """peak learning rate (AdamW); 1e-3 collapses the tiny policy, real LLMs want about 1e-6"""
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """after warm-up: constant, or cosine decay to 10% over all optimiser steps"""
-    warmup_steps: int = 0
-    """linear warm-up (optimiser steps)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping by global norm"""
     kernels: bool = False
     """use the Triton kernels (fused log-prob; the fused loss with --is recompute) when a GPU is present"""
-    grad_checkpointing: bool = False
-    """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
-    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
-    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
-    sampler_is_cap: float = 2.0
-    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
-    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
-    # eval and checkpoints
-    eval_every: int = 20
-    """training steps between held-out evaluations"""
-    eval_examples: int = 500
-    """held-out prompts for greedy accuracy"""
-    pass_k: int = 8
-    """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
-    eval_hard: bool = True
-    """also evaluate one digit harder than training (out of distribution)"""
-    save_every: int = 0
-    """training steps between checkpoints (0 = only at the end)"""
-    resume: str = ""
-    """checkpoint folder to resume from (the buffer of unfinished trajectories is restored too)"""
 
 
 def check_args(args: Args) -> None:
@@ -305,6 +270,12 @@ def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
     return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
 
 
+def truncated_is_weight(old_logp, sampler_logp, cap: float):
+    """w_t = min(pi_old(o_t) / pi_sampler(o_t), C): corrects the update for samples drawn by another computation
+    than the trainer's (truncated importance sampling, as verl's rollout correction); no gradient."""
+    return torch.exp(old_logp - sampler_logp).clamp(max=cap).detach()
+
+
 def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
     """grpo_loss from the fused Triton kernel (--kernels on a GPU): the same value and gradient.
 
@@ -323,16 +294,20 @@ def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
              "const": mb_tokens / (n_seqs * agg_const(args))}[args.loss_agg]
     return loss * scale, {"clipfrac": torch.full_like(mask, float(kst["clip_frac"]))}  # micro-batch mean
 
+
 def partial_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
     """grpo_loss with the --is correction for stale tokens (sampled by older weights than the ones trained).
 
     logp [b, C] (with grad); mb as grpo_loss's plus behav [b, C] (mu: each token's behaviour log-prob) and
-    stale [b, C] (1 where the sampling version is older than the trained one). mb["old"] is pi_prox.
+    stale [b, C] (1 where the sampling version is older than the trained one). mb["old"] is pi_prox; is_weight
+    (or None) is grpo's sampler-trainer weight, 1 on the stale tokens.
     """
     old, stale, behav = mb["old"], mb["stale"], mb["behav"]
     if args.is_mode == "cross-stage":  # each stale token's ratio is to its own buffered behaviour log-prob
         old = torch.where(stale.bool(), behav, old)
     tok_loss, clipped = clipped_pg_loss(logp, old, mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    if mb.get("is_weight") is not None:  # the sampler is not the trainer: truncated importance weight per token
+        tok_loss = tok_loss * mb["is_weight"]
     if args.is_mode == "mask-stale":  # zero weight; the normaliser below still counts these tokens
         tok_loss = tok_loss * (1 - stale)
     elif args.is_mode == "decoupled":  # AReaL: behaviour weight pi_prox / mu (capped) times the clip around pi_prox
@@ -511,7 +486,7 @@ def simulator_summary(args: Args) -> dict:
 
 
 # ---- rollout and update ----
-def rollout(model, tok, task, args: Args, rng, device, engine=None, sched: Scheduler = None, version: int = 0) -> dict:
+def rollout(sampler, tok, task, args: Args, rng, device, sched: Scheduler = None, version: int = 0) -> dict:
     """Decode in chunks until the scheduler holds B complete groups; they form the batch (A_i per group).
 
     Each chunk is one call of the rollout seam on prompt + partial response for the rows in the slots; the rows
@@ -527,8 +502,8 @@ def rollout(model, tok, task, args: Args, rng, device, engine=None, sched: Sched
     while not sched.ready():
         sched.fill()
         rows = list(sched.running.values())
-        ro = common.generate(model, tok, [t.prompt + t.tokens for t in rows], 1, args.chunk, args.temperature,
-                             args.top_p, engine=engine)
+        ro = common.generate(sampler, tok, [t.prompt + t.tokens for t in rows], 1, args.chunk, args.temperature,
+                             args.top_p)
         lens = ro.completion_mask.sum(1).tolist()
         for j, t in enumerate(rows):
             n = lens[j]
@@ -554,90 +529,88 @@ def assemble_batch(groups: list[list[Traj]], tok, task, args: Args, version: int
         comp[i, :t.n], cmask[i, :t.n] = torch.tensor(t.tokens), 1
         logprobs[i, :t.n], versions[i, :t.n] = torch.tensor(t.logps), torch.tensor(t.versions())
     texts = tok.batch_decode(comp, skip_special_tokens=True)
-    rewards = torch.tensor([task.verify(x, t.example.answer)[0] for x, t in zip(texts, trajs)])
+    total, terms = llm.Rewards(args.reward)([t.example.prompt for t in trajs], texts, [t.example.answer for t in trajs],
+                                            task=task, completion_lengths=[t.n for t in trajs],
+                                            max_new_tokens=args.max_new_tokens)
+    rewards = torch.tensor(total)
     age = (version - versions) * cmask
     batch = {k: v.to(device) for k, v in dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=comp,
                                                 completion_mask=cmask, logprobs=logprobs, versions=versions,
                                                 stale=(age > 0).float(), rewards=rewards).items()}
     batch.update(adv=group_advantages(batch["rewards"], args.group_size, args.adv_std_norm),
-                 finish_reasons=[t.finish for t in trajs])
+                 finish_reasons=[t.finish for t in trajs], reward_terms={  # each term's mean where it applies
+                     f"reward/{k}": float(np.mean([v for v in vs if v is not None] or [0.0]))
+                     for k, vs in terms.items()})
     batch["partial"] = {"partial/stale_token_frac": float((age > 0).sum() / cmask.sum()),
                         "partial/mean_age": float(age.sum() / cmask.sum()), "partial/max_age": int(age.max()),
                         "partial/resumed_frac": float(np.mean([len(t.segs) > 1 for t in trajs]))}
     return batch
 
 
-def lr_factor(step: int, total: int, args: Args) -> float:
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    if args.lr_schedule == "constant":
-        return 1.0
-    progress = (step - args.warmup_steps) / max(1, total - args.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+def sampler_gap(old_logp, sampler_logp, is_weight, mask, cap: float) -> dict:
+    """This micro-batch's sums for rollout/logprob_mismatch (|log pi_old - log pi_sampler| per token, on the sampler's
+    weights) and, when the correction is on, the mean importance weight and the fraction truncated at C."""
+    out = {"gap/sum": common.masked_sum((old_logp - sampler_logp).abs(), mask).item(), "gap/tokens": mask.sum().item()}
+    if is_weight is not None:
+        out.update({"gap/is_w": common.masked_sum(is_weight, mask).item(),
+                    "gap/is_cut": common.masked_sum((is_weight >= cap).float(), mask).item()})
+    return out
 
 
-def optimizer_step(model, opt, args: Args, accel, opt_step: int) -> float:
-    """NaN guard, clip, scheduled lr, step; returns the gradient norm. With several processes FSDP2 has already
-    summed the gradients over ranks (the loss used step-global normalisers) and the norm is the global one; the
-    full sampler copy of a sharded model is gathered again after the step."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
-    if not math.isfinite(grad_norm):  # the same global value on every rank, so all ranks stop together
-        raise SystemExit(f"non-finite loss or gradient at optimiser step {opt_step}; the last checkpoint is "
-                         "intact. Lower --lr or check the rewards.")
-    for group in opt.param_groups:
-        group["lr"] = args.lr * lr_factor(opt_step, args.steps * args.ppo_epochs * args.minibatches, args)
-    opt.step()
-    common.sync_sampler(model)
-    return grad_norm
-
-
-def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, ref_model=None, fused_logprob=None) -> dict:
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampler, ref_model=None,
+           fused_logprob=None) -> dict:
     """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
 
     pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
-    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged.
+    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged. The logged
+    statistics are sums over all ranks divided by global counts: every rank returns the same values.
     Partial rollouts: each micro-batch also carries the behaviour log-probs and the stale-token mask (for the
-    --is corrections), and the sampler-vs-trainer mismatch is measured on the fresh tokens only.
+    --is corrections); the sampler-vs-trainer mismatch and weight are on the fresh tokens only.
     """
-    B = batch["completion_ids"].shape[0]
+    B, mask = batch["completion_ids"].shape[0], batch["completion_mask"]
     micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
     logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
-        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx],
-        batch["completion_mask"][idx], args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx], mask[idx],
+        args.temperature, with_entropy=ent, fused_fn=fused_logprob)
     on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
     with torch.no_grad():
         old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
         ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
-    stats = {"pg": 0.0, "entropy": 0.0, "grad_norm": 0.0}
-    # Sampler-vs-trainer log-prob gap on the sampler's weights: measured before any update of this batch.
-    # (on the fresh tokens only: stale ones were sampled by older weights)
-    fresh = batch["completion_mask"].float() * (1 - batch["stale"])
-    mismatch = 0.0 if on_policy else common.masked_mean((old - batch["logprobs"]).abs(), fresh).item()
-    n_opt = 0
-    for _ in range(args.ppo_epochs):
+    # the sampler is another computation; stale tokens have their own correction (--is), and decoupled's weight
+    # min(pi_prox / mu, --is-cap) already is the fresh tokens' sampler-trainer weight
+    correct = args.sampler_is_cap > 0 and not sampler.is_trainer and args.is_mode != "decoupled"
+    sums, n_opt, grad_norm = {}, 0, 0.0  # sums: this rank's share of each logged mean, summed over ranks below
+    total = args.steps * args.ppo_epochs * args.minibatches
+    for epoch in range(args.ppo_epochs):
         for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
-            counts = torch.tensor([len(mb_idx), int(batch["completion_mask"][mb_idx].sum())], dtype=torch.float64,
-                                  device=batch["adv"].device)
-            n_seqs, n_tokens = (int(c) for c in (accel.reduce(counts, "sum") if accel.num_processes > 1 else counts))
+            n_seqs, n_tokens = llm.step_counts(mask[mb_idx], accel)
             opt.zero_grad(set_to_none=True)
             for idx in micro(mb_idx):
                 logp, ent = logprobs_of(model, idx, True)
-                mb = {"adv": batch["adv"][idx], "mask": batch["completion_mask"][idx].float(),
+                mb = {"adv": batch["adv"][idx], "mask": mask[idx].float(),
                       "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx],
                       "behav": batch["logprobs"][idx], "stale": batch["stale"][idx]}
+                mb["is_weight"] = torch.where(mb["stale"].bool(), 1.0, truncated_is_weight(
+                    mb["old"], mb["behav"], args.sampler_is_cap)) if correct else None
                 loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
                 loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
-                stats["pg"] += loss.item()
-                for k, v in {**token_stats, "entropy": ent}.items():
-                    stats[k] = stats.get(k, 0.0) + common.masked_sum(v.detach(), mb["mask"]).item() / max(n_tokens, 1)
-                if on_policy:  # the only forward on the sampler's weights
-                    mismatch += common.masked_sum((logp.detach() - batch["logprobs"][idx]).abs(),
-                                                  fresh[idx]).item() / max(float(fresh.sum()), 1.0)
+                for k, v in {"pg": loss.item(), **{k: common.masked_sum(v.detach(), mb["mask"]).item() / max(
+                        n_tokens, 1) for k, v in {**token_stats, "entropy": ent}.items()}}.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                if epoch == 0:  # every fresh token once, on the sampler's weights (pi_old)
+                    for k, v in sampler_gap(mb["old"], mb["behav"], mb["is_weight"], mb["mask"] * (1 - mb["stale"]),
+                                            args.sampler_is_cap).items():
+                        sums[k] = sums.get(k, 0.0) + v
             opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
-            stats["grad_norm"] += optimizer_step(model, opt, args, accel, opt_step)
+            grad_norm += llm.optimizer_step(model, opt, args, opt_step, total, sampler)
             n_opt += 1
-    return {**{f"loss/{k}": v / n_opt for k, v in stats.items()}, "rollout/logprob_mismatch": mismatch}
+    tot = llm.all_ranks_sum(sums, accel, mask.device)
+    out = {**{f"loss/{k}": v / n_opt for k, v in tot.items() if not k.startswith("gap/")},
+           "loss/grad_norm": grad_norm / n_opt, "rollout/logprob_mismatch": tot["gap/sum"] / max(tot["gap/tokens"], 1)}
+    if correct:
+        out.update({"rollout/is_weight_mean": tot["gap/is_w"] / max(tot["gap/tokens"], 1),
+                    "rollout/is_truncated_frac": tot["gap/is_cut"] / max(tot["gap/tokens"], 1)})
+    return out
 
 
 # ---- main ----
@@ -663,17 +636,6 @@ def make_scheduler(args: Args, state: dict) -> Scheduler:
     return sched
 
 
-def load_policy(args: Args, accel):
-    """(policy in train mode, tokenizer, frozen reference or None): gradient checkpointing when asked, the reference
-    only when kl_coef > 0, both sharded with FSDP2 when several processes run (common.shard)."""
-    model, tok = common.load_model(args.model, accel.device, args.dtype)
-    model.train()
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    return common.shard(model, accel), tok, common.shard(ref_model, accel, sampler=False)
-
-
 def main(args: Args) -> dict:
     check_args(args)
     from accelerate import Accelerator
@@ -688,26 +650,25 @@ def main(args: Args) -> dict:
     task = llm.make_task(args.task, args.digits)
     hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok, ref_model = load_policy(args, accel)  # sharded when several processes run
-    engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, seed=args.seed + rank) \
-        if args.engine == "vllm" else None
+    # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
+    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
     use_kernels = args.kernels and accel.device.type == "cuda"
     fused_logprob = None
     if use_kernels:  # Triton: the fused lm_head + log-softmax (the loss kernel only for --is recompute)
         from kernels.fused_logprob import fused_linear_logprob as fused_logprob
     loss_fn = kernel_grpo_loss if use_kernels and args.is_mode == "recompute" else partial_loss
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = llm.make_optimizer(model.parameters(), args)
 
     run_dir = Path(args.out_dir) / args.exp_name
     state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
-    if args.resume and engine is not None:
-        engine.sync_weights(model)
+    if args.resume:
+        sampler.refresh()
     sched = make_scheduler(args, state)
     start_step, history, gen_time = state.get("step", 0), state.get("history", []), state.get("gen_time", 0.0)
     tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
     timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
-    evaluate = lambda: common.run_eval(model, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
-                                       args.temperature, hard_task, engine)
+    evaluate = lambda: common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
+                                       args.temperature, hard_task)
 
     def log(metrics: dict, step: int):
         history.append({"step": step, **metrics})
@@ -724,17 +685,14 @@ def main(args: Args) -> dict:
         rng = np.random.default_rng([args.seed, step, rank])
         generated = sched.generated
         with timer("gen"):  # the weights that sample this step are version step - 1
-            batch = rollout(model, tok, task, args, rng, accel.device, engine, sched, version=step - 1)
-        with timer("train"):
-            stats = update(model, opt, batch, loss_fn, args, step, accel, ref_model, fused_logprob)
-        if engine is not None:
-            with timer("sync"):
-                engine.sync_weights(model)
+            batch = rollout(sampler, tok, task, args, rng, accel.device, sched, version=step - 1)
+        with timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, loss_fn, args, step, accel, sampler, ref_model, fused_logprob)
         t = timer.pop()
         gen_time += t["gen"]
         metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
-                                            args.group_size, t["gen"]), **batch["partial"], **stats,
-                   "rollout/tokens_per_s": (sched.generated - generated) / t["gen"],  # generated, not trained
+                                            args.group_size, t["gen"]), **batch["reward_terms"], **batch["partial"],
+                   **stats, "rollout/tokens_per_s": (sched.generated - generated) / t["gen"],  # generated, not trained
                    "perf/lr": opt.param_groups[0]["lr"], **{f"perf/{k}_s": v for k, v in t.items()}}
         if is_main and (step % args.eval_every == 0 or step == args.steps):
             metrics.update(evaluate())

@@ -83,7 +83,7 @@ def run_mismatch(seeds) -> None:
             for label, (dtype, kv) in MODES.items():
                 args = f.Args(model="tiny-sums", task=f"sums{n}", digits=1, max_new_tokens=48, rollout_dtype=dtype,
                               kv_fp8=kv, prompts_per_step=PROMPTS, group_size=SAMPLES, correction="none")
-                engine = f.FP8Engine(model, args)
+                engine = f.FP8Engine(model, args.rollout_dtype, args.kv_fp8, args.kv_scale)
                 torch.manual_seed(1000 * seed + n)
                 batch = f.rollout(model, tok, task, args, np.random.default_rng([seed, n]), "cpu", engine)
                 rows = {label: f.mismatch_metrics(model, batch, engine, args)}

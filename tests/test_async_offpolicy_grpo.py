@@ -4,6 +4,7 @@ import math
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -280,6 +281,17 @@ def test_double_sided_clip_against_loop():
             assert masked[i, t].item() == (0.0 if inside else 1.0)
 
 
+def test_m2po_mask_loss_against_loop():
+    """-keep * exp(logp - behav) * A token by token: masked tokens give 0, the others the unclipped IS surrogate."""
+    logp, _, behav, adv, mask = random_batch(4)
+    keep = (torch.rand(mask.shape, generator=torch.Generator().manual_seed(4)) < 0.7).float() * mask
+    loss = ao.m2po_mask_loss(logp, behav, adv, keep)
+    for i in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            want = -keep[i, t].item() * math.exp(logp[i, t].item() - behav[i, t].item()) * adv[i].item()
+            assert abs(loss[i, t].item() - want) < 1e-5
+
+
 def test_every_correction_gives_the_policy_gradient_on_policy():
     """At mu = pi_prox = pi_theta (fresh data, first step) every correction's gradient is GRPO's:
     d/dlogp of -A logp, aggregated the same way (masks, clips and weights are all neutral at ratio 1)."""
@@ -301,6 +313,53 @@ def test_bad_input_names_the_flag():
                       (dict(resume="x"), "--resume"), (dict(gen_rate=-1.0), "--gen-rate")):
         with pytest.raises(SystemExit, match=flag):
             ao.check_args(ao.Args(**bad))
+
+
+class _OneProcess:
+    num_processes = 1
+
+
+class _Engine:
+    """A stand-in rollout engine: with it the sampler is not the trainer; counts the weight syncs."""
+    syncs = 0
+
+    def sync_weights(self, model):
+        self.syncs += 1
+
+
+def test_grpos_sampler_weight_is_refused_when_the_sampler_is_not_the_trainer(tmp_path, monkeypatch):
+    import common
+
+    ao.check_args(replace(TINY, sampler_is_cap=2.0))  # on CPU the sampler is the trainer: the weight would be 1
+    monkeypatch.setattr(common.Sampler, "is_trainer", property(lambda self: False))  # as a bf16 copy or vLLM
+    with pytest.raises(SystemExit, match="--sampler-is-cap: .* mu, the sampler's own log-probs"):
+        ao.main(replace(TINY, sampler_is_cap=2.0, out_dir=str(tmp_path)))
+
+
+def test_no_second_sampler_weight_when_the_sampler_is_not_the_trainer():
+    """grpo's sampler-trainer weight is off: with an engine as sampler and behaviour log-probs off the trainer's,
+    update's gradient and statistics are those with the trainer as sampler (the corrections already divide by mu),
+    and the engine is refreshed after every optimiser step."""
+    import common
+    from algos import _llm as llm
+
+    torch.manual_seed(0)
+    model, tok = common.load_model("tiny-0.6m")
+    args = replace(TINY, lr=0.0, max_grad_norm=1e9)  # the weights stay, .grad holds the raw gradient
+    batch = ao.rollout(common.Sampler(model), tok, llm.make_task("add"), args, np.random.default_rng(0), "cpu")
+    batch["logprobs"] = batch["logprobs"] + 0.3 * torch.randn(batch["logprobs"].shape,
+                                                              generator=torch.Generator().manual_seed(1))
+    outs, grads, engine = [], [], _Engine()
+    for sampler in (common.Sampler(model, engine=engine), common.Sampler(model)):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(2)
+        outs.append(ao.update(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, ao.offpolicy_loss, args, 1,
+                              _OneProcess(), sampler))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert engine.syncs == args.ppo_epochs * args.minibatches
+    assert outs[0] == outs[1] and "rollout/is_weight_mean" not in outs[0]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert outs[0]["loss/maskfrac"] > 0 or outs[0]["offpolicy/w_max"] > 1.2  # mu really is off the trainer's
 
 
 # ---- the script ----

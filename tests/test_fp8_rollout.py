@@ -143,7 +143,7 @@ def tiny():
 def rollout_of(tiny, **kw):
     model, tok, task = tiny
     args = f.Args(prompts_per_step=kw.pop("prompts_per_step", 32), group_size=8, **kw)
-    engine = f.FP8Engine(model, args)
+    engine = f.FP8Engine(model, args.rollout_dtype, args.kv_fp8, args.kv_scale)
     torch.manual_seed(1)
     return args, engine, f.rollout(model, tok, task, args, np.random.default_rng(0), "cpu", engine)
 
@@ -163,6 +163,19 @@ def test_quantisation_off_rollout_logprobs_equal_the_trainers(tiny):
                               b["logprobs"])
 
 
+def test_reward_terms_are_grpos(tiny):
+    """--reward (grpo.py's weighted terms) scores the FP8 rollouts; reward/<name> is each term's mean."""
+    _, tok, task = tiny
+    args, _, b = rollout_of(tiny, prompts_per_step=4, reward=("correct", "length:0.5"))
+    texts = tok.batch_decode(b["completion_ids"], skip_special_tokens=True)
+    answers = [e.answer for e in task.sample("train", 4, np.random.default_rng(0)) for _ in range(8)]
+    correct = torch.tensor([task.verify(t, a)[0] for t, a in zip(texts, answers)])
+    length = -b["completion_mask"].sum(1) / args.max_new_tokens
+    assert torch.allclose(b["rewards"], correct + 0.5 * length, atol=1e-6)
+    assert b["reward_terms"] == pytest.approx({"reward/correct": correct.mean().item(),
+                                               "reward/length": length.mean().item()})
+
+
 def test_gumbel_sampler_draws_from_the_softmax(tiny):
     model, tok, _ = tiny
     prompt = tok("12+34=")["input_ids"]
@@ -177,7 +190,7 @@ def test_kv_scales_frozen_within_a_step_and_recomputed_after_a_sync(tiny):
     model, tok, task = tiny
     trainer = copy.deepcopy(model)
     args = f.Args(kv_fp8="e4m3", prompts_per_step=8, group_size=2)
-    engine = f.FP8Engine(trainer, args)
+    engine = f.FP8Engine(trainer, args.rollout_dtype, args.kv_fp8, args.kv_scale)
     seen = []
     call = fe.KVScales.__call__
 
@@ -324,7 +337,7 @@ def test_one_precision_path_under_bf16():
     task = llm.make_task("add", 2)
     for kw in ({"rollout_dtype": "fp32"}, {"unified": True}):
         args = f.Args(prompts_per_step=8, group_size=4, **kw)
-        engine = f.FP8Engine(model, args)
+        engine = f.FP8Engine(model, args.rollout_dtype, args.kv_fp8, args.kv_scale)
         torch.manual_seed(1)
         b = f.rollout(model, tok, task, args, np.random.default_rng(0), "cpu", engine)
         with f.precision(model, "ste" if args.unified else "off", engine.kv if args.unified else None):
@@ -389,3 +402,42 @@ def test_fp8_rollouts_with_token_tis_learn(tmp_path):
 def test_bad_input_names_the_flag(change, msg):
     with pytest.raises(SystemExit, match=msg):
         f.check_args(replace(SMALL, **change))
+
+
+class _OneProcess:
+    num_processes = 1
+
+
+class _Engine:
+    """A stand-in rollout engine: with it the trainer's sampler is not the trainer; counts the weight syncs."""
+    syncs = 0
+
+    def sync_weights(self, model):
+        self.syncs += 1
+
+
+def test_the_fp8_correction_is_the_only_sampler_weight(tiny):
+    """grpo's sampler-trainer weight is refused while the FP8 sampler is not the trainer (fp32 rollouts are: accepted,
+    the weight would be 1); update weights the FP8 rollout by --correction alone, whatever the trainer's own sampler
+    (refreshed after the optimiser step, used for the held-out evaluation) is."""
+    model = tiny[0]
+    for kw in ({}, {"rollout_dtype": "bf16"}, {"rollout_dtype": "fp32", "kv_fp8": "e4m3"}):
+        with pytest.raises(SystemExit, match="sampler-is-cap: the FP8 sampler is not the trainer's .* --correction"):
+            f.make_engine(model, replace(SMALL, sampler_is_cap=2.0, **kw))
+    assert f.make_engine(model, replace(SMALL, sampler_is_cap=2.0, rollout_dtype="fp32")).is_trainer
+    args, _, b = rollout_of(tiny, prompts_per_step=8)
+    args = replace(args, lr=0.0, max_grad_norm=1e9)  # the weights stay, .grad holds the raw gradient
+    outs, grads, engine = [], [], _Engine()
+    for sampler in (common.Sampler(model, engine=engine), common.Sampler(model)):
+        model.zero_grad(set_to_none=True)
+        outs.append(f.update(model, torch.optim.SGD(model.parameters(), lr=0.0), b, f.corrected_grpo_loss, args, 1,
+                             _OneProcess(), sampler))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    assert engine.syncs == 1  # the trainer's sampler was refreshed after the optimiser step
+    assert outs[0].keys() == outs[1].keys() and "rollout/is_weight_mean" not in outs[0]
+    assert all(torch.equal(a, c) for a, c in zip(*grads))
+    lp = common.token_logprobs(model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"], b["completion_mask"])
+    w, _ = f.correction_weights(lp, b["logprobs"], b["completion_mask"], args)  # token-tis on the FP8 mismatch
+    assert outs[0]["loss/is_weight"] == pytest.approx(float(w.sum() / b["completion_mask"].sum()), rel=1e-5)
+    assert outs[0]["loss/is_weight"] != pytest.approx(1.0, abs=1e-4)

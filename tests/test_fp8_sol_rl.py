@@ -23,7 +23,7 @@ def tiny():
 def test_sol_regeneration_is_exactly_on_policy(tiny):
     model, tok, task = tiny
     args = s.Args(sol_candidates=8, group_size=4, prompts_per_step=6)
-    engine = s.FP8Engine(model, args)
+    engine = s.FP8Engine(model, args.rollout_dtype, args.kv_fp8, args.kv_scale)
     torch.manual_seed(4)
     b = s.sol_rollout(model, tok, task, args, np.random.default_rng(0), "cpu", engine)
     assert b["completion_ids"].shape[0] == 24
@@ -47,6 +47,13 @@ def test_a_short_run_trains_on_the_regenerated_samples(tmp_path):
     assert len(train) == 2 and all("sol/pair_order_kept" in r for r in train)
     assert summary["logprob_mismatch"] < 1e-4  # the trained samples came from the fp32 policy itself
     assert "sol_same_reward_frac" in summary and "kl_fp8" in summary  # the Sol-RL figures are reported
+
+
+def test_grpos_sampler_weight_is_refused(tmp_path):
+    """The FP8 candidates' sampler is not the trainer and --correction corrects its mismatch: grpo's second weight is
+    refused, naming the flag."""
+    with pytest.raises(SystemExit, match="sampler-is-cap: the FP8 sampler is not the trainer's .* --correction"):
+        s.main(replace(SMALL, sampler_is_cap=2.0, out_dir=str(tmp_path)))
 
 
 @pytest.mark.parametrize("change,msg", [

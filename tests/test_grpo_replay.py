@@ -112,7 +112,7 @@ def test_reuse_one_rollout_equals_grpo_rollout():
     task, args = llm.make_task("add"), replace(SMALL, reuse=1, pool_size=0)
     out = []
     for fn in (lambda rng: grpo.rollout(model, tok, task, grpo.Args(), rng, "cpu"),
-               lambda rng: rp.rollout(model, tok, task, args, rng, "cpu", None, None, [], None, 1)):
+               lambda rng: rp.rollout(model, tok, task, args, rng, "cpu", None, [], None, 1)):
         torch.manual_seed(5)
         out.append(fn(np.random.default_rng([0, 1, 0])))
     g, r = out
@@ -155,7 +155,7 @@ def test_rlep_rows_and_mixed_group_advantages():
     pool = rp.make_pool(task, args)
     enc = lambda text: tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # noqa: E731
     experience = {e.prompt: [enc(e.answer)] * 3 for e in pool[:8]}  # half the prompts have 3 saved successes
-    batch = rp.rollout(model, tok, task, args, np.random.default_rng(0), "cpu", None, pool, [], experience, 1)
+    batch = rp.rollout(model, tok, task, args, np.random.default_rng(0), "cpu", pool, [], experience, 1)
     n_fresh = 16
     fresh_prompts = tok.batch_decode(batch["prompt_ids"][:n_fresh:4], skip_special_tokens=True)
     rlep = (batch["source"] == 2).nonzero().squeeze(1)
@@ -171,6 +171,74 @@ def test_rlep_rows_and_mixed_group_advantages():
         want = (r - r.mean()) / (r.std() + 1e-6)
         assert torch.allclose(batch["adv"][batch["group"] == g], want, atol=1e-5)
         assert (batch["group"] == g).sum() == 4 + 2 * (fresh_prompts[g] in experience)
+
+
+def test_reward_terms_score_fresh_and_rlep_rows():
+    """--reward (grpo.py's weighted terms) scores the fresh rows and the RLEP rows alike; reward/<name> is logged."""
+    torch.manual_seed(0)
+    model, tok = common.load_model("tiny-0.6m")
+    task = llm.make_task("add")
+    args = replace(SMALL, reuse=1, prompts_per_step=4, group_size=4, rlep_replay=1, pool_size=16,
+                   reward=("correct", "length:0.5"))
+    pool = rp.make_pool(task, args)
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # noqa: E731
+    batch = rp.rollout(model, tok, task, args, np.random.default_rng(0), "cpu", pool, [],
+                       {e.prompt: [enc(e.answer)] for e in pool}, 1)
+    texts = tok.batch_decode(batch["completion_ids"], skip_special_tokens=True)
+    answers = {e.prompt: e.answer for e in pool}
+    prompts = tok.batch_decode(batch["prompt_ids"], skip_special_tokens=True)
+    lengths = batch["completion_mask"].sum(1)
+    want = [task.verify(t, answers[p])[0] - 0.5 * int(n) / args.max_new_tokens for t, p, n in zip(texts, prompts, lengths)]
+    assert (batch["source"] == 2).any() and torch.allclose(batch["rewards"], torch.tensor(want), atol=1e-6)
+    assert set(batch["reward_terms"]) == {"reward/correct", "reward/length"}
+
+
+class _OneProcess:
+    num_processes = 1
+
+
+class _Engine:
+    """A stand-in rollout engine: with it the sampler is not the trainer."""
+
+    def sync_weights(self, model):
+        pass
+
+
+def test_sampler_weight_on_fresh_rows_only():
+    """When the sampler is not the trainer, a fresh token's loss is weighted by grpo's min(pi_old / pi_sampler, C)
+    (logged over the fresh tokens); a replayed row (its ratio is already to mu) and an RLEP row keep weight 1."""
+    torch.manual_seed(0)
+    model, tok = common.load_model("tiny-0.6m")
+    task = llm.make_task("add")
+    args = replace(SMALL, reuse=2, max_age=1, prompts_per_step=4, group_size=4, pool_size=0, lr=0.0,
+                   max_grad_norm=1e9)  # lr 0 and no clipping: the weights stay, .grad holds the raw gradient
+    buffer = []
+    rp.rollout(model, tok, task, args, np.random.default_rng(0), "cpu", None, buffer, None, 1)
+    batch = rp.rollout(model, tok, task, args, np.random.default_rng(1), "cpu", None, buffer, None, 2)
+    fresh_rows = (batch["source"] == 0).unsqueeze(1)
+    assert fresh_rows.any() and (batch["source"] == 1).any()
+    batch["logprobs"] = batch["logprobs"] + 0.5 * torch.randn(batch["logprobs"].shape,
+                                                              generator=torch.Generator().manual_seed(1))
+    grads, outs = [], []
+    for sampler in (common.Sampler(model, engine=_Engine()), common.Sampler(model)):
+        model.zero_grad()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        outs.append(rp.update(model, opt, batch, rp.replay_loss, args, 1, _OneProcess(), sampler))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    mask = batch["completion_mask"].float()
+    model.zero_grad()
+    logp = common.token_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                 batch["completion_mask"])
+    w = torch.exp(logp.detach() - batch["logprobs"]).clamp(max=args.sampler_is_cap)
+    fresh = mask * fresh_rows.float()
+    assert outs[0]["rollout/is_weight_mean"] == pytest.approx(float((w * fresh).sum() / fresh.sum()), rel=1e-5)
+    assert outs[0]["rollout/is_truncated_frac"] > 0 and "rollout/is_weight_mean" not in outs[1]
+    mb = {"adv": batch["adv"], "mask": mask, "old": logp.detach(), "ref": None, "behav": batch["logprobs"],
+          "source": batch["source"], "is_weight": torch.where(fresh_rows, w, 1.0)}
+    rp.replay_loss(logp, mb, mask.shape[0], int(mask.sum()), args)[0].backward()
+    for a, p in zip(grads[0], model.parameters()):
+        assert torch.allclose(a, p.grad, atol=1e-6, rtol=1e-4)
+    assert any(not torch.allclose(a, b) for a, b in zip(*grads))  # the trainer as sampler: no weight
 
 
 def test_rlep_two_phases(tmp_path):

@@ -160,9 +160,18 @@ class _OneProcess:
     num_processes = 1
 
 
-def grads_after_update(mod, model, batch, args):
+class _Engine:
+    """A stand-in rollout engine: the sampler is then not the trainer; counts the weight syncs."""
+    syncs = 0
+
+    def sync_weights(self, model):
+        self.syncs += 1
+
+
+def grads_after_update(mod, model, batch, args, sampler=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the gradients stay in .grad, the weights unchanged
-    out = mod.update(model, opt, batch, mod.nat_loss if mod is nat else mod.grpo_loss, args, 1, _OneProcess())
+    out = mod.update(model, opt, batch, mod.nat_loss if mod is nat else mod.grpo_loss, args, 1, _OneProcess(),
+                     sampler or common.Sampler(model))
     return [p.grad.clone() for p in model.parameters()], out
 
 
@@ -193,6 +202,32 @@ def test_full_selector_update_equals_grpo_update():
         assert torch.allclose(a, b, atol=1e-7, rtol=1e-5)
     for k in ("loss/pg", "loss/entropy", "loss/clipfrac"):
         assert out[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), k
+
+
+def test_sampler_correction_is_grpos_when_the_sampler_is_not_the_trainer():
+    """With an engine as sampler and behaviour log-probs off the trainer's, each token gets grpo's weight
+    min(pi_old / pi_sampler, C): the full selector gives grpo's gradient and logged weights; the trainer as sampler
+    logs none; RPC weights its kept tokens (the logged mean is the HT estimate)."""
+    args, model, batch = rollout_batch("full")
+    g = torch.Generator().manual_seed(3)
+    batch["logprobs"] = batch["logprobs"] + 0.5 * torch.randn(batch["logprobs"].shape, generator=g)
+    engine = _Engine()
+    g_nat, out = grads_after_update(nat, model, batch, args, common.Sampler(model, engine=engine))
+    assert engine.syncs == 1  # refreshed after the optimiser step
+    model.zero_grad()
+    g_grpo, ref = grads_after_update(grpo, model, batch, args, common.Sampler(model, engine=_Engine()))
+    for a, b in zip(g_nat, g_grpo):
+        assert torch.allclose(a, b, atol=1e-7, rtol=1e-5)
+    for k in ("rollout/is_weight_mean", "rollout/is_truncated_frac", "rollout/logprob_mismatch", "loss/pg"):
+        assert out[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), k
+    assert out["rollout/is_truncated_frac"] > 0 and out["rollout/is_weight_mean"] != pytest.approx(1.0, abs=1e-3)
+    model.zero_grad()
+    g_plain, plain = grads_after_update(nat, model, batch, args)
+    assert "rollout/is_weight_mean" not in plain
+    assert any(not torch.allclose(a, b) for a, b in zip(g_plain, g_nat))  # the weight changed the gradient
+    model.zero_grad()
+    _, rpc = grads_after_update(nat, model, batch, replace(args, selector="rpc"), common.Sampler(model, engine=_Engine()))
+    assert 0 < rpc["rollout/is_weight_mean"] < args.sampler_is_cap
 
 
 # ---- learning ----

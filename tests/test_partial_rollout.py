@@ -195,7 +195,7 @@ def rollout_steps(model, tok, args, steps, perturb=True, seed=0):
     for step in range(1, steps + 1):
         snaps.append(copy.deepcopy(model))
         torch.manual_seed(seed * 100 + step)
-        batches.append(pr.rollout(model, tok, task, args, np.random.default_rng([seed, step]), "cpu", None, sched,
+        batches.append(pr.rollout(model, tok, task, args, np.random.default_rng([seed, step]), "cpu", sched,
                                   version=step - 1))
         sched.check()
         if perturb:  # an update: a fixed random direction in weight space
@@ -240,6 +240,68 @@ def test_every_response_is_trained_once_or_still_in_flight(tiny):
             assert sched.in_flight_tokens() == 0 and all(not b["stale"].any() for b in batches)
 
 
+def test_reward_terms_score_the_assembled_groups(tiny):
+    """--reward (grpo.py's weighted terms) scores each trained trajectory on its whole response; reward/<name>."""
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    args = pr.Args(policy="copris", prompts_per_step=2, group_size=4, slots=12, chunk=8, max_new_tokens=48,
+                   reward=("correct", "length:0.5"))
+    b = rollout_steps(model, tok, args, 2, perturb=False)[0][1]
+    task = llm.make_task(args.task, args.digits)
+    texts = tok.batch_decode(b["completion_ids"], skip_special_tokens=True)
+    prompts = tok.batch_decode(b["prompt_ids"], skip_special_tokens=True)
+    correct = torch.tensor([task.verify(t, str(sum(map(int, p[:-1].split("+")))))[0] for t, p in zip(texts, prompts)])
+    length = -b["completion_mask"].sum(1) / args.max_new_tokens
+    assert torch.allclose(b["rewards"], correct + 0.5 * length, atol=1e-6)
+    assert set(b["reward_terms"]) == {"reward/correct", "reward/length"}
+
+
+class _OneProcess:
+    num_processes = 1
+
+
+class _Engine:
+    """A stand-in rollout engine: with it the sampler is not the trainer."""
+
+    def sync_weights(self, model):
+        pass
+
+
+def test_sampler_weight_on_fresh_tokens_only(tiny):
+    """When the sampler is not the trainer, each fresh token's loss is weighted by grpo's min(pi_prox / mu, C)
+    (logged over the fresh tokens); stale tokens keep weight 1 (their --is correction), and decoupled, whose own
+    weight already is pi_prox / mu, applies none."""
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    args = pr.Args(policy="copris", prompts_per_step=2, group_size=4, slots=24, chunk=4, max_new_tokens=48, lr=0.0,
+                   max_grad_norm=1e9)  # lr 0 and no clipping: the weights stay, .grad holds the raw gradient
+    batch = next(b for b in rollout_steps(model, tok, args, 4)[0]  # a batch with stale and fresh tokens
+                 if b["stale"].any() and ((1 - b["stale"]) * b["completion_mask"]).any())
+    stale = batch["stale"].bool()
+    batch["logprobs"] = batch["logprobs"] + 0.5 * torch.randn(batch["logprobs"].shape,
+                                                              generator=torch.Generator().manual_seed(1))
+    grads, outs = [], []
+    for sampler, mode in ((common.Sampler(model, engine=_Engine()), "cross-stage"), (common.Sampler(model),
+                          "cross-stage"), (common.Sampler(model, engine=_Engine()), "decoupled")):
+        model.zero_grad()
+        outs.append(pr.update(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, pr.partial_loss,
+                              replace(args, is_mode=mode), 1, _OneProcess(), sampler))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    mask = batch["completion_mask"].float()
+    model.zero_grad()
+    logp = common.token_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                 batch["completion_mask"])
+    w = torch.exp(logp.detach() - batch["logprobs"]).clamp(max=args.sampler_is_cap)
+    fresh = mask * ~stale
+    assert outs[0]["rollout/is_weight_mean"] == pytest.approx(float((w * fresh).sum() / fresh.sum()), rel=1e-5)
+    assert outs[0]["rollout/is_truncated_frac"] > 0
+    assert "rollout/is_weight_mean" not in outs[1] and "rollout/is_weight_mean" not in outs[2]
+    mb = {"adv": batch["adv"], "mask": mask, "old": logp.detach(), "ref": None, "behav": batch["logprobs"],
+          "stale": batch["stale"], "is_weight": torch.where(stale, 1.0, w)}
+    pr.partial_loss(logp, mb, mask.shape[0], int(mask.sum()), args)[0].backward()
+    for a, p in zip(grads[0], model.parameters()):
+        assert torch.allclose(a, p.grad, atol=1e-6, rtol=1e-4)
+    assert any(not torch.allclose(a, b) for a, b in zip(grads[0], grads[1]))  # the trainer as sampler: no weight
+
+
 class ToyTok:
     """Just enough of a tokenizer for common.generate and encode_prompts on a toy vocabulary."""
     pad_token_id, eos_token_id, chat_template = 0, 2, None
@@ -269,11 +331,11 @@ def test_continuation_follows_the_new_weights_chi_square():
     args = pr.Args(policy="copris", prompts_per_step=1, group_size=2, slots=N, chunk=1, max_new_tokens=2)
     sched = pr.Scheduler("copris", 1, 2, N, 2.0)
     torch.manual_seed(1)  # step 1 stops after one token, as soon as one pair has sampled EOS twice
-    pr.rollout(A, ToyTok(), task, args, np.random.default_rng(0), "cpu", None, sched, version=0)
+    pr.rollout(A, ToyTok(), task, args, np.random.default_rng(0), "cpu", sched, version=0)
     for call in range(100):  # groups that completed together with the first one are trained first, then B decodes
         if all(t.done for g in sched.groups.values() for t in g if t.segs == [[0, 1]]):
             break
-        pr.rollout(B, ToyTok(), task, args, np.random.default_rng(call), "cpu", None, sched, version=1)
+        pr.rollout(B, ToyTok(), task, args, np.random.default_rng(call), "cpu", sched, version=1)
     pairs = [tuple(t.tokens) for g in sched.groups.values() for t in g if t.segs == [[0, 1], [1, 1]]]
     assert len(pairs) > 5000
 
