@@ -15,6 +15,7 @@ import json
 import math
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -22,6 +23,7 @@ from typing import Annotated, Literal
 import numpy as np
 import torch
 import tyro
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -436,7 +438,7 @@ class Rewards:
 @dataclass
 class LLMArgs:
     """Plumbing flags: run bookkeeping, model and device, engine, optimiser and schedule, micro-batching, evaluation,
-    checkpoints. A script's Args extends it with its method's fields."""
+    checkpoints, LoRA. A script's Args extends it with its method's fields."""
     exp_name: str = ""
     """name of the run: the output folder is out_dir/exp_name (empty: the script's own name)"""
     seed: int = 0
@@ -496,30 +498,112 @@ class LLMArgs:
     """rollout batches between checkpoints (0 = only at the end)"""
     resume: str = ""
     """checkpoint folder to resume from (exact: same metrics as an uninterrupted run)"""
+    lora_rank: int = 0
+    """LoRA rank through peft (0 = full fine-tuning): frozen base weights, a KL reference = the base (no second copy)"""
+    lora_alpha: float = 16
+    """LoRA scale alpha: each adapted layer computes W x + (alpha / rank) B A x"""
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """layers that get adapters (module names): by default every attention and MLP projection of Llama-style models"""
 
     def __post_init__(self):
         if not self.exp_name:  # the script's file name: algos/grpo.py -> grpo
             self.exp_name = Path(getattr(sys.modules.get(type(self).__module__), "__file__", "run")).stem
 
 
-# ---- loading, the optimiser step, step-global counts ----
+# ---- loading, LoRA, the optimiser step, step-global counts ----
 def load_policy(args: LLMArgs, accel, with_ref: bool = False):
-    """(policy in train mode, tokenizer, frozen reference or None, Sampler): gradient checkpointing when asked, the
-    reference only when asked (a KL term), the sampler (common.Sampler: the trainer, a bf16 copy, a gathered copy
-    or a vLLM engine), then policy and reference sharded with FSDP2 when several processes run (common.shard)."""
+    """(policy in train mode, tokenizer, frozen reference or None, Sampler): gradient checkpointing when asked, LoRA
+    adapters when --lora-rank > 0 (add_lora), the reference only when asked (a KL term; with LoRA the same model with
+    its adapters disabled, common.AdaptersOff, not a copy), the sampler (common.Sampler: the trainer, a bf16 copy, a
+    gathered copy or a vLLM engine; LoRASampler for LoRA), then policy and reference sharded with FSDP2 when several
+    processes run (common.shard: after peft has wrapped the layers)."""
     model, tok = common.load_model(args.model, accel.device, args.dtype)
     model.train()
     if args.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if with_ref else None
+    if args.lora_rank:
+        model = add_lora(model, args)
+    ref_model = None
+    if with_ref:
+        ref_model = common.AdaptersOff(model) if args.lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
     engine = None
     if args.engine == "vllm":
         from algos._vllm import VLLMEngine
 
         engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory,
                             seed=args.seed + accel.process_index)
-    sampler = common.Sampler(model, engine, sharded=accel.num_processes > 1)
-    return common.shard(model, accel), tok, common.shard(ref_model, accel), sampler
+    sampler = (LoRASampler if args.lora_rank else common.Sampler)(model, engine, sharded=accel.num_processes > 1)
+    ref_model = ref_model if args.lora_rank else common.shard(ref_model, accel)  # AdaptersOff: sharded with the policy
+    return common.shard(model, accel), tok, ref_model, sampler
+
+
+def add_lora(model, args: LLMArgs):
+    """The model wrapped by peft with LoRA adapters (--lora-rank, --lora-alpha, --lora-targets; no dropout): the base
+    weights frozen, each target layer computing W x + (alpha / rank) B A x, with B = 0 at the start (the policy starts
+    as the base model). Only the adapters train: AdamW keeps no state for the frozen weights."""
+    if args.lora_rank < 0:
+        raise SystemExit(f"--lora-rank must be 0 (full fine-tuning) or positive, got {args.lora_rank}")
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise SystemExit("--lora-rank needs peft: pip install peft (pinned in requirements.txt)")
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                        target_modules=list(args.lora_targets), task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:  # no module of the model matches the targets
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise SystemExit(f"--lora-targets {' '.join(args.lora_targets)}: {e}; this model's linear layers: {linear}")
+
+
+def merged_weights(model):
+    """(name, tensor) of a LoRA model's weights as the plain model names them, each adapted layer's weight merged in
+    fp32: W + (alpha / rank) B A. Each tensor is gathered when FSDP2 shards it (a collective: every rank iterates)."""
+    full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()  # noqa: E731
+    base = model.get_base_model()
+    for name, p in base.named_parameters():
+        if ".base_layer." in name:  # an adapted layer: its lora_A and lora_B are merged here, never sent alone
+            m = base.get_submodule(name.split(".base_layer.")[0])
+            p = full(p) + m.scaling["default"] * (full(m.lora_B["default"].weight) @ full(m.lora_A["default"].weight))
+        if ".lora_" not in name:
+            yield name.replace(".base_layer", ""), full(p)
+
+
+class LoRASampler(common.Sampler):
+    """The sampler of a LoRA policy (common.Sampler's paths, with merged weights wherever it decodes with a copy):
+    - the trainer itself (CPU, or fp32 on a GPU) decodes through its adapters, W x + s B A x: the very computation of
+      the loss, so the update stays exactly on-policy (no importance weight);
+    - the bf16 copy on one GPU, the gathered copy of a sharded policy and vLLM get merged weights (merged_weights:
+      W + s B A summed in fp32, then rounded once): a plain model, which the static cache compiles and vLLM loads as it
+      is, one matmul per layer instead of three; the truncated importance weight covers what rounding changes."""
+
+    def __init__(self, model, engine=None, sharded: bool = False, fast: bool | None = None):
+        super().__init__(model, engine, sharded, fast)
+        if self.full is not None:  # the base class copied the peft model: a plain model with the adapters merged
+            self.full = self.full.merge_and_unload()
+
+    def module(self):
+        if self.full is not None or not (self.fast and self.half):
+            return super().module()
+        if self.bf16 is None:  # not a submodule of the trainer: not in model.parameters() nor its state_dict
+            self.bf16 = copy.deepcopy(self.model).merge_and_unload().to(self.model.amp_dtype).eval()
+        self._load(self.bf16)
+        return self.bf16
+
+    @torch.no_grad()
+    def _load(self, module) -> None:
+        params = dict(module.named_parameters())
+        for name, w in merged_weights(self.model):
+            params[name].copy_(w)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """After an optimiser step: the merged weights into the gathered copy, or to the vLLM engine (whose
+        sync_weights reads named_parameters() of what it is given)."""
+        if self.full is not None:
+            self._load(self.full)
+        if self.engine is not None:
+            self.engine.sync_weights(type("Merged", (), {"named_parameters": lambda _: merged_weights(self.model)})())
 
 
 def lr_factor(step: int, total: int, args: LLMArgs) -> float:
@@ -569,3 +653,115 @@ def step_counts(completion_mask: torch.Tensor, accel) -> tuple[int, int]:
     c = all_ranks_sum({"seqs": completion_mask.shape[0], "tokens": float(completion_mask.sum())}, accel,
                       completion_mask.device)
     return int(c["seqs"]), int(c["tokens"])
+
+
+# ---- the bookkeeping of a training run ----
+class Run:
+    """What every LLM script's main does around its algorithm, in one place: the accelerator (several processes
+    under torchrun / accelerate launch), threads and seed, the task and its fixed held-out sets, resuming from
+    --resume, the tracker (metrics.jsonl, samples.jsonl, wandb), per-step seeding and the progress bar, evaluation
+    every --eval-every, checkpoints every --save-every, and the summary with its curve.
+
+        run = llm.Run(args)
+        model, tok, ref, sampler = llm.load_policy(args, run.accel)
+        run.start(model, tok, opt, sampler)            # resume, then the step-0 evaluation
+        for step, rng in run.steps():                  # every draw of a step depends on (seed, step, rank) only
+            with run.timer("gen"): batch = rollout(...)
+            with run.timer("train"): stats = update(...)
+            run.log_step(step, batch, stats)           # rollout/ metrics, timings, evaluation, checkpoint
+        return run.finish("GRPO")
+    """
+
+    def __init__(self, args: LLMArgs, eval_hard: bool | None = None, tasks: bool = True):
+        from accelerate import Accelerator
+
+        self.args = args
+        self.accel = Accelerator(cpu=common.get_device(args.device).type == "cpu" or args.device == "cuda" and
+                                 not torch.cuda.is_available())
+        self.rank, self.is_main = self.accel.process_index, self.accel.is_main_process
+        torch.set_num_threads(args.threads)
+        common.set_seed(args.seed)
+        self.task = self.hard_task = None
+        if tasks:
+            self.task = make_task(args.task, args.digits)
+            hard = args.eval_hard if eval_hard is None else eval_hard
+            self.hard_task = make_task(args.task, args.digits + 1) if hard and hasattr(self.task, "digits") else None
+            self.eval_sets = common.held_out_sets(self.task, args.eval_examples, self.hard_task)
+        self.run_dir = Path(args.out_dir) / args.exp_name
+        self.timer, self.history, self.extra, self.counters = common.Timer(), [], None, {}
+        self.gen_tokens, self.gen_time, self.start_step, self.wall_before = 0, 0.0, 0, 0.0
+
+    def start(self, model, tok, opt, sampler, extra: dict | None = None, evaluate=None,
+              counters: dict | None = None) -> None:
+        """Resume from --resume (weights, optimiser, counters, history; `extra` modules such as a critic), open the
+        tracker and log the step-0 evaluation. `evaluate()` -> eval/ metrics (default: common.run_eval); `counters`:
+        the script's own running totals (run.counters), saved in and restored from each checkpoint."""
+        self.model, self.tok, self.opt, self.sampler, self.extra = model, tok, opt, sampler, extra
+        self.evaluate = evaluate or (lambda: common.run_eval(sampler, tok, self.task, self.eval_sets, self.args.max_new_tokens,
+                                                             self.args.pass_k, self.args.temperature, self.hard_task))
+        state = common.load_checkpoint(self.args.resume, model, opt, extra) if self.args.resume else {}
+        if self.args.resume:
+            sampler.refresh()
+        self.start_step, self.history = state.get("step", 0), state.get("history", [])
+        self.counters = {k: state.get(k, v) for k, v in (counters or {}).items()}
+        self.gen_tokens, self.gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
+        self.tracker = common.Tracker(self.run_dir, a, self.args.track, run_name=self.args.exp_name) if self.is_main else None
+        self.t_start = time.time() - state.get("wall_s", 0.0)
+        if self.start_step == 0 and self.is_main:
+            self.log(self.evaluate(), 0)
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.history.append({"step": step, **metrics})
+        if self.tracker is not None:
+            self.tracker.log(metrics, step)
+
+    def steps(self):
+        """(step, rng) from the one after the last checkpoint to --steps, with torch's seed and the numpy generator
+        derived from (seed, step, rank): a resumed run draws exactly what an uninterrupted one would."""
+        self.bar = tqdm(range(self.start_step + 1, self.args.steps + 1), desc=self.args.exp_name, dynamic_ncols=True,
+                        disable=not self.is_main, initial=self.start_step, total=self.args.steps)
+        for step in self.bar:
+            torch.manual_seed(hash((self.args.seed, step, self.rank)) % 2**31)
+            yield step, np.random.default_rng([self.args.seed, step, self.rank])
+
+    def log_step(self, step: int, batch: dict, stats: dict, extra: dict | None = None, group_size: int | None = None,
+                 last: bool = False):
+        """Log one rollout batch: rollout/ metrics (reward, length, truncation, tokens/s) and reward/ terms, the update's
+        statistics, `extra` metrics, timings, the held-out evaluation every --eval-every; then the checkpoint.
+        `last`: this step ends the run early (a budget ran out): evaluate and save as at --steps."""
+        t = self.timer.pop()
+        self.gen_tokens += int(batch["completion_mask"].sum())
+        self.gen_time += t.get("gen", 0.0)
+        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
+                                            group_size or getattr(a, "group_size", 1), t.get("gen", 0.0)),
+                   **batch.get("reward_terms", {}), **stats, **(extra or {}), "perf/lr": self.opt.param_groups[0]["lr"],
+                   **{f"perf/{k}_s": v for k, v in t.items()}}
+        last = last or step == self.args.steps
+        if self.is_main and (step % self.args.eval_every == 0 or last):
+            metrics.update(self.evaluate())
+        self.log(metrics, step)
+        if self.is_main:
+            self.bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", acc=f"{self.last('eval/acc'):.2f}")
+        if self.args.save_every and step % self.args.save_every == 0 or last:
+            self.save(step)
+        return metrics
+
+    def last(self, key: str, default=float("nan")):
+        """The last logged value of `key`."""
+        return next((h[key] for h in reversed(self.history) if key in h), default)
+
+    def save(self, step: int) -> None:
+        """A checkpoint (every rank: shards when sharded) with the counters and history that make resume exact."""
+        common.save_checkpoint(self.run_dir / "checkpoint", self.accel.unwrap_model(self.model), self.tok, self.opt,
+                               {"step": step, "history": self.history, "wall_s": time.time() - self.t_start,
+                                "gen_tokens": self.gen_tokens, "gen_time": self.gen_time, **self.counters}, self.extra)
+
+    def finish(self, title: str, extra: dict | None = None) -> dict:
+        """summary.json (the shared keys, plus `extra`) and curve.png on the main process; {} on the others."""
+        if not self.is_main:
+            return {}
+        summary = {**common.summarize(self.history, self.gen_tokens, self.gen_time, time.time() - self.t_start),
+                   **(extra or {})}
+        where = f" on {self.task.name}" if self.task is not None else ""
+        common.save_curve(self.history, self.run_dir / "curve.png", f"{title}{where} ({self.args.model})")
+        return self.tracker.finish(summary)

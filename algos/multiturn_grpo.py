@@ -59,7 +59,6 @@ table benchmarks/results/multiturn.md.
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -69,7 +68,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 import tyro
-from tqdm import tqdm
 
 import common
 from algos import _llm as llm
@@ -375,67 +373,24 @@ def evaluate(sampler, tok, env, seeds: list[int], ce_batch: dict, args: Args) ->
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
-    from accelerate import Accelerator
-
-    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    rank, is_main = accel.process_index, accel.is_main_process
-    torch.set_num_threads(args.threads)
-    common.set_seed(args.seed)
-    env = make_env(args)
+    run = llm.Run(args, tasks=False)  # accelerator, threads, seed, the run folder; the environment is the task
+    env = run.task = make_env(args)  # run.task: the curve's title names the environment
     eval_seeds = env.seeds("test", args.eval_examples, np.random.default_rng(12345))
     # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
-    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
+    model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
     opt = llm.make_optimizer(model.parameters(), args)
-    ce_batch = held_out_ce_batch(sampler, tok, env, args, accel.device)  # before any update (and any resume)
-
-    run_dir = Path(args.out_dir) / args.exp_name
-    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
-    if args.resume:
-        sampler.refresh()
-    start_step, history = state.get("step", 0), state.get("history", [])
-    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
-    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
-    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
-    evaluate_now = lambda: evaluate(sampler, tok, env, eval_seeds, ce_batch, args)  # noqa: E731
-
-    def log(metrics: dict, step: int):
-        history.append({"step": step, **metrics})
-        if tracker is not None:
-            tracker.log(metrics, step)
-
-    if start_step == 0 and is_main:
-        log(evaluate_now(), 0)
-    bar = tqdm(range(start_step + 1, args.steps + 1), desc="multiturn_grpo", dynamic_ncols=True,
-               disable=not is_main, initial=start_step, total=args.steps)
-    for step in bar:
-        # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
-        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
-        rng = np.random.default_rng([args.seed, step, rank])
-        with timer("gen"):
-            batch = rollout(sampler, tok, env, args, rng, accel.device)
-        with timer("train"):  # includes the sampler's refresh after each optimiser step
-            stats = update(model, opt, batch, grpo_loss, args, step, accel, sampler, ref_model)
-        t = timer.pop()
-        gen_tokens, gen_time = gen_tokens + int(batch["action_mask"].sum()), gen_time + t["gen"]
-        metrics = {**common.rollout_metrics(batch["rewards"], batch["action_mask"], batch["finish_reasons"],
-                                            args.group_size, t["gen"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
-                   "rollout/turns": float(np.mean([len(e.actions) for e in batch["episodes"]])),
-                   **{f"perf/{k}_s": v for k, v in t.items()}}
-        if is_main and (step % args.eval_every == 0 or step == args.steps):
-            metrics.update(evaluate_now())
-        log(metrics, step)
-        if is_main:
-            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
-                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
-        if args.save_every and step % args.save_every == 0 or step == args.steps:  # every rank: shards
-            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
-                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
-                                    "gen_tokens": gen_tokens, "gen_time": gen_time})
-    if not is_main:
-        return {}
-    summary = common.summarize(history, gen_tokens, gen_time, time.time() - t_start)
-    common.save_curve(history, run_dir / "curve.png", f"multi-turn GRPO on {env.name} ({args.model})")
-    return tracker.finish(summary)
+    ce_batch = held_out_ce_batch(sampler, tok, env, args, run.accel.device)  # before any update (and any resume)
+    # resume from --resume, then the step-0 held-out evaluation
+    run.start(model, tok, opt, sampler, evaluate=lambda: evaluate(sampler, tok, env, eval_seeds, ce_batch, args))
+    for step, rng in run.steps():  # every random draw of a step depends on (seed, step, rank) only
+        with run.timer("gen"):
+            batch = rollout(sampler, tok, env, args, rng, run.accel.device)
+        with run.timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, grpo_loss, args, step, run.accel, sampler, ref_model)
+        # rollout metrics over the action tokens, evaluation every --eval-every, checkpoints
+        run.log_step(step, {**batch, "completion_mask": batch["action_mask"]}, stats,
+                     extra={"rollout/turns": float(np.mean([len(e.actions) for e in batch["episodes"]]))})
+    return run.finish("multi-turn GRPO")
 
 
 if __name__ == "__main__":
