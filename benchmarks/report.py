@@ -9,11 +9,17 @@ Both files hold blocks
 whose body is generated:
 - `<name>` is a results table `benchmarks/results/<name>.md`, written by the benchmark script that made the
   rows of the CSV next to it (each script's docstring gives its command);
-- `claims`: the table of paper claims measured here, from `benchmarks/results/claims.csv` (see `claims_table`);
+- `claims`: the table of paper claims measured here, from `benchmarks/results/claims.csv` judged under the plans of
+  `benchmarks/claims_plan.csv` (see `RULE` and `judge`);
 - `headline`: README.md's one-line-per-group summary, computed from the results CSVs (see `HEADLINE`).
 
 `python benchmarks/report.py` rewrites the blocks; `--check` exits 1 when either file is out of date
-(tests/test_repo_rules.py runs it).
+(tests/test_repo_rules.py runs it). Both list the claims rows whose `direction` is not the verdict the rule gives now:
+the multiplicity step spans the table, so a new or re-measured row can move another row's verdict.
+
+Every claims row needs a line in `benchmarks/claims_plan.csv` (`PLAN_FIELDS`), written before its runs: the test,
+the effect or margin with its justification, and the seeds per arm, `seeds_needed(op, effect, (sd_i, sd_j))` at a
+pilot's spreads (at least MIN_SEEDS, at most MAX_SEEDS; the pilot's effect, spreads and seeds go in `pilot`).
 
 Figures quoted from a CSV are `mean ± std` over the seeds of one (script, config, metric); a single seed is
 quoted alone. The std is the sample std (n - 1), except for offline_rl.csv and world_models.csv, whose
@@ -38,7 +44,8 @@ FILES = (ROOT / "benchmarks" / "README.md", ROOT / "README.md")
 POPULATION_STD = {"offline_rl.csv", "world_models.csv"}
 CLAIM_FIELDS = ["group", "paper", "claim", "paper_figure", "ours", "direction", "command", "figures", "compare", "kind",
                 "margin"]
-DIRECTIONS = ("yes", "no", "inconclusive")
+VERDICTS = ("yes", "no", "inconclusive", "underpowered")  # the verdicts a judged row can get
+DIRECTIONS = VERDICTS + ("descriptive",)  # the values of claims.csv's `direction` column
 
 
 # ---- figures from the results CSVs ----
@@ -88,23 +95,48 @@ def parse_figures(spec: str) -> list[tuple[str, int]]:
 
 
 # ---- the verdict rule ----
-MIN_SEEDS = 3
+MIN_SEEDS = 3  # the fewest seeds per arm a seeded comparison is decided on
+MAX_SEEDS = 10  # the most seeds per arm one row's plan can afford on the 2-core machine the tiny runs use
+POWER = 0.8  # the power a plan's seeds aim for
+FDR = 0.05  # Benjamini-Hochberg level across the directional rows
+PLAN = ROOT / "benchmarks" / "claims_plan.csv"
+PLAN_FIELDS = ["arxiv", "claim", "command", "metric", "test", "effect", "justification", "seeds", "pilot",
+               "seeds_needed", "status", "redecide", "note"]
 RULE = """\
-**How a verdict is decided.** A row compares two of its figures in the paper's direction (`compare`: i > j, i < j,
-or i ~ j for "no change"). Each figure is either *seeded* (a mean over seeds, quoted as mean ± std with the number
-of seeds) or *exact* (a deterministic computation, or an estimate over many samples whose standard error is
-quoted beside it); the `kind` column says which. The **difference** column gives figure i minus figure j with its
-95% interval: for seeded figures Welch's t interval on the difference of the seed means (sample variances,
-Welch-Satterthwaite degrees of freedom), for exact figures ± 1.96 times the root sum of their squared standard
-errors (no interval when both are deterministic). *i > j*: **yes** when the interval lies above zero, **no** when
-it lies below, **inconclusive** otherwise. *i ~ j*: **yes** when the interval lies inside the row's equivalence
-margin (± m; written as a percentage it is that share of the larger |mean|), **no** when it lies wholly outside it,
-**inconclusive** otherwise. A margin is fixed before the run; rows measured before this rule existed take a uniform
-10% of the larger |mean|. A seeded comparison with fewer than 3 seeds in either arm is **inconclusive**
-whatever its interval, and a row that compares no two figures is **inconclusive** (it is described in words).
-The two arms of a comparison differ in the paper's idea only; where they differ in more, the row says so and a
-control arm is measured beside them. A verdict is what happens at this repository's tiny scale, not a judgement
-on the paper: the papers train billion-parameter models on real benchmarks.
+**How a verdict is decided.** Every row has a plan, a line of `benchmarks/claims_plan.csv` keyed by the paper's arXiv
+id, the claim and the command, fixed before the runs it governs. It names the metric and the test: figure i > j or
+i < j in the paper's direction, or i ~ j for "no change". For a directional row it gives the effect δ the
+measurement must be able to detect; for a "~" row, the equivalence margin ± m. Both come from the paper, or are a
+stated fraction of the effect the method is meant to have, never from our own results (written as a percentage,
+they are that share of the larger |mean|). The plan also gives the seeds per arm, from a power estimate: the fewest
+seeds (at least {min_seeds}; at most {max_seeds}, what one row can afford here) that give 80% power at a two-sided
+level of 0.05 (Welch's t at the pilot's sample spreads, which the plan records) to detect δ, or to place the interval
+inside ± m when the true difference is zero. The plan is `measured` when the figures below are its measurement, and
+`planned` when it calls for a fresh run with more seeds than the figures have. Rows measured before the plans existed
+ran with the seeds their scripts fixed before the runs (3 per arm for most): their figures decide such a row until
+the planned run replaces them, whatever that run finds. A row whose plan says `redecide` (its margin was set after
+its run, or it had no comparison) is decided by fresh seeds only.
+
+Each figure is either *seeded* (a mean over seeds, quoted as mean ± std with the number of seeds) or *exact* (a
+deterministic computation, or an estimate over many samples whose standard error is quoted beside it); the `kind`
+column says which. The **difference** column gives figure i minus figure j with its 95% interval: Welch's t interval
+for seeded figures, ± 1.96 times the root sum of the squared standard errors for exact ones (no interval when both
+are deterministic). **p** is the two-sided p-value of that difference (Welch's t test; a z test for exact figures)
+and **q** its Benjamini-Hochberg adjustment over all {family} directional rows with a p-value.
+
+Verdicts. A directional row is **yes** when q ≤ 0.05 and the difference points the paper's way, **no** when
+q ≤ 0.05 and it points the other way. A "~" row (no multiplicity step) is **yes** when the 95% interval lies inside
+± m and **no** when it lies wholly outside. A row that is neither is **underpowered** when its planned seeds give
+less than 80% power at the observed spread (the plan column gives the seeds per arm that 80% would need), and
+**inconclusive** otherwise (a `planned` row then waits for its run). A row cannot be yes or no when it has fewer
+than {min_seeds} seeds in an arm, when it is to be re-decided on fresh seeds, or when it departs from its plan (seeds,
+test or margin differ from it; the plan column says how). **Descriptive** rows are outside the count: a figure that
+is not a comparison (a ranking, a formula check, one GPU timing), seconds on a shared 2-core CPU (restated in
+counted work, such as forward passes, token positions or network evaluations, where the results CSVs hold it),
+steps to reach a target quantised to the evaluation interval (the plan names the area under the curve instead), or
+counted work fixed by the configuration. The two arms of a comparison differ in the paper's idea only; where they
+differ in more, the row says so and a control arm is measured beside them. A verdict is what happens at this
+repository's tiny scale, not a judgement on the paper: the papers train billion-parameter models on real benchmarks.
 """
 
 
@@ -115,6 +147,7 @@ class Decision(NamedTuple):
     hi: float
     margin: float  # the equivalence margin of a '~' row (nan otherwise)
     note: str  # why the verdict is inconclusive regardless of the interval, if it is ("" otherwise)
+    p: float = math.nan  # two-sided p-value of the difference (nan on '~' rows and where no interval exists)
 
 
 def parse_compare(spec: str) -> tuple[int, str, int]:
@@ -135,7 +168,7 @@ def parse_kind(kind: str) -> tuple[str, tuple[int | None, int | None]]:
 
 
 def parse_margin(margin: str, mi: float, mj: float) -> float:
-    """An equivalence margin: a number in the figures' units, or `p%` of the larger |mean|."""
+    """An equivalence margin or a plan's effect: a number in the figures' units, or `p%` of the larger |mean|."""
     margin = margin.strip()
     if not margin:
         raise ValueError("a '~' row needs an equivalence margin")
@@ -144,22 +177,40 @@ def parse_margin(margin: str, mi: float, mj: float) -> float:
     return float(margin)
 
 
+def welch_se_dof(a: tuple[float, float, int], b: tuple[float, float, int]) -> tuple[float, float]:
+    """Standard error of mean(a) - mean(b) and its Welch-Satterthwaite degrees of freedom (inf when both spreads are 0)."""
+    (_, sa, na), (_, sb, nb) = a, b
+    va, vb = sa * sa / na, sb * sb / nb
+    if va + vb == 0.0:
+        return 0.0, math.inf
+    return math.sqrt(va + vb), (va + vb) ** 2 / ((va * va / (na - 1) if va else 0.0) + (vb * vb / (nb - 1) if vb else 0.0))
+
+
 def welch_interval(a: tuple[float, float, int], b: tuple[float, float, int], level: float = 0.95) -> tuple[float, float]:
     """Welch's interval for mean(a) - mean(b) from (mean, sample std, n) of each arm (n >= 2 where std > 0)."""
     from scipy import stats
 
-    (ma, sa, na), (mb, sb, nb) = a, b
-    va, vb = sa * sa / na, sb * sb / nb
-    diff = ma - mb
-    if va + vb == 0.0:
+    se, dof = welch_se_dof(a, b)
+    diff = a[0] - b[0]
+    if se == 0.0:
         return diff, diff
-    dof = (va + vb) ** 2 / ((va * va / (na - 1) if va else 0.0) + (vb * vb / (nb - 1) if vb else 0.0))
-    half = stats.t.ppf(0.5 + level / 2, dof) * math.sqrt(va + vb)
+    half = stats.t.ppf(0.5 + level / 2, dof) * se
     return diff - half, diff + half
 
 
+def two_sided_p(diff: float, se: float, dof: float = math.inf) -> float:
+    """p-value of `diff` against 0 with standard error `se` (Student's t with `dof`, the normal when inf)."""
+    from scipy import stats
+
+    if se == 0.0:
+        return 0.0 if diff else 1.0
+    z = abs(diff) / se
+    return float(2 * (stats.norm.sf(z) if math.isinf(dof) else stats.t.sf(z, dof)))
+
+
 def decide(compare: str, kind: str, margin: str, figs: list[tuple[float, float, int]]) -> Decision:
-    """The verdict of one row: `figs` are (mean, sample std, seeds) of the row's figures, in order."""
+    """The interval verdict of one comparison taken alone (before the claims table's plan and multiplicity step):
+    `figs` are (mean, sample std, seeds) of the row's figures, in order."""
     i, op, j = parse_compare(compare)
     kind_name, (se_i, se_j) = parse_kind(kind)
     (mi, si, ni), (mj, sj, nj) = figs[i], figs[j]
@@ -173,11 +224,13 @@ def decide(compare: str, kind: str, margin: str, figs: list[tuple[float, float, 
         if min(ni, nj) < 2:
             return Decision("inconclusive", diff, math.nan, math.nan, m, f"{min(ni, nj)} seed")
         lo, hi = welch_interval((mi, si, ni), (mj, sj, nj))
+        se, dof = welch_se_dof((mi, si, ni), (mj, sj, nj))
         if min(ni, nj) < MIN_SEEDS:
             note = f"{min(ni, nj)} seeds"
     else:
-        se = math.hypot(*(0.0 if k is None else figs[k][0] for k in (se_i, se_j)))
+        se, dof = math.hypot(*(0.0 if k is None else figs[k][0] for k in (se_i, se_j))), math.inf
         lo, hi = diff - 1.96 * se, diff + 1.96 * se
+    p = math.nan if op == "~" else two_sided_p(diff, se, dof)
     if note:
         verdict = "inconclusive"
     elif op == "~":
@@ -185,11 +238,12 @@ def decide(compare: str, kind: str, margin: str, figs: list[tuple[float, float, 
     else:
         a, b = sorted((sign * lo, sign * hi))
         verdict = "yes" if a > 0 else "no" if b < 0 or (a == b == 0) else "inconclusive"
-    return Decision(verdict, diff, lo, hi, m, note)
+    return Decision(verdict, diff, lo, hi, m, note, p)
 
 
 def expected_direction(spec: str, figs: list[tuple[float, float, int]], margin: str = "10%") -> str:
-    """The verdict of `decide` for seeded figures (mean, sample std, seeds); '~' takes `margin`."""
+    """The verdict of `decide` for seeded figures (mean, sample std, seeds); '~' takes `margin`. One comparison taken
+    alone: the claims table adds its plan and the multiplicity step (`judge`)."""
     return decide(spec, "seeded", margin if "~" in spec else "", figs).verdict
 
 
@@ -217,9 +271,189 @@ def row_decision(row: dict) -> Decision | None:
     return decide(row["compare"], row["kind"], row["margin"], figs)
 
 
+# ---- power and multiplicity ----
+def power(op: str, effect: float, sds: tuple[float, float], ns: tuple[int, int], level: float = 0.95) -> float:
+    """Chance that a seeded row with `ns` seeds per arm and sample spreads `sds` is decided: for '>' or '<' that the
+    two-sided Welch test at 1 - level rejects when the true difference is `effect` (noncentral t); for '~' that the
+    interval lies inside ± `effect` when the true difference is 0 (t approximation). 0 below MIN_SEEDS seeds."""
+    from scipy import stats
+
+    if min(ns) < MIN_SEEDS:
+        return 0.0
+    se, dof = welch_se_dof((0.0, sds[0], ns[0]), (0.0, sds[1], ns[1]))
+    if se == 0.0:
+        return 1.0 if effect > 0 else 0.0
+    tcrit = stats.t.ppf(0.5 + level / 2, dof)
+    if op == "~":
+        return max(0.0, float(2 * stats.t.cdf(effect / se - tcrit, dof) - 1))
+    ncp = effect / se
+    value = float(stats.nct.sf(tcrit, dof, ncp) + stats.nct.cdf(-tcrit, dof, ncp))
+    return value if math.isfinite(value) else float(stats.norm.sf(tcrit - ncp))  # scipy's nct fails far out in the tail
+
+
+def exact_power(op: str, effect: float, se: float) -> float:
+    """`power` for exact figures whose difference has standard error `se` (normal; 1 for deterministic figures)."""
+    from scipy import stats
+
+    if se == 0.0:
+        return 1.0 if effect > 0 else 0.0
+    if op == "~":
+        return max(0.0, float(2 * stats.norm.cdf(effect / se - 1.96) - 1))
+    return float(stats.norm.sf(1.96 - effect / se) + stats.norm.cdf(-1.96 - effect / se))
+
+
+def seeds_needed(op: str, effect: float, sds: tuple[float, float], limit: int = 100_000) -> int | None:
+    """The fewest seeds per arm (alike in both arms, at least MIN_SEEDS) whose `power` reaches POWER at these spreads;
+    None above `limit`."""
+    lo = hi = MIN_SEEDS
+    if power(op, effect, sds, (lo, lo)) >= POWER:
+        return lo
+    while power(op, effect, sds, (hi, hi)) < POWER:
+        lo, hi = hi, hi * 2
+        if hi > limit:
+            return None
+    while hi - lo > 1:  # power(lo) < POWER <= power(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if power(op, effect, sds, (mid, mid)) >= POWER else (mid, hi)
+    return hi
+
+
+def bh_adjust(ps: list[float]) -> list[float]:
+    """Benjamini-Hochberg adjusted p-values (q-values) of `ps`: reject at level FDR every row with q <= FDR."""
+    m = len(ps)
+    order = sorted(range(m), key=lambda k: ps[k])
+    qs, running = [math.nan] * m, 1.0
+    for rank in range(m, 0, -1):
+        k = order[rank - 1]
+        running = min(running, ps[k] * m / rank)
+        qs[k] = running
+    return qs
+
+
+# ---- the plan ----
+def claim_key(row: dict) -> tuple[str, str, str]:
+    """A claims row's key in the plan: (arXiv id, claim, command)."""
+    m = re.search(r"arXiv:(\d{4}\.\d{4,5})", row["paper"])
+    return (m.group(1) if m else row["paper"], row["claim"], row["command"])
+
+
+def read_plan(path: Path | None = None) -> dict[tuple[str, str, str], dict]:
+    """benchmarks/claims_plan.csv by key; a malformed line raises a ValueError naming it."""
+    with open(path or PLAN, newline="") as f:
+        lines = list(csv.DictReader(f))
+    plan = {}
+    for n, p in enumerate(lines, 2):
+        key = (p["arxiv"], p["claim"], p["command"])
+        if key in plan:
+            raise ValueError(f"claims_plan.csv line {n}: a second plan for {key[0]} {key[1][:40]!r}")
+        if p["redecide"] and p["status"] != "planned":
+            raise ValueError(f"claims_plan.csv line {n}: a row to re-decide on fresh seeds needs a planned run")
+        if p["status"] not in ("planned", "measured"):
+            raise ValueError(f"claims_plan.csv line {n}: status {p['status']!r}: expected planned or measured")
+        if p["test"] != "describe":
+            parse_compare(p["test"])
+            if not p["effect"].strip():
+                raise ValueError(f"claims_plan.csv line {n}: a test needs its effect or margin")
+        plan_seeds(p)
+        plan[key] = p
+    return plan
+
+
+def plan_seeds(p: dict) -> tuple[int, int]:
+    """The planned seeds per arm of a plan line: `n` or `n_i,n_j`."""
+    a, _, b = p["seeds"].partition(",")
+    return int(a), int(b or a)
+
+
+def plan_flags(row: dict, p: dict | None, figs: list[tuple[float, float, int]]) -> list[str]:
+    """How a claims row departs from its plan line (empty when it follows it)."""
+    if p is None:
+        return ["no plan line in benchmarks/claims_plan.csv"]
+    if p["test"] == "describe":
+        return []
+    if row["compare"].strip() != p["test"]:
+        return [f"compares {row['compare'] or 'nothing'}, the plan {p['test']}"]
+    if "~" in p["test"] and row["margin"].strip() != p["effect"].strip():
+        return [f"margin {row['margin']}, the plan {p['effect']}"]
+    i, _, j = parse_compare(p["test"])
+    ns, planned = (figs[i][2], figs[j][2]), plan_seeds(p)
+    beyond = ns[0] > planned[0] or ns[1] > planned[1]
+    if beyond or (p["status"] == "measured" and ns != planned):
+        return [f"{fmt_ns(ns)} seeds per arm, the plan {fmt_ns(planned)}"]
+    return []
+
+
+def fmt_ns(ns: tuple[int, int]) -> str:
+    return str(ns[0]) if ns[0] == ns[1] else f"{ns[0]} / {ns[1]}"
+
+
+# ---- the verdicts of the claims table ----
+class Judgement(NamedTuple):
+    verdict: str  # yes, no, inconclusive, underpowered or descriptive
+    decision: Decision | None  # the row's interval (None for a row that compares no two figures)
+    q: float  # Benjamini-Hochberg adjusted p-value (nan outside the directional rows)
+    power: float  # power of the planned seeds at the observed spread (nan where no plan applies)
+    needed: int | None  # seeds per arm that 80% power needs at the observed spread (None: more than 100,000 or n/a)
+    flags: tuple[str, ...]  # how the row departs from its plan
+    plan: dict | None
+    effect: float = math.nan  # the plan's effect or margin in the figures' units
+
+
+def _row_power(row: dict, p: dict, figs: list) -> tuple[float, int | None, float]:
+    """(power of the planned seeds, seeds per arm for 80%, the effect) at the figures' observed means and spread."""
+    i, op, j = parse_compare(p["test"])
+    effect = parse_margin(p["effect"], figs[i][0], figs[j][0])
+    kind_name, (se_i, se_j) = parse_kind(row["kind"])
+    if kind_name == "exact":
+        se = math.hypot(*(0.0 if k is None else figs[k][0] for k in (se_i, se_j)))
+        return exact_power(op, effect, se), None, effect
+    sds = (figs[i][1], figs[j][1])
+    return power(op, effect, sds, plan_seeds(p)), seeds_needed(op, effect, sds), effect
+
+
+def judge(rows: list[dict], plan: dict) -> list[Judgement]:
+    """The verdict of every claims row under its plan, with the Benjamini-Hochberg step across the directional rows."""
+    pre = []
+    for row in rows:
+        p = plan.get(claim_key(row))
+        figs = [sample_stats(ref) for ref, _ in parse_figures(row["figures"])]
+        d = decide(row["compare"], row["kind"], row["margin"], figs) if row["compare"] else None
+        pre.append((row, p, figs, d))
+    family = [k for k, (row, p, _, d) in enumerate(pre) if d is not None and not math.isnan(d.p)
+              and (p is None or p["test"] != "describe")]
+    qs = dict(zip(family, bh_adjust([pre[k][3].p for k in family])))
+    return [_verdict(*pre[k], qs.get(k, math.nan)) for k in range(len(pre))]
+
+
+def _verdict(row: dict, p: dict | None, figs: list, d: Decision | None, q: float) -> Judgement:
+    flags = tuple(plan_flags(row, p, figs))
+    if p is not None and p["test"] == "describe":
+        return Judgement("descriptive", d, math.nan, math.nan, None, flags, p)
+    if p is None or d is None:
+        return Judgement("inconclusive", d, q, math.nan, None, flags, p)
+    pw, needed, effect = _row_power(row, p, figs)
+    i, op, j = parse_compare(p["test"])
+    few = parse_kind(row["kind"])[0] == "seeded" and min(figs[i][2], figs[j][2]) < MIN_SEEDS
+    verdict = None
+    if not (flags or few or p["redecide"]):
+        if op == "~":
+            verdict = d.verdict if d.verdict in ("yes", "no") else None
+        elif q <= FDR:
+            verdict = "yes" if (d.diff < 0) == (op == "<") else "no"
+    if verdict is None:
+        verdict = "underpowered" if pw < POWER else "inconclusive"
+    return Judgement(verdict, d, q, pw, needed, flags, p, effect)
+
+
+def claims_judgements(rows: list[dict] | None = None, plan: dict | None = None) -> list[Judgement]:
+    rows = read_claims() if rows is None else rows
+    return judge(rows, read_plan() if plan is None else plan)
+
+
 def row_verdict(row: dict) -> str:
-    d = row_decision(row)
-    return "inconclusive" if d is None else d.verdict
+    """The verdict of one row of claims.csv (judged with all the others: the multiplicity step spans the table)."""
+    rows = read_claims()
+    return next(jd.verdict for r, jd in zip(rows, claims_judgements(rows)) if r == row)
 
 
 # ---- the claims table ----
@@ -228,25 +462,75 @@ def read_claims() -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def fmt_plan(row: dict, jd: Judgement) -> str:
+    """The plan column: the effect or margin, the seeds and their power, and any departure from the plan."""
+    p = jd.plan
+    if p is None:
+        return "**no plan**" + "".join(f"; {flag}" for flag in jd.flags[1:])
+    if jd.verdict == "descriptive":
+        return f"descriptive: {p['note']}" if p["note"] else "descriptive"
+    what = f"margin ± {p['effect']}" if "~" in p["test"] else f"δ = {p['effect']}"
+    if p["effect"].endswith("%") and not math.isnan(jd.effect):
+        what += f" ({jd.effect:.{row_digits(row)}f})"
+    seeds = fmt_ns(plan_seeds(p))
+    if math.isnan(jd.power):
+        text = what
+    elif parse_kind(row["kind"])[0] == "exact":
+        text = f"{what}; exact figures, power {jd.power:.2f}"
+    elif p["status"] == "planned":
+        text = f"{what}; planned: {seeds} fresh seeds per arm, power {jd.power:.2f} at this spread"
+    else:
+        text = f"{what}; {seeds} seeds per arm, power {jd.power:.2f}"
+    if jd.verdict == "underpowered":
+        text += f"; 80% needs {jd.needed} per arm" if jd.needed else "; 80% needs over 100,000 per arm"
+    if p["redecide"]:
+        text += f"; to re-decide on fresh seeds ({p['redecide']})"
+    return text + "".join(f"; **departs from its plan**: {flag}" for flag in jd.flags)
+
+
+def row_digits(row: dict) -> int:
+    """The digits of a row's first compared figure (2 for a row that compares none)."""
+    return parse_figures(row["figures"])[parse_compare(row["compare"])[0]][1] if row["compare"] else 2
+
+
+def fmt_pq(jd: Judgement) -> str:
+    """`p 0.015, q 0.042` (p alone outside the multiplicity step; none on descriptive rows, which test nothing)."""
+    if jd.decision is None or math.isnan(jd.decision.p) or jd.verdict == "descriptive":
+        return "-"
+    f = lambda x: "0" if x == 0 else f"{x:.2g}" if x >= 1e-3 else f"{x:.0e}"  # noqa: E731
+    return f"p {f(jd.decision.p)}, q {f(jd.q)}" if not math.isnan(jd.q) else f"p {f(jd.decision.p)}"
+
+
+def verdict_counts(verdicts: list[str]) -> dict[str, int]:
+    return {v: verdicts.count(v) for v in DIRECTIONS}
+
+
 def claims_table() -> str:
     rows = read_claims()
-    lines = [RULE, "| paper | claim | the paper's figure | ours | difference (95% interval) | direction holds | "
-             "command |", "|---|---|---|---|---|---|---|"]
+    jds = claims_judgements(rows)
+    family = sum(not math.isnan(jd.q) for jd in jds)
+    lines = [RULE.format(min_seeds=MIN_SEEDS, max_seeds=MAX_SEEDS, family=family),
+             "| paper | claim | the paper's figure | ours | difference (95% interval) | p, BH q | plan | direction holds "
+             "| command |", "|---|---|---|---|---|---|---|---|---|"]
     cell = lambda s: s.replace("|", "\\|")  # noqa: E731
-    for r in rows:
-        d = row_decision(r)
-        if d is None:
-            diff = "-"
-        else:
-            digits = parse_figures(r["figures"])[parse_compare(r["compare"])[0]][1]
-            diff = f"{fmt_decision(d, digits)} ({r['kind'].split()[0]})"
+    for r, jd in zip(rows, jds):
+        diff = "-" if jd.decision is None else f"{fmt_decision(jd.decision, row_digits(r))} ({r['kind'].split()[0]})"
         lines.append(f"| {cell(r['paper'])} | {cell(r['claim'])} | {cell(r['paper_figure'])} | {cell(r['ours'])} | "
-                     f"{cell(diff)} | **{r['direction']}** | `{r['command']}` |")
-    counts = {d: sum(r["direction"] == d for r in rows) for d in DIRECTIONS}
-    lines += ["", f"{len(rows)} claims: {counts['yes']} yes, {counts['no']} no, {counts['inconclusive']} inconclusive. "
-              "Rows: `benchmarks/results/claims.csv` (its `figures` column names the results rows each figure is "
-              "computed from, `compare`, `kind` and `margin` give the rule its inputs, and tests/test_report.py "
-              "recomputes every figure and verdict)."]
+                     f"{cell(diff)} | {fmt_pq(jd)} | {cell(fmt_plan(r, jd))} | **{jd.verdict}** | "
+                     f"`{r['command']}` |")
+    c = verdict_counts([jd.verdict for jd in jds])
+    judged = len(rows) - c["descriptive"]
+    planned = [jd.plan for jd in jds if jd.plan and jd.plan["status"] == "planned" and jd.verdict != "descriptive"]
+    departs = sum(bool(jd.flags) for jd in jds)
+    lines += ["", f"{len(rows)} claims: {judged} judged ({c['yes']} yes, {c['no']} no, {c['inconclusive']} "
+              f"inconclusive, {c['underpowered']} underpowered) and {c['descriptive']} descriptive rows outside the "
+              f"count. {len(planned)} rows have a fresh run planned ({sum(bool(p['redecide']) for p in planned)} of "
+              f"them can be decided by that run only); {departs} {'row departs' if departs == 1 else 'rows depart'} "
+              "from its plan. Rows: `benchmarks/results/claims.csv` (its `figures` column names the results rows each "
+              "figure is computed from, `compare`, `kind` and `margin` give the rule its inputs); plans: "
+              "`benchmarks/claims_plan.csv` (metric, test, effect or margin with its justification, seeds per arm "
+              "with the pilot's effect, spreads and seeds they were estimated from, status); tests/test_report.py recomputes every "
+              "figure and verdict."]
     return "\n".join(lines) + "\n"
 
 
@@ -313,7 +597,11 @@ GROUPS = [g for g, *_ in HEADLINE] + ["Tree rollouts", "Partial and asynchronous
 
 def headline_table() -> str:
     claims = read_claims()
-    lines = ["| group | headline figures (mean ± std over seeds) | paper claims: yes / no / inconclusive |",
+    verdicts = [jd.verdict for jd in claims_judgements(claims)]
+    c = verdict_counts(verdicts)
+    total = " / ".join(str(c[v]) for v in VERDICTS)
+    lines = ["| group | headline figures (mean ± std over seeds) | paper claims: yes / no / inconclusive / underpowered "
+             f"(all {len(claims) - c['descriptive']} judged claims: {total}; {c['descriptive']} descriptive) |",
              "|---|---|---|"]
     for group, anchor, template, refs in HEADLINE:
         figs = []
@@ -323,10 +611,10 @@ def headline_table() -> str:
             figs.append(fmt(m, sd, n, digits))
             seeds.add(n)
         seed_txt = ", ".join(f"{n} seeds" if n > 1 else "1 run" for n in sorted(seeds, reverse=True))
-        mine = [r["direction"] for r in claims if r["group"] == group]
-        verdicts = " / ".join(str(mine.count(d)) for d in DIRECTIONS) if mine else "-"
+        mine = [v for r, v in zip(claims, verdicts) if r["group"] == group and v != "descriptive"]
+        counts = " / ".join(str(mine.count(v)) for v in VERDICTS) if mine else "-"
         lines.append(f"| [{group}](benchmarks/README.md#{anchor}) | {template.format(*figs)} ({seed_txt}) | "
-                     f"{verdicts} |")
+                     f"{counts} |")
     return "\n".join(lines) + "\n"
 
 
@@ -363,6 +651,11 @@ def main() -> int:
         else:
             path.write_text(new)
             print(f"{path.relative_to(ROOT)}: {len(BLOCK.findall(new))} generated blocks refreshed")
+    rows = read_claims()
+    for r, jd in zip(rows, claims_judgements(rows)):
+        if r["direction"] != jd.verdict:
+            print(f"claims.csv: {r['paper'][:50]} | {r['claim'][:50]}: direction {r['direction']}, the rule gives "
+                  f"{jd.verdict}" + "".join(f"; {flag}" for flag in jd.flags), file=sys.stderr)
     if stale:
         print(f"out of date: {', '.join(stale)}; run `python benchmarks/report.py`", file=sys.stderr)
         return 1

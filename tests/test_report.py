@@ -1,13 +1,16 @@
-"""The claims table (benchmarks/results/claims.csv): every figure it quotes comes from a committed results CSV.
+"""The claims table (benchmarks/results/claims.csv) and its plan (benchmarks/claims_plan.csv).
 
-For each row: all columns are filled, the direction is one of yes / no / inconclusive, the command runs an existing
-script, the paper is named by title and arXiv id, every figure named in `figures` is recomputed from its results
-CSV and found, formatted, in `ours` together with its number of seeds, and the verdict is the one
-benchmarks/report.py's rule gives (Welch's 95% interval on the difference of seed means, at least 3 seeds per arm,
-an equivalence margin for '~' rows; tests below pin the rule itself).
+For each row: all columns are filled, the paper is named by title and arXiv id, the command runs an existing script,
+every figure named in `figures` is recomputed from its results CSV and found, formatted, in `ours` together with its
+number of seeds, the row has a plan line, and its `direction` is the verdict benchmarks/report.py gives: the plan's
+test, Welch's p-value with the Benjamini-Hochberg step across the directional rows, the equivalence interval for '~'
+rows, `underpowered` when the planned seeds cannot reach 80% power at the observed spread, `descriptive` outside the
+count. Tests below pin the rule on planted data: each asserts a verdict the rule would change if it lost a step.
 """
 import csv
+import math
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -19,11 +22,15 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import report  # noqa: E402
 
 ROWS = report.read_claims()
+PLAN = report.read_plan()
+JUDGED = dict(zip(map(report.claim_key, ROWS), report.judge(ROWS, PLAN)))
 
 
 def test_claims_csv_has_the_columns():
     with open(report.RESULTS / "claims.csv", newline="") as f:
         assert next(csv.reader(f)) == report.CLAIM_FIELDS
+    with open(report.PLAN, newline="") as f:
+        assert next(csv.reader(f)) == report.PLAN_FIELDS
     assert len(ROWS) >= 10
 
 
@@ -49,17 +56,191 @@ def test_claim_row(row):
     assert figs, "no figures"
     report.parse_kind(row["kind"])  # seeded, exact or exact se=k,l
     assert bool(row["margin"].strip()) == ("~" in row["compare"]), "a '~' row, and only one, has a margin"
-    assert row["direction"] == report.row_verdict(row)
+    assert report.claim_key(row) in PLAN, "no line for this row in benchmarks/claims_plan.csv"
+    assert row["direction"] == JUDGED[report.claim_key(row)].verdict
+
+
+def test_every_plan_line_has_a_row_and_reads_as_a_plan():
+    keys = set(map(report.claim_key, ROWS))
+    for key, p in PLAN.items():
+        assert key in keys, f"plan line without a claims row: {key[0]} {key[1][:50]!r}"
+        assert p["metric"].strip() and p["justification"].strip(), f"{key[0]}: metric and justification are required"
+        if p["test"] == "describe":
+            assert p["note"].strip(), f"{key[0]}: a descriptive row says why in its note"
+            continue
+        effect = report.parse_margin(p["effect"], 1.0, 1.0)
+        assert effect > 0, f"{key[0]}: the effect or margin must be positive"
+        assert p["status"] == "planned" or not p["redecide"]
+
+
+@pytest.mark.parametrize("key", [k for k, p in PLAN.items() if p["pilot"]], ids=lambda k: f"{k[0]}|{k[1][:30]}")
+def test_plan_seeds_follow_their_power_estimate(key):
+    """The recorded seeds_needed is the power estimate of its recorded inputs, and the planned seeds are it wherever
+    a row can afford it (rows that already had enough seeds keep theirs; rows that cannot afford it keep theirs too,
+    and are underpowered)."""
+    p = PLAN[key]
+    inputs = dict(part.strip().split("=") for part in p["pilot"].split(";"))
+    sds = tuple(float(x) for x in inputs["sd"].split(","))
+    measured = tuple(int(x) for x in inputs["n"].split(","))
+    op = report.parse_compare(p["test"])[1]
+    needed = report.seeds_needed(op, float(inputs["delta"]), sds)
+    assert p["seeds_needed"] == (str(needed) if needed else ">100000")
+    seeds = report.plan_seeds(p)
+    if p["redecide"]:
+        assert p["status"] == "planned" and seeds == (2 * (min(needed or 10**9, report.MAX_SEEDS),))
+    elif p["status"] == "planned":
+        assert min(measured) < needed <= report.MAX_SEEDS and seeds == (needed, needed)
+    elif needed is not None and needed <= min(measured):
+        assert seeds == measured
+    else:  # unaffordable, or seeds added after a verdict: the plan keeps the seeds fixed before the runs
+        assert needed is None or needed > report.MAX_SEEDS or "after" in p["note"]
+
+
+def test_rule_text_describes_the_plan_multiplicity_and_verdicts():
+    text = report.claims_table().split("\n| paper |")[0]
+    for words in ("claims_plan.csv", "80% power", "Benjamini-Hochberg", "**underpowered**", "**Descriptive**",
+                  "fresh seeds", "never from our own results", "counted work"):
+        assert words in text, f"the rule text does not mention {words!r}"
+    counts = report.verdict_counts([jd.verdict for jd in JUDGED.values()])
+    assert f"{counts['yes']} yes, {counts['no']} no, {counts['inconclusive']} inconclusive, " \
+           f"{counts['underpowered']} underpowered" in report.claims_table()
+
+
+# ---- the rule on planted data ----
+HEAD = "bench,script,config,seed,metric,value,command,commit,hardware,versions,timestamp\n"
+
+
+@pytest.fixture
+def planted(tmp_path, monkeypatch):
+    """planted({config: [per-seed values]}) writes them to a results CSV that `t.csv#s#<config>#m#1` reads."""
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+
+    def write(arms: dict[str, list[float]]) -> None:
+        lines = [f"b,s,{cfg},{k},m,{v},,,,," for cfg, vals in arms.items() for k, v in enumerate(vals)]
+        (tmp_path / "t.csv").write_text(HEAD + "\n".join(lines) + "\n")
+    return write
+
+
+def claim(a: str, b: str, compare: str = "0>1", margin: str = "", name: str = "c") -> dict:
+    return {"group": "g", "paper": '"P", arXiv:0000.00001', "claim": name, "paper_figure": "-", "ours": "-",
+            "direction": "-", "command": "python x.py", "figures": f"t.csv#s#{a}#m#1@2; t.csv#s#{b}#m#1@2",
+            "compare": compare, "kind": "seeded", "margin": margin}
+
+
+def plan_line(row: dict, effect: str, seeds: str = "5", status: str = "measured", redecide: str = "",
+              test: str | None = None) -> dict:
+    return {"arxiv": "0000.00001", "claim": row["claim"], "command": row["command"], "metric": "m",
+            "test": test or row["compare"], "effect": effect, "justification": "planted", "seeds": seeds, "pilot": "",
+            "seeds_needed": "", "status": status, "redecide": redecide, "note": ""}
+
+
+def judge(*rows_and_plans: tuple[dict, dict]) -> list[report.Judgement]:
+    rows = [r for r, _ in rows_and_plans]
+    return report.judge(rows, {report.claim_key(r): p for r, p in rows_and_plans})
+
+
+A_UP = [2.0, 2.6, 3.1, 3.5, 2.2]  # mean 2.68
+B_LOW = [1.0, 1.9, 1.4, 2.3, 1.2]  # mean 1.56: Welch p = 0.016 against A_UP
+NULLS = [[5.0, 5.4, 4.6, 5.2, 4.8], [5.1, 4.9, 5.3, 4.7, 5.0], [7.0, 7.3, 6.8, 7.1, 6.9], [7.2, 6.8, 7.0, 7.1, 6.9]]
+
+
+def test_a_clear_effect_is_yes_and_its_reverse_no(planted):
+    planted({"hi": [10.0, 10.5, 9.5, 10.2, 9.8], "lo": [5.0, 5.4, 4.6, 5.2, 4.8]})
+    row = claim("hi", "lo")
+    (jd,) = judge((row, plan_line(row, "2.0")))
+    assert jd.verdict == "yes" and jd.decision.p < 1e-4 and jd.power > 0.99 and not jd.flags
+    rev = claim("hi", "lo", compare="0<1")
+    assert judge((rev, plan_line(rev, "2.0")))[0].verdict == "no"
+
+
+def test_no_effect_is_inconclusive_when_powered_and_underpowered_when_not(planted):
+    planted({"a": NULLS[0], "b": NULLS[1]})
+    row = claim("a", "b")
+    (jd,) = judge((row, plan_line(row, "2.0")))  # a 2-point effect stands out of a 0.3 spread: powered
+    assert jd.verdict == "inconclusive" and jd.power >= 0.8 and jd.decision.p > 0.5
+    (jd,) = judge((row, plan_line(row, "0.1")))  # a 0.1 effect is not: underpowered, with the seeds it needs
+    assert jd.verdict == "underpowered" and jd.power < 0.8
+    assert jd.needed == report.seeds_needed(">", 0.1, (statistics.stdev(NULLS[0]), statistics.stdev(NULLS[1])))
+    assert jd.needed > 5 and "80% needs" in report.fmt_plan(row, jd)
+
+
+def test_equivalence_inside_and_outside_its_margin(planted):
+    planted({"a": [5.0, 5.1, 4.9, 5.05, 4.95], "b": [5.02, 5.12, 4.92, 5.07, 4.97], "far": [9.0, 9.1, 8.9, 9.05, 8.95]})
+    same, far = claim("a", "b", "0~1", "0.5", "same"), claim("a", "far", "0~1", "0.5", "far")
+    j_same, j_far = judge((same, plan_line(same, "0.5")), (far, plan_line(far, "0.5")))
+    assert j_same.verdict == "yes" and j_far.verdict == "no"
+    assert math.isnan(j_same.q), "'~' rows stay out of the multiplicity step"
+    # the same figures to be re-decided on fresh seeds (a margin set after the run) cannot say yes
+    (jd,) = judge((same, plan_line(same, "0.5", status="planned", redecide="margin set after the run")))
+    assert jd.verdict == "inconclusive"
+
+
+def test_benjamini_hochberg_flips_a_marginal_row(planted):
+    planted({"up": A_UP, "low": B_LOW, **{f"n{k}": v for k, v in enumerate(NULLS)}})
+    marginal = claim("up", "low", name="marginal")
+    (alone,) = judge((marginal, plan_line(marginal, "2.0")))
+    assert 0.01 < alone.decision.p < 0.02 and alone.q == alone.decision.p and alone.verdict == "yes"
+    nulls = [claim(f"n{2 * k}", f"n{2 * k + 1}", name=f"null{k}") for k in range(2)]
+    nulls += [claim(f"n{2 * k + 1}", f"n{2 * k}", name=f"null{k}r") for k in range(2)]
+    judged = judge((marginal, plan_line(marginal, "2.0")), *[(r, plan_line(r, "2.0")) for r in nulls])
+    assert judged[0].q == pytest.approx(5 * alone.decision.p) and judged[0].q > report.FDR
+    assert judged[0].verdict == "inconclusive"
+
+
+def test_bh_adjust_by_hand():
+    qs = report.bh_adjust([0.01, 0.04, 0.03, 0.5])
+    assert qs == pytest.approx([0.04, 0.04 * 4 / 3, 0.04 * 4 / 3, 0.5])  # step-up: q_(2) = min(0.03*4/2, 0.04*4/3)
+
+
+def test_a_plan_deviation_is_flagged_and_holds_the_verdict(planted):
+    planted({"hi": [10.0, 10.5, 9.5, 10.2, 9.8], "lo": [5.0, 5.4, 4.6, 5.2, 4.8]})
+    row = claim("hi", "lo")
+    (jd,) = judge((row, plan_line(row, "2.0", seeds="3")))  # 5 seeds measured where the plan fixed 3
+    assert jd.flags == ("5 seeds per arm, the plan 3",) and jd.verdict == "inconclusive" and jd.power > 0.8
+    assert "**departs from its plan**" in report.fmt_plan(row, jd)
+    assert judge((row, plan_line(row, "2.0", seeds="5")))[0].verdict == "yes"  # the same figures under their plan
+    (jd,) = judge((row, plan_line(row, "2.0", test="0<1")))  # the row tests another direction than its plan
+    assert jd.flags and jd.verdict == "inconclusive"
+    eq = claim("hi", "lo", "0~1", "10%")
+    (jd,) = judge((eq, plan_line(eq, "6.0")))  # a margin other than the plan's: neither its "no" nor the plan's "yes"
+    assert jd.flags == ("margin 10%, the plan 6.0",) and jd.decision.verdict == "no" and jd.verdict == "inconclusive"
+    (jd,) = judge((row, None))
+    assert jd.flags and jd.verdict == "inconclusive"
+
+
+def test_descriptive_rows_stay_outside_the_multiplicity_step(planted):
+    """The marginal row of the test above keeps its yes beside four descriptive rows that, as directional rows, flip it."""
+    planted({"up": A_UP, "low": B_LOW, **{f"n{k}": v for k, v in enumerate(NULLS)}})
+    marginal = claim("up", "low", name="marginal")
+    described = [claim(f"n{k}", f"n{(k + 1) % 4}", name=f"seconds{k}") for k in range(4)]
+    judged = judge((marginal, plan_line(marginal, "2.0")), *[(r, plan_line(r, "", test="describe")) for r in described])
+    assert all(jd.verdict == "descriptive" and math.isnan(jd.q) for jd in judged[1:])
+    assert judged[0].q == judged[0].decision.p and judged[0].verdict == "yes"
+
+
+def test_power_matches_a_simulation():
+    """`power` is the rejection rate of the two-sided Welch test: 4000 simulated rows of 5 seeds per arm."""
+    np = pytest.importorskip("numpy")
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(1.0, 0.6, (4000, 5)), rng.normal(0.0, 0.5, (4000, 5))
+    rate = (stats.ttest_ind(a, b, axis=1, equal_var=False).pvalue < 0.05).mean()
+    assert abs(rate - report.power(">", 1.0, (0.6, 0.5), (5, 5))) < 0.03  # binomial s.e. 0.007
+    need = report.seeds_needed(">", 1.0, (0.6, 0.5))
+    assert report.power(">", 1.0, (0.6, 0.5), (need, need)) >= 0.8 > report.power(">", 1.0, (0.6, 0.5), (need - 1,) * 2)
 
 
 def test_welch_interval_matches_scipy_on_raw_seeds():
     from scipy import stats
 
     a, b = [50.1, 47.3, 52.8, 49.0], [44.0, 46.5, 41.2]
-    ci = stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
+    res = stats.ttest_ind(a, b, equal_var=False)
+    ci = res.confidence_interval(0.95)
     st = lambda v: (sum(v) / len(v), stats.tstd(v), len(v))  # noqa: E731
     lo, hi = report.welch_interval(st(a), st(b))
     assert abs(lo - ci.low) < 1e-9 and abs(hi - ci.high) < 1e-9
+    assert abs(report.decide("0>1", "seeded", "", [st(a), st(b)]).p - res.pvalue) < 1e-12
     lo, hi = report.welch_interval(st(a), (40.0, 0.0, 3))  # one arm without spread: t with n_a - 1 dof
     half = stats.t.ppf(0.975, len(a) - 1) * st(a)[1] / len(a) ** 0.5
     assert abs(lo - (st(a)[0] - 40.0 - half)) < 1e-9 and abs(hi - (st(a)[0] - 40.0 + half)) < 1e-9
@@ -85,7 +266,7 @@ def test_equivalence_needs_the_interval_inside_the_margin():
     assert d("0~1", "seeded", "2.0", [(50.0, 0.5, 5), (50.3, 0.5, 5)]).verdict == "yes"
     assert d("0~1", "seeded", "2.0", [(50.0, 0.5, 5), (58.0, 0.5, 5)]).verdict == "no"  # wholly outside
     assert d("0~1", "seeded", "2.0", [(50.0, 0.5, 5), (51.8, 0.5, 5)]).verdict == "inconclusive"  # straddles
-    # a noisier measurement of the same means can only lose a "yes" (the old rule made it likelier)
+    # a noisier measurement of the same means can only lose a "yes"
     assert d("0~1", "seeded", "2.0", [(50.0, 5.0, 5), (50.3, 5.0, 5)]).verdict == "inconclusive"
     # a percentage margin is that share of the larger |mean|
     dec = d("0~1", "seeded", "10%", [(4.0, 0.1, 4), (5.0, 0.1, 4)])
@@ -107,6 +288,7 @@ def test_exact_figures():
     figs = [(0.52, 0.0, 1), (0.50, 0.0, 1), (0.01, 0.0, 1), (0.01, 0.0, 1)]
     dec = d("0>1", "exact se=2,3", "", figs)
     assert abs(dec.hi - dec.lo - 2 * 1.96 * 2 ** 0.5 * 0.01) < 1e-12 and dec.verdict == "inconclusive"
+    assert 0.1 < dec.p < 0.2  # z = 0.02 / (0.01 * sqrt 2) = 1.41
     figs[2] = figs[3] = (0.001, 0.0, 1)
     assert d("0>1", "exact se=2,-", "", figs).verdict == "yes"
     with pytest.raises(ValueError):
@@ -115,21 +297,41 @@ def test_exact_figures():
 
 def test_sample_std_for_population_std_tables(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "RESULTS", tmp_path)
-    head = "bench,script,config,seed,metric,value,command,commit,hardware,versions,timestamp\n"
-    (tmp_path / "world_models.csv").write_text(head + "b,s,c,0,m,1.0,,,,,\nb,s,c,1,m,3.0,,,,,\n")
+    (tmp_path / "world_models.csv").write_text(HEAD + "b,s,c,0,m,1.0,,,,,\nb,s,c,1,m,3.0,,,,,\n")
     assert report.figure("world_models.csv#s#c#m#1")[1] == 1.0  # its table quotes the population std
     assert abs(report.sample_stats("world_models.csv#s#c#m#1")[1] - 2 ** 0.5) < 1e-12  # the rule uses n - 1
 
 
 def test_figure_reads_the_later_of_duplicate_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "RESULTS", tmp_path)
-    head = "bench,script,config,seed,metric,value,command,commit,hardware,versions,timestamp\n"
     rows = ["b,s,c,0,m,1.0,,,,,", "b,s,c,1,m,3.0,,,,,", "b,s,c,0,m,2.0,,,,,", "b,s,other,0,m,9.0,,,,,"]
-    (tmp_path / "x.csv").write_text(head + "\n".join(rows) + "\n")
+    (tmp_path / "x.csv").write_text(HEAD + "\n".join(rows) + "\n")
     mean, sd, n = report.figure("x.csv#s#c#m#1")
     assert (mean, n) == (2.5, 2) and abs(sd - 0.7071) < 1e-3
     with pytest.raises(ValueError):
         report.figure("x.csv#s#missing#m#1")
+
+
+def test_read_plan_refuses_malformed_lines(tmp_path):
+    path = tmp_path / "plan.csv"
+    good = {f: "" for f in report.PLAN_FIELDS} | {"arxiv": "1", "claim": "c", "command": "python x.py", "test": "0>1",
+                                                  "effect": "1", "seeds": "3", "status": "measured"}
+
+    def write(*lines):
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=report.PLAN_FIELDS)
+            w.writeheader()
+            w.writerows(lines)
+
+    write(good)
+    assert report.read_plan(path)[("1", "c", "python x.py")]["effect"] == "1"
+    for bad in ({"status": "done"}, {"test": "0=1"}, {"effect": ""}, {"redecide": "margin set after the run"}):
+        write(good | bad)
+        with pytest.raises(ValueError):
+            report.read_plan(path)
+    write(good, good)
+    with pytest.raises(ValueError, match="a second plan"):
+        report.read_plan(path)
 
 
 def test_mean_std_formats():
