@@ -697,15 +697,17 @@ class Run:
         tracker and log the step-0 evaluation. `evaluate()` -> eval/ metrics (default: common.run_eval); `counters`:
         the script's own running totals (run.counters), saved in and restored from each checkpoint."""
         self.model, self.tok, self.opt, self.sampler, self.extra = model, tok, opt, sampler, extra
-        self.evaluate = evaluate or (lambda: common.run_eval(sampler, tok, self.task, self.eval_sets, self.args.max_new_tokens,
-                                                             self.args.pass_k, self.args.temperature, self.hard_task))
+        self.evaluate = evaluate or (lambda: common.run_eval(
+            sampler, tok, self.task, self.eval_sets, self.args.max_new_tokens, self.args.pass_k, self.args.temperature,
+            self.hard_task))
         state = common.load_checkpoint(self.args.resume, model, opt, extra) if self.args.resume else {}
         if self.args.resume:
             sampler.refresh()
         self.start_step, self.history = state.get("step", 0), state.get("history", [])
         self.counters = {k: state.get(k, v) for k, v in (counters or {}).items()}
         self.gen_tokens, self.gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
-        self.tracker = common.Tracker(self.run_dir, a, self.args.track, run_name=self.args.exp_name) if self.is_main else None
+        self.tracker = common.Tracker(self.run_dir, self.args, self.args.track, run_name=self.args.exp_name) \
+            if self.is_main else None
         self.t_start = time.time() - state.get("wall_s", 0.0)
         if self.start_step == 0 and self.is_main:
             self.log(self.evaluate(), 0)
@@ -726,14 +728,14 @@ class Run:
 
     def log_step(self, step: int, batch: dict, stats: dict, extra: dict | None = None, group_size: int | None = None,
                  last: bool = False):
-        """Log one rollout batch: rollout/ metrics (reward, length, truncation, tokens/s) and reward/ terms, the update's
-        statistics, `extra` metrics, timings, the held-out evaluation every --eval-every; then the checkpoint.
+        """Log one rollout batch: rollout/ metrics (reward, length, truncation, tokens/s) and reward/ terms, the
+        update's statistics, `extra` metrics, timings, the held-out evaluation every --eval-every; then the checkpoint.
         `last`: this step ends the run early (a budget ran out): evaluate and save as at --steps."""
         t = self.timer.pop()
         self.gen_tokens += int(batch["completion_mask"].sum())
         self.gen_time += t.get("gen", 0.0)
         metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
-                                            group_size or getattr(a, "group_size", 1), t.get("gen", 0.0)),
+                                            group_size or getattr(self.args, "group_size", 1), t.get("gen", 0.0)),
                    **batch.get("reward_terms", {}), **stats, **(extra or {}), "perf/lr": self.opt.param_groups[0]["lr"],
                    **{f"perf/{k}_s": v for k, v in t.items()}}
         last = last or step == self.args.steps

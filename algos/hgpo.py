@@ -59,7 +59,6 @@ multi-turn GRPO 68.3 ± 6.0).
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -69,7 +68,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 import tyro
-from tqdm import tqdm
 
 import common
 from algos import _llm as llm
@@ -579,73 +577,32 @@ def advantage_mse(model, tok, env, args: Args, rng) -> dict:
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
-    from accelerate import Accelerator
-
-    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    rank, is_main = accel.process_index, accel.is_main_process
-    torch.set_num_threads(args.threads)
-    common.set_seed(args.seed)
-    env = make_env(args)
+    run = llm.Run(args, tasks=False)  # accelerator, threads, seed, the run folder; the environment is the task
+    env = run.task = make_env(args)  # run.task: the curve's title names the environment
     eval_seeds = env.seeds("test", args.eval_examples, np.random.default_rng(12345))
     # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
-    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
+    model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
     opt = llm.make_optimizer(model.parameters(), args)
-    ce_batch = held_out_ce_batch(sampler, tok, env, args, accel.device)  # before any update (and any resume)
-
-    run_dir = Path(args.out_dir) / args.exp_name
-    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
-    if args.resume:
-        sampler.refresh()
-    start_step, history = state.get("step", 0), state.get("history", [])
-    sampled_turns = state.get("sampled_turns", 0)
-    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
-    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
-    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
-    evaluate_now = lambda: evaluate(sampler, tok, env, eval_seeds, ce_batch, args)  # noqa: E731
-
-    def log(metrics: dict, step: int):
-        history.append({"step": step, **metrics})
-        if tracker is not None:
-            tracker.log(metrics, step)
-
-    if start_step == 0 and is_main:
-        log(evaluate_now(), 0)
-    bar = tqdm(range(start_step + 1, args.steps + 1), desc=f"hgpo ({args.advantage})", dynamic_ncols=True,
-               disable=not is_main, initial=start_step, total=args.steps)
-    for step in bar:
-        # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
-        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
-        rng = np.random.default_rng([args.seed, step, rank])
-        with timer("gen"):
-            batch = rollout(sampler, tok, env, args, rng, accel.device)
-        with timer("train"):  # includes the sampler's refresh after each optimiser step
-            stats = update(model, opt, batch, grpo_loss, args, step, accel, sampler, ref_model)
-        t = timer.pop()
-        gen_tokens, gen_time = gen_tokens + int(batch["action_mask"].sum()), gen_time + t["gen"]
-        n, sampled_turns = batch["n_orig"], sampled_turns + batch["sampled_turns"]
-        metrics = {**common.rollout_metrics(batch["rewards"][:n], batch["action_mask"][:n],
-                                            batch["finish_reasons"][:n], args.group_size, t["gen"]), **stats,
-                   "perf/lr": opt.param_groups[0]["lr"], "rollout/sampled_turns": sampled_turns,
-                   "rollout/turns": float(np.mean([len(e.actions) for e in batch["episodes"][:n]])),
-                   **{f"perf/{k}_s": v for k, v in t.items()}}
-        last = step == args.steps or bool(args.turn_budget and sampled_turns >= args.turn_budget)
-        if is_main and (step % args.eval_every == 0 or last):
-            metrics.update(evaluate_now())
-        log(metrics, step)
-        if is_main:
-            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
-                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
-        if args.save_every and step % args.save_every == 0 or last:  # every rank: shards
-            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
-                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
-                                    "gen_tokens": gen_tokens, "gen_time": gen_time, "sampled_turns": sampled_turns})
+    ce_batch = held_out_ce_batch(sampler, tok, env, args, run.accel.device)  # before any update (and any resume)
+    # resume from --resume (sampled_turns included), then the step-0 held-out evaluation
+    run.start(model, tok, opt, sampler, evaluate=lambda: evaluate(sampler, tok, env, eval_seeds, ce_batch, args),
+              counters={"sampled_turns": 0})
+    for step, rng in run.steps():  # every random draw of a step depends on (seed, step, rank) only
+        with run.timer("gen"):
+            batch = rollout(sampler, tok, env, args, rng, run.accel.device)
+        with run.timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, grpo_loss, args, step, run.accel, sampler, ref_model)
+        n = batch["n_orig"]  # metrics over the original episodes; generated tokens over all of them
+        run.gen_tokens += int(batch["action_mask"][n:].sum())
+        turns = run.counters["sampled_turns"] = run.counters["sampled_turns"] + batch["sampled_turns"]
+        last = bool(args.turn_budget and turns >= args.turn_budget)  # the budget ends the run before --steps
+        run.log_step(step, {"rewards": batch["rewards"][:n], "completion_mask": batch["action_mask"][:n],
+                            "finish_reasons": batch["finish_reasons"][:n]}, stats, last=last,
+                     extra={"rollout/sampled_turns": turns,
+                            "rollout/turns": float(np.mean([len(e.actions) for e in batch["episodes"][:n]]))})
         if last:
             break
-    if not is_main:
-        return {}
-    summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start), "sampled_turns": sampled_turns}
-    common.save_curve(history, run_dir / "curve.png", f"{args.advantage} stepwise advantages on {env.name} ({args.model})")
-    return tracker.finish(summary)
+    return run.finish(f"{args.advantage} stepwise advantages", extra={"sampled_turns": run.counters["sampled_turns"]})
 
 
 if __name__ == "__main__":
