@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
@@ -74,7 +73,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 import tyro
-from tqdm import tqdm
 
 import common
 from algos import _llm as llm
@@ -450,64 +448,21 @@ def save_drift(history: list[dict], path: Path, title: str) -> None:
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
-    from accelerate import Accelerator
-
-    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    rank, is_main = accel.process_index, accel.is_main_process
-    torch.set_num_threads(args.threads)
-    common.set_seed(args.seed)
-    task = llm.make_task(args.task, args.digits)
-    hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
-    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    run = llm.Run(args)  # accelerator, threads, seed, the task and its held-out sets, the run folder
     # sharded when several processes run; the sampler's copy is the speculative sampler's target
-    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
-    spec = Speculator(args, sampler.module(), tok, task, accel.device, rank)  # the rollout engine
+    model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
+    spec = Speculator(args, sampler.module(), tok, run.task, run.accel.device, run.rank)  # the rollout engine
     opt = llm.make_optimizer(model.parameters(), args)
-
-    run_dir = Path(args.out_dir) / args.exp_name
-    history, gen_tokens, gen_time = [], 0, 0.0
-    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
-    timer, t_start = common.Timer(), time.time()
-    evaluate = lambda: common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
-                                       args.temperature, hard_task)
-
-    def log(metrics: dict, step: int):
-        history.append({"step": step, **metrics})
-        if tracker is not None:
-            tracker.log(metrics, step)
-
-    if is_main:
-        log(evaluate(), 0)
-    bar = tqdm(range(1, args.steps + 1), desc=f"spec_rl[{args.drafter}]", dynamic_ncols=True, disable=not is_main)
-    for step in bar:
-        # Every random draw of this step depends on (seed, step, rank) only.
-        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
-        with timer("gen"):
-            batch = rollout(sampler, tok, task, args, step, accel.device, spec)
-        with timer("train"):  # includes the sampler's refresh after each optimiser step
-            stats = update(model, opt, batch, grpo_loss, args, step, accel, sampler, ref_model)
-        t = timer.pop()
-        gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
-        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
-                                            args.group_size, t["gen"]), **batch["spec_metrics"], **stats,
-                   "perf/lr": opt.param_groups[0]["lr"], **{f"perf/{k}_s": v for k, v in t.items()}}
-        if is_main and (step % args.eval_every == 0 or step == args.steps):
-            metrics.update(evaluate())
-        log(metrics, step)
-        if is_main:
-            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", alpha=f"{metrics['rollout/alpha']:.2f}",
-                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
-        if args.save_every and step % args.save_every == 0 or step == args.steps:  # every rank: shards
-            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
-                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
-                                    "gen_tokens": gen_tokens, "gen_time": gen_time})
-    if not is_main:
-        return {}
-    summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start), **spec.summary(history),
-               "gen_s": gen_time}
-    common.save_curve(history, run_dir / "curve.png", f"GRPO with {args.drafter} drafts on {task.name} ({args.model})")
-    save_drift(history, run_dir / "drift.png", f"drafter {args.drafter}: acceptance as the policy trains")
-    return tracker.finish(summary)
+    run.start(model, tok, opt, sampler)  # the step-0 held-out evaluation (--resume is refused in check_args)
+    for step, _ in run.steps():  # every random draw of a step depends on (seed, step, rank) only
+        with run.timer("gen"):
+            batch = rollout(sampler, tok, run.task, args, step, run.accel.device, spec)
+        with run.timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, grpo_loss, args, step, run.accel, sampler, ref_model)
+        run.log_step(step, batch, stats, extra=batch["spec_metrics"])  # evaluation every --eval-every, checkpoints
+    if run.is_main:
+        save_drift(run.history, run.run_dir / "drift.png", f"drafter {args.drafter}: acceptance as the policy trains")
+    return run.finish(f"GRPO with {args.drafter} drafts", extra={**spec.summary(run.history), "gen_s": run.gen_time})
 
 
 if __name__ == "__main__":
