@@ -96,7 +96,6 @@ import copy
 import dataclasses
 import math
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -106,7 +105,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 import tyro
-from tqdm import tqdm
 
 import common
 from algos import _llm as llm
@@ -608,78 +606,41 @@ def offpolicy_summary(history: list[dict]) -> dict:
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
-    from accelerate import Accelerator
-
-    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    rank, is_main = accel.process_index, accel.is_main_process
-    torch.set_num_threads(args.threads)
-    common.set_seed(args.seed)
-    task = llm.make_task(args.task, args.digits)
-    hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
-    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    run = llm.Run(args)  # accelerator, threads, seed, the task and its held-out sets, the run folder
     # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
-    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
+    model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
     if args.sampler_is_cap > 0 and not sampler.is_trainer:
         raise SystemExit("--sampler-is-cap: the off-policy corrections take mu, the sampler's own log-probs, as the "
                          "behaviour policy, so its mismatch with the trainer is already in their ratios; grpo's weight "
                          "min(pi_old / pi_sampler, C) would count it twice: use --sampler-is-cap 0")
     ewma = EWMA(model, args.ewma_decay) if args.correction == "ppo-ewma" else None
     fused_logprob = None
-    if args.kernels and accel.device.type == "cuda":  # Triton: the fused lm_head + log-softmax
+    if args.kernels and run.accel.device.type == "cuda":  # Triton: the fused lm_head + log-softmax
         from kernels.fused_logprob import fused_linear_logprob as fused_logprob
     opt = llm.make_optimizer(model.parameters(), args)
     fifo = StaleFIFO(args.staleness, args.steps, args.gen_rate)  # the asynchronous pipeline, simulated
 
-    run_dir = Path(args.out_dir) / args.exp_name
-    gen_tokens, gen_time, history = 0, 0.0, []
-    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
-    timer, t_start = common.Timer(), time.time()
-    evaluate = lambda: common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
-                                       args.temperature, hard_task)
-
-    def log(metrics: dict, step: int):
-        history.append({"step": step, **metrics})
-        if tracker is not None:
-            tracker.log(metrics, step)
-
     def make(n: int) -> dict:  # rollout batch n, sampled by the current weights; its draws depend on (seed, n, rank)
-        torch.manual_seed(hash((args.seed, n + 1, rank)) % 2**31)
-        return rollout(sampler, tok, task, args, np.random.default_rng([args.seed, n + 1, rank]), accel.device)
+        torch.manual_seed(hash((args.seed, n + 1, run.rank)) % 2**31)
+        return rollout(sampler, tok, run.task, args, np.random.default_rng([args.seed, n + 1, run.rank]),
+                       run.accel.device)
 
-    if is_main:
-        log(evaluate(), 0)
-    bar = tqdm(range(1, args.steps + 1), desc=f"async[{args.correction},k={args.staleness}]", dynamic_ncols=True,
-               disable=not is_main)
-    for step in bar:
-        with timer("gen"):
+    run.start(model, tok, opt, sampler)  # the step-0 held-out evaluation (--resume is refused in check_args)
+    for step, _ in run.steps():  # the draws of batch n are make(n)'s, those of the update seeded below
+        with run.timer("gen"):
             batch = fifo.next_batch(step - 1, make)  # made by version batch["version"]; the trainer holds step - 1
         batch["staleness"] = step - 1 - batch["version"]
-        torch.manual_seed(hash((args.seed, step, rank, 1)) % 2**31)  # mini-batch order
-        with timer("train"):  # includes the sampler's refresh after each optimiser step
-            stats = update(model, opt, batch, offpolicy_loss, args, step, accel, sampler, ref_model, fused_logprob,
+        torch.manual_seed(hash((args.seed, step, run.rank, 1)) % 2**31)  # mini-batch order
+        with run.timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, offpolicy_loss, args, step, run.accel, sampler, ref_model, fused_logprob,
                            ewma.model if ewma else None)
         if ewma is not None:
             ewma.update(model)
-        t = timer.pop()
-        gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
-        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
-                                            args.group_size, t["gen"]), **batch["reward_terms"], **stats,
-                   "perf/lr": opt.param_groups[0]["lr"],
-                   "offpolicy/staleness": batch["staleness"], **{f"perf/{k}_s": v for k, v in t.items()}}
-        if is_main and (step % args.eval_every == 0 or step == args.steps):
-            metrics.update(evaluate())
-        log(metrics, step)
-        if is_main:
-            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", kl=f"{stats['offpolicy/kl_mu_pi']:.3f}",
-                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
-        if args.save_every and step % args.save_every == 0 or step == args.steps:  # every rank: shards
-            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
-                                   {"step": step, "wall_s": time.time() - t_start})
-    if not is_main:
-        return {}
-    summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start), **offpolicy_summary(history)}
-    common.save_curve(history, run_dir / "curve.png", f"async GRPO {args.correction}, k={args.staleness} on {task.name}")
-    return tracker.finish(summary)
+        metrics = run.log_step(step, batch, stats, extra={"offpolicy/staleness": batch["staleness"]})
+        if run.is_main:
+            run.bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", kl=f"{stats['offpolicy/kl_mu_pi']:.3f}",
+                                acc=f"{run.last('eval/acc'):.2f}")
+    return run.finish(f"async GRPO {args.correction}, k={args.staleness}", extra=offpolicy_summary(run.history))
 
 
 if __name__ == "__main__":

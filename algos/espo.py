@@ -74,7 +74,6 @@ from __future__ import annotations
 import copy
 import math
 import sys
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,7 +84,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 import tyro
-from tqdm import tqdm
 
 import common
 from algos import _llm as llm
@@ -610,77 +608,31 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampl
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
-    from accelerate import Accelerator
-
-    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    rank, is_main = accel.process_index, accel.is_main_process
-    torch.set_num_threads(args.threads)
-    common.set_seed(args.seed)
-    task = llm.make_task(args.task, args.digits)
-    hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
-    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    run = llm.Run(args)  # accelerator, threads, seed, the task and its held-out sets, the run folder
     # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
-    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
-    critic = make_critic(model, args, accel)
+    model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
+    critic = make_critic(model, args, run.accel)
     z_stats = RegretStats(args.regret_momentum)  # of the smoothed regret z: the stop threshold
     opt = llm.make_optimizer([{"params": list(model.parameters())},
                               {"params": list(critic.parameters()), "lr": args.vf_lr}], args)
-
-    run_dir = Path(args.out_dir) / args.exp_name
-    state = common.load_checkpoint(args.resume, model, opt, {"critic": critic}) if args.resume else {}
-    if args.resume:
-        sampler.refresh()
-    z_stats.mean, z_stats.var, z_stats.batches = state.get("regret_stats", (0.0, 0.0, 0))
-    start_step, history = state.get("step", 0), state.get("history", [])
-    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
-    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
-    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
-    evaluate = lambda: common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
-                                       args.temperature, hard_task)
-
-    def log(metrics: dict, step: int):
-        history.append({"step": step, **metrics})
-        if tracker is not None:
-            tracker.log(metrics, step)
-
-    if start_step == 0 and is_main:
-        log(evaluate(), 0)
-    bar = tqdm(range(start_step + 1, args.steps + 1), desc="espo", dynamic_ncols=True, disable=not is_main,
-               initial=start_step, total=args.steps)
-    for step in bar:
-        # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
-        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
-        rng = np.random.default_rng([args.seed, step, rank])
+    # resume (the critic and the regret statistics too), then the step-0 held-out evaluation
+    run.start(model, tok, opt, sampler, extra={"critic": critic}, counters={"regret_stats": (0.0, 0.0, 0)})
+    z_stats.mean, z_stats.var, z_stats.batches = run.counters["regret_stats"]
+    for step, rng in run.steps():  # every random draw of a step depends on (seed, step, rank) only
         threshold = z_stats.threshold(args.stop_k, args.stop_warmup)
-        with timer("gen"):
-            batch = rollout(sampler, tok, task, args, rng, accel.device, threshold)
+        with run.timer("gen"):
+            batch = rollout(sampler, tok, run.task, args, rng, run.accel.device, threshold)
         z_stats.update(batch["z"], batch["completion_mask"])
-        with timer("train"):  # includes the sampler's refresh after each optimiser step
-            stats = update(model, opt, batch, ppo_loss, args, step, accel, sampler, ref_model, critic)
-        t = timer.pop()
-        gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
-        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
-                                            args.group_size, t["gen"]), **stop_metrics(batch, threshold), **stats,
-                   "perf/lr": opt.param_groups[0]["lr"],
-                   **{f"perf/{k}_s": v for k, v in t.items()}}
-        if is_main and (step % args.eval_every == 0 or step == args.steps):
-            metrics.update(evaluate())
-        log(metrics, step)
-        if is_main:
-            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", stop=f"{metrics['rollout/stop_frac']:.2f}",
-                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
-        if args.save_every and step % args.save_every == 0 or step == args.steps:  # every rank: shards
-            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
-                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
-                                    "gen_tokens": gen_tokens, "gen_time": gen_time,
-                                    "regret_stats": [z_stats.mean, z_stats.var, z_stats.batches]}, {"critic": critic})
-    if not is_main:
-        return {}
-    summary = common.summarize(history, gen_tokens, gen_time, time.time() - t_start)
-    ev = [h["value/explained_var"] for h in history if "value/explained_var" in h]
-    summary.update(explained_var_last=float(np.nanmean(ev[-10:])), **espo_summary(history, gen_tokens))
-    common.save_curve(history, run_dir / "curve.png", f"ESPO on {task.name} ({args.model})")
-    return tracker.finish(summary)
+        with run.timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, ppo_loss, args, step, run.accel, sampler, ref_model, critic)
+        run.counters["regret_stats"] = [z_stats.mean, z_stats.var, z_stats.batches]  # checkpointed
+        metrics = run.log_step(step, batch, stats, extra=stop_metrics(batch, threshold))
+        if run.is_main:
+            run.bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", stop=f"{metrics['rollout/stop_frac']:.2f}",
+                                acc=f"{run.last('eval/acc'):.2f}")
+    ev = [h["value/explained_var"] for h in run.history if "value/explained_var" in h]
+    return run.finish("ESPO", extra={"explained_var_last": float(np.nanmean(ev[-10:])),
+                                     **espo_summary(run.history, run.gen_tokens)})
 
 
 if __name__ == "__main__":

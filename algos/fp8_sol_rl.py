@@ -38,7 +38,6 @@ separated same-prompt pairs (3 seeds).
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -48,7 +47,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 import tyro
-from tqdm import tqdm
 
 import common
 from algos import _llm as llm
@@ -542,83 +540,41 @@ def mismatch_summary(history: list[dict]) -> dict:
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
-    from accelerate import Accelerator
-
-    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    rank, is_main = accel.process_index, accel.is_main_process
-    torch.set_num_threads(args.threads)
-    common.set_seed(args.seed)
-    task = llm.make_task(args.task, args.digits)
-    hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
-    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    run = llm.Run(args)  # accelerator, threads, seed, the task and its held-out sets, the run folder
     # sharded when several processes run; the sampler (the trainer itself on CPU) decodes the held-out evaluation
-    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
+    model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
     engine = make_engine(model, args)  # mu: the rollout copy at --rollout-dtype, re-quantised after every update
-    use_kernels = args.kernels and accel.device.type == "cuda"
+    use_kernels = args.kernels and run.accel.device.type == "cuda"
     fused_logprob = None
     if use_kernels:  # Triton: the fused lm_head + log-softmax (the loss kernel is in kernel_grpo_loss)
         from kernels.fused_logprob import fused_linear_logprob as fused_logprob
     loss_fn = kernel_grpo_loss if use_kernels and args.correction == "none" else corrected_grpo_loss
     opt = llm.make_optimizer(model.parameters(), args)
 
-    run_dir = Path(args.out_dir) / args.exp_name
-    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
-    if args.resume:
-        sampler.refresh()
-        engine.sync_weights(model)
-    start_step, history = state.get("step", 0), state.get("history", [])
-    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
-    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
-    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
-
     def evaluate():  # the trainer in fp32 in every mode, so accuracies compare across modes
         with precision(model, "off"):
-            return common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k, args.temperature,
-                                   hard_task)
+            return common.run_eval(sampler, tok, run.task, run.eval_sets, args.max_new_tokens, args.pass_k,
+                                   args.temperature, run.hard_task)
 
-    def log(metrics: dict, step: int):
-        history.append({"step": step, **metrics})
-        if tracker is not None:
-            tracker.log(metrics, step)
-
-    if start_step == 0 and is_main:
-        log(evaluate(), 0)
-    bar = tqdm(range(start_step + 1, args.steps + 1), desc="fp8_sol_rl", dynamic_ncols=True, disable=not is_main,
-               initial=start_step, total=args.steps)
-    for step in bar:
-        # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
-        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
-        rng = np.random.default_rng([args.seed, step, rank])
-        with timer("gen"):
-            batch = (sol_rollout if args.sol_candidates else rollout)(model, tok, task, args, rng, accel.device, engine)
-        with timer("diag"):  # mu against pi_train on these tokens, before the update
+    run.start(model, tok, opt, sampler, evaluate=evaluate)  # resume from --resume, then the step-0 evaluation
+    if args.resume:
+        engine.sync_weights(model)
+    for step, rng in run.steps():  # every random draw of a step depends on (seed, step, rank) only
+        with run.timer("gen"):
+            batch = (sol_rollout if args.sol_candidates else rollout)(model, tok, run.task, args, rng,
+                                                                      run.accel.device, engine)
+        with run.timer("diag"):  # mu against pi_train on these tokens, before the update
             diag = step_diagnostics(model, tok, batch, engine, args, step)
-        with timer("train"):
-            stats = update(model, opt, batch, loss_fn, args, step, accel, sampler, ref_model, fused_logprob)
-        with timer("sync"):  # weights copied into mu, re-quantised; KV scales recalibrate at the next rollout
+        with run.timer("train"):
+            stats = update(model, opt, batch, loss_fn, args, step, run.accel, sampler, ref_model, fused_logprob)
+        with run.timer("sync"):  # weights copied into mu, re-quantised; KV scales recalibrate at the next rollout
             engine.sync_weights(model)
-        t = timer.pop()
-        gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
-        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
-                                            args.group_size, t["gen"]), **batch["reward_terms"], **stats, **diag,
-                   "perf/lr": opt.param_groups[0]["lr"], **{f"perf/{k}_s": v for k, v in t.items()}}
-        if is_main and (step % args.eval_every == 0 or step == args.steps):
-            metrics.update(evaluate())
-        log(metrics, step)
-        if is_main:
-            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
-                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
-        if args.save_every and step % args.save_every == 0 or step == args.steps:  # every rank: shards
-            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
-                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
-                                    "gen_tokens": gen_tokens, "gen_time": gen_time})
-    if not is_main:
-        return {}
-    summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start), **mismatch_summary(history)}
-    print(f"KL(mu || pi_train) per token: fp32 trainer {summary['kl_fp8']:.2e}, unified {summary.get('kl_unified')}")
-    common.save_curve(history, run_dir / "curve.png", f"FP8 rollouts ({args.rollout_dtype}, {args.correction}) on "
-                      f"{task.name} ({args.model})")
-    return tracker.finish(summary)
+        run.log_step(step, batch, stats, extra=diag)  # rollout metrics, evaluation every --eval-every, checkpoints
+    summary = mismatch_summary(run.history)
+    if run.is_main:
+        print(f"KL(mu || pi_train) per token: fp32 trainer {summary['kl_fp8']:.2e}, "
+              f"unified {summary.get('kl_unified')}")
+    return run.finish(f"FP8 rollouts ({args.rollout_dtype}, {args.correction})", extra=summary)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 import tyro
-from tqdm import tqdm
 
 import common
 from algos import _llm as llm
@@ -384,73 +383,23 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampl
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
-    from accelerate import Accelerator
-
-    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    rank, is_main = accel.process_index, accel.is_main_process
-    torch.set_num_threads(args.threads)
-    common.set_seed(args.seed)
-    task = llm.make_task(args.task, args.digits)
-    hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
-    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    run = llm.Run(args)  # accelerator, threads, seed, the task and its held-out sets, the run folder
     # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
-    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
-    use_kernels = args.kernels and accel.device.type == "cuda"
+    model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
+    use_kernels = args.kernels and run.accel.device.type == "cuda"
     fused_logprob = None
     if use_kernels:  # Triton: the fused lm_head + log-softmax (the fused loss kernel takes no per-token weights)
         from kernels.fused_logprob import fused_linear_logprob as fused_logprob
     loss_fn = nat_loss
     opt = llm.make_optimizer(model.parameters(), args)
-
-    run_dir = Path(args.out_dir) / args.exp_name
-    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
-    if args.resume:
-        sampler.refresh()
-    start_step, history = state.get("step", 0), state.get("history", [])
-    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
-    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
-    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
-    evaluate = lambda: common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
-                                       args.temperature, hard_task)
-
-    def log(metrics: dict, step: int):
-        history.append({"step": step, **metrics})
-        if tracker is not None:
-            tracker.log(metrics, step)
-
-    if start_step == 0 and is_main:
-        log(evaluate(), 0)
-    bar = tqdm(range(start_step + 1, args.steps + 1), desc=f"nat-{args.selector}", dynamic_ncols=True, disable=not is_main,
-               initial=start_step, total=args.steps)
-    for step in bar:
-        # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
-        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
-        rng = np.random.default_rng([args.seed, step, rank])
-        with timer("gen"):
-            batch = rollout(sampler, tok, task, args, rng, accel.device)
-        with timer("train"):  # includes the sampler's refresh after each optimiser step
-            stats = update(model, opt, batch, loss_fn, args, step, accel, sampler, ref_model, fused_logprob)
-        t = timer.pop()
-        gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
-        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
-                                            args.group_size, t["gen"]), **batch["reward_terms"], **stats,
-                   "perf/lr": opt.param_groups[0]["lr"],
-                   **{f"perf/{k}_s": v for k, v in t.items()}}
-        if is_main and (step % args.eval_every == 0 or step == args.steps):
-            metrics.update(evaluate())
-        log(metrics, step)
-        if is_main:
-            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
-                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
-        if args.save_every and step % args.save_every == 0 or step == args.steps:  # every rank: shards
-            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
-                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
-                                    "gen_tokens": gen_tokens, "gen_time": gen_time})
-    if not is_main:
-        return {}
-    summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start), **nat_summary(history)}
-    common.save_curve(history, run_dir / "curve.png", f"NAT ({args.selector}, p={args.keep_prob}) on {task.name}")
-    return tracker.finish(summary)
+    run.start(model, tok, opt, sampler)  # resume from --resume, then the step-0 held-out evaluation
+    for step, rng in run.steps():  # every random draw of a step depends on (seed, step, rank) only
+        with run.timer("gen"):
+            batch = rollout(sampler, tok, run.task, args, rng, run.accel.device)
+        with run.timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, loss_fn, args, step, run.accel, sampler, ref_model, fused_logprob)
+        run.log_step(step, batch, stats)  # rollout metrics, evaluation every --eval-every, checkpoints
+    return run.finish(f"NAT ({args.selector}, p={args.keep_prob})", extra=nat_summary(run.history))
 
 
 if __name__ == "__main__":

@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,7 +93,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 import tyro
-from tqdm import tqdm
 
 import common
 from algos import _llm as llm
@@ -631,86 +629,42 @@ def make_scheduler(args: Args, state: dict) -> Scheduler:
     """The run's Scheduler (S = --slots, or B * G), with the unfinished trajectories of a checkpoint put back."""
     sched = Scheduler(args.policy, args.prompts_per_step, args.group_size,
                       args.slots or args.prompts_per_step * args.group_size, args.over)
-    if "scheduler" in state:  # the unfinished trajectories carried over at the checkpoint
+    if state.get("scheduler") is not None:  # the unfinished trajectories carried over at the checkpoint
         sched.load_state(state["scheduler"])
     return sched
 
 
 def main(args: Args) -> dict:
     check_args(args)
-    from accelerate import Accelerator
-
-    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    rank, is_main = accel.process_index, accel.is_main_process
-    torch.set_num_threads(args.threads)
-    common.set_seed(args.seed)
-    sim = simulator_summary(args) if args.sim and is_main else {}
+    run = llm.Run(args)  # accelerator, threads, seed, the task and its held-out sets, the run folder
+    sim = simulator_summary(args) if args.sim and run.is_main else {}
     if args.steps == 0:
         return sim
-    task = llm.make_task(args.task, args.digits)
-    hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
-    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
     # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
-    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
-    use_kernels = args.kernels and accel.device.type == "cuda"
+    model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
+    use_kernels = args.kernels and run.accel.device.type == "cuda"
     fused_logprob = None
     if use_kernels:  # Triton: the fused lm_head + log-softmax (the loss kernel only for --is recompute)
         from kernels.fused_logprob import fused_linear_logprob as fused_logprob
     loss_fn = kernel_grpo_loss if use_kernels and args.is_mode == "recompute" else partial_loss
     opt = llm.make_optimizer(model.parameters(), args)
-
-    run_dir = Path(args.out_dir) / args.exp_name
-    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
-    if args.resume:
-        sampler.refresh()
-    sched = make_scheduler(args, state)
-    start_step, history, gen_time = state.get("step", 0), state.get("history", []), state.get("gen_time", 0.0)
-    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
-    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
-    evaluate = lambda: common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
-                                       args.temperature, hard_task)
-
-    def log(metrics: dict, step: int):
-        history.append({"step": step, **metrics})
-        if tracker is not None:
-            tracker.log(metrics, step)
-
-    if start_step == 0 and is_main:
-        log(evaluate(), 0)
-    bar = tqdm(range(start_step + 1, args.steps + 1), desc=f"partial_rollout ({args.policy}, {args.is_mode})",
-               dynamic_ncols=True, disable=not is_main, initial=start_step, total=args.steps)
-    for step in bar:
-        # Every random draw of this step depends on (seed, step, rank) and the carried buffer only.
-        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
-        rng = np.random.default_rng([args.seed, step, rank])
+    # resume from --resume (the scheduler's unfinished trajectories too), then the step-0 held-out evaluation
+    run.start(model, tok, opt, sampler, counters={"scheduler": None})
+    sched = make_scheduler(args, run.counters)
+    for step, rng in run.steps():  # every random draw of a step depends on (seed, step, rank) and the carried buffer
         generated = sched.generated
-        with timer("gen"):  # the weights that sample this step are version step - 1
-            batch = rollout(sampler, tok, task, args, rng, accel.device, sched, version=step - 1)
-        with timer("train"):  # includes the sampler's refresh after each optimiser step
-            stats = update(model, opt, batch, loss_fn, args, step, accel, sampler, ref_model, fused_logprob)
-        t = timer.pop()
-        gen_time += t["gen"]
-        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
-                                            args.group_size, t["gen"]), **batch["reward_terms"], **batch["partial"],
-                   **stats, "rollout/tokens_per_s": (sched.generated - generated) / t["gen"],  # generated, not trained
-                   "perf/lr": opt.param_groups[0]["lr"], **{f"perf/{k}_s": v for k, v in t.items()}}
-        if is_main and (step % args.eval_every == 0 or step == args.steps):
-            metrics.update(evaluate())
-        log(metrics, step)
-        if is_main:
-            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
-                            stale=f"{metrics['partial/stale_token_frac']:.2f}",
-                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
-        if args.save_every and step % args.save_every == 0 or step == args.steps:  # every rank: shards
-            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
-                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
-                                    "gen_time": gen_time, "scheduler": sched.state()})
-    if not is_main:
-        return {}
-    summary = common.summarize(history, sched.generated, gen_time, time.time() - t_start)
-    summary.update(partial_summary(history, sched, sim))
-    common.save_curve(history, run_dir / "curve.png", f"{args.policy} + {args.is_mode} on {task.name} ({args.model})")
-    return tracker.finish(summary)
+        with run.timer("gen"):  # the weights that sample this step are version step - 1
+            batch = rollout(sampler, tok, run.task, args, rng, run.accel.device, sched, version=step - 1)
+        with run.timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, loss_fn, args, step, run.accel, sampler, ref_model, fused_logprob)
+        run.counters["scheduler"] = sched.state()  # checkpointed with the weights
+        tokens_per_s = (sched.generated - generated) / run.timer.totals["gen"]  # generated, not trained
+        metrics = run.log_step(step, batch, stats, extra={**batch["partial"], "rollout/tokens_per_s": tokens_per_s})
+        if run.is_main:
+            run.bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}",
+                                stale=f"{metrics['partial/stale_token_frac']:.2f}", acc=f"{run.last('eval/acc'):.2f}")
+    run.gen_tokens = sched.generated  # the summary's token count: every token generated, trained or still in flight
+    return run.finish(f"{args.policy} + {args.is_mode}", extra=partial_summary(run.history, sched, sim))
 
 
 if __name__ == "__main__":

@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,7 +72,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 import tyro
-from tqdm import tqdm
 
 import common
 from algos import _llm as llm
@@ -396,71 +394,24 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampl
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
-    from accelerate import Accelerator
-
-    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    rank, is_main = accel.process_index, accel.is_main_process
-    torch.set_num_threads(args.threads)
-    common.set_seed(args.seed)
-    task = llm.make_task(args.task, args.digits)
-    hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
-    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
+    run = llm.Run(args)  # accelerator, threads, seed, the task and its held-out sets, the run folder
     # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
-    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
-    critic = make_critic(model, args, accel)
+    model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
+    critic = make_critic(model, args, run.accel)
     opt = llm.make_optimizer([{"params": list(model.parameters())},
                               {"params": list(critic.parameters()), "lr": args.vf_lr}], args)
-
-    run_dir = Path(args.out_dir) / args.exp_name
-    state = common.load_checkpoint(args.resume, model, opt, {"critic": critic}) if args.resume else {}
-    if args.resume:
-        sampler.refresh()
-    start_step, history = state.get("step", 0), state.get("history", [])
-    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
-    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name) if is_main else None
-    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
-    evaluate = lambda: common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
-                                       args.temperature, hard_task)
-
-    def log(metrics: dict, step: int):
-        history.append({"step": step, **metrics})
-        if tracker is not None:
-            tracker.log(metrics, step)
-
-    if start_step == 0 and is_main:
-        log(evaluate(), 0)
-    bar = tqdm(range(start_step + 1, args.steps + 1), desc="ppo", dynamic_ncols=True, disable=not is_main,
-               initial=start_step, total=args.steps)
-    for step in bar:
-        # Every random draw of this step depends on (seed, step, rank) only: resuming is exact.
-        torch.manual_seed(hash((args.seed, step, rank)) % 2**31)
-        rng = np.random.default_rng([args.seed, step, rank])
-        with timer("gen"):
-            batch = rollout(sampler, tok, task, args, rng, accel.device)
-        with timer("train"):  # includes the sampler's refresh after each optimiser step
-            stats = update(model, opt, batch, ppo_loss, args, step, accel, sampler, ref_model, critic)
-        t = timer.pop()
-        gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
-        metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
-                                            args.group_size, t["gen"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
-                   **{f"perf/{k}_s": v for k, v in t.items()}}
-        if is_main and (step % args.eval_every == 0 or step == args.steps):
-            metrics.update(evaluate())
-        log(metrics, step)
-        if is_main:
-            bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", ev=f"{metrics['value/explained_var']:.2f}",
-                            acc=f"{next(h['eval/acc'] for h in reversed(history) if 'eval/acc' in h):.2f}")
-        if args.save_every and step % args.save_every == 0 or step == args.steps:  # every rank: shards
-            common.save_checkpoint(run_dir / "checkpoint", accel.unwrap_model(model), tok, opt,
-                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
-                                    "gen_tokens": gen_tokens, "gen_time": gen_time}, {"critic": critic})
-    if not is_main:
-        return {}
-    summary = common.summarize(history, gen_tokens, gen_time, time.time() - t_start)
-    ev = [h["value/explained_var"] for h in history if "value/explained_var" in h]
-    summary["explained_var_last"] = float(np.nanmean(ev[-10:]))
-    common.save_curve(history, run_dir / "curve.png", f"PPO on {task.name} ({args.model})")
-    return tracker.finish(summary)
+    run.start(model, tok, opt, sampler, extra={"critic": critic})  # resume (the critic too), step-0 evaluation
+    for step, rng in run.steps():  # every random draw of a step depends on (seed, step, rank) only
+        with run.timer("gen"):
+            batch = rollout(sampler, tok, run.task, args, rng, run.accel.device)
+        with run.timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, ppo_loss, args, step, run.accel, sampler, ref_model, critic)
+        metrics = run.log_step(step, batch, stats)  # rollout metrics, evaluation every --eval-every, checkpoints
+        if run.is_main:
+            run.bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", ev=f"{metrics['value/explained_var']:.2f}",
+                                acc=f"{run.last('eval/acc'):.2f}")
+    ev = [h["value/explained_var"] for h in run.history if "value/explained_var" in h]
+    return run.finish("PPO", extra={"explained_var_last": float(np.nanmean(ev[-10:]))})
 
 
 if __name__ == "__main__":
