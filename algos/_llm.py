@@ -672,7 +672,7 @@ class Run:
         return run.finish("GRPO")
     """
 
-    def __init__(self, args: LLMArgs, eval_hard: bool | None = None, tasks: bool = True):
+    def __init__(self, args: LLMArgs, eval_hard: bool | None = None, tasks: bool = True, total: int | None = None):
         from accelerate import Accelerator
 
         self.args = args
@@ -688,6 +688,7 @@ class Run:
             self.hard_task = make_task(args.task, args.digits + 1) if hard and hasattr(self.task, "digits") else None
             self.eval_sets = common.held_out_sets(self.task, args.eval_examples, self.hard_task)
         self.run_dir = Path(args.out_dir) / args.exp_name
+        self.total = args.steps if total is None else total  # the last step (a script with stages: more)
         self.timer, self.history, self.extra, self.counters = common.Timer(), [], None, {}
         self.gen_tokens, self.gen_time, self.start_step, self.wall_before = 0, 0.0, 0, 0.0
 
@@ -720,8 +721,8 @@ class Run:
     def steps(self):
         """(step, rng) from the one after the last checkpoint to --steps, with torch's seed and the numpy generator
         derived from (seed, step, rank): a resumed run draws exactly what an uninterrupted one would."""
-        self.bar = tqdm(range(self.start_step + 1, self.args.steps + 1), desc=self.args.exp_name, dynamic_ncols=True,
-                        disable=not self.is_main, initial=self.start_step, total=self.args.steps)
+        self.bar = tqdm(range(self.start_step + 1, self.total + 1), desc=self.args.exp_name, dynamic_ncols=True,
+                        disable=not self.is_main, initial=self.start_step, total=self.total)
         for step in self.bar:
             torch.manual_seed(hash((self.args.seed, step, self.rank)) % 2**31)
             yield step, np.random.default_rng([self.args.seed, step, self.rank])
@@ -738,7 +739,7 @@ class Run:
                                             group_size or getattr(self.args, "group_size", 1), t.get("gen", 0.0)),
                    **batch.get("reward_terms", {}), **stats, **(extra or {}), "perf/lr": self.opt.param_groups[0]["lr"],
                    **{f"perf/{k}_s": v for k, v in t.items()}}
-        last = last or step == self.args.steps
+        last = last or step == self.total
         if self.is_main and (step % self.args.eval_every == 0 or last):
             metrics.update(self.evaluate())
         self.log(metrics, step)
@@ -758,12 +759,12 @@ class Run:
                                {"step": step, "history": self.history, "wall_s": time.time() - self.t_start,
                                 "gen_tokens": self.gen_tokens, "gen_time": self.gen_time, **self.counters}, self.extra)
 
-    def finish(self, title: str, extra: dict | None = None) -> dict:
+    def finish(self, title: str, extra: dict | None = None, hlines: dict | None = None) -> dict:
         """summary.json (the shared keys, plus `extra`) and curve.png on the main process; {} on the others."""
         if not self.is_main:
             return {}
         summary = {**common.summarize(self.history, self.gen_tokens, self.gen_time, time.time() - self.t_start),
                    **(extra or {})}
         where = f" on {self.task.name}" if self.task is not None else ""
-        common.save_curve(self.history, self.run_dir / "curve.png", f"{title}{where} ({self.args.model})")
+        common.save_curve(self.history, self.run_dir / "curve.png", f"{title}{where} ({self.args.model})", hlines)
         return self.tracker.finish(summary)

@@ -82,7 +82,6 @@ import collections
 import copy
 import dataclasses
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -92,7 +91,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 import tyro
-from tqdm import tqdm
 
 import common
 from algos import _llm as llm
@@ -508,74 +506,42 @@ def update(model, opt, parts: list[dict], loss_fn, args: Args, step: int, teache
 # ---- main ----
 def main(args: Args) -> dict:
     check_args(args)
-    from accelerate import Accelerator
-
-    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    if accel.num_processes > 1:
+    run = llm.Run(args)  # accelerator, threads, seed, the task and its held-out sets, the run folder
+    if run.accel.num_processes > 1:
         raise SystemExit("AsyncOPD runs in one process: start it with python, not torchrun or accelerate launch")
-    torch.set_num_threads(args.threads)
-    common.set_seed(args.seed)
-    task = llm.make_task(args.task, args.digits)
-    hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
-    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok, _, sampler = llm.load_policy(args, accel)  # the student; its sampler is the held-out evaluation's
-    teacher, tok_t = common.load_model(args.teacher, accel.device, args.dtype)
+    model, tok, _, sampler = llm.load_policy(args, run.accel)  # the student; its sampler is the held-out evaluation's
+    teacher, tok_t = common.load_model(args.teacher, run.accel.device, args.dtype)
     check_teacher(tok, tok_t, model, teacher, args.teacher)
     teacher.eval().requires_grad_(False)
     behaviour = common.Sampler(copy.deepcopy(model).eval().requires_grad_(False))  # the stale sampler
     snapshots = collections.deque(maxlen=args.staleness + 1)  # weights after each of the last k+1 updates
     snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
     opt = llm.make_optimizer(model.parameters(), args)
-
-    run_dir = Path(args.out_dir) / args.exp_name
-    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name)
-    timer, t_start = common.Timer(), time.time()
-    gen_tokens, gen_time, history = 0, 0.0, []
-    evaluate = lambda policy, hard=hard_task, k=args.pass_k: common.run_eval(  # noqa: E731
-        policy, tok, task, eval_sets, args.max_new_tokens, k, args.temperature, hard)
-
-    def log(metrics: dict, step: int):
-        history.append({"step": step, **metrics})
-        tracker.log(metrics, step)
-
+    evaluate = lambda policy, hard=run.hard_task, k=args.pass_k: common.run_eval(  # noqa: E731
+        policy, tok, run.task, run.eval_sets, args.max_new_tokens, k, args.temperature, hard)
     teacher_acc = evaluate(common.Sampler(teacher), None, 0)["eval/acc"]
-    log({**evaluate(sampler), "eval/teacher_acc": teacher_acc}, 0)
-    desc = f"async_opd[{args.variant},k={args.staleness}]"
-    for step in tqdm(range(1, args.steps + 1), desc=desc, dynamic_ncols=True):
-        torch.manual_seed(hash((args.seed, step)) % 2**31)
-        rng = np.random.default_rng([args.seed, step])
+    # the step-0 held-out evaluation, with the teacher's accuracy (--resume is refused in check_args)
+    run.start(model, tok, opt, sampler,
+              evaluate=lambda: {**evaluate(sampler), **({} if run.history else {"eval/teacher_acc": teacher_acc})})
+    for step, rng in run.steps():  # rng: default_rng([seed, step]) (one process: rank 0 adds nothing)
+        torch.manual_seed(hash((args.seed, step)) % 2**31)  # each step's draws depend on (seed, step)
         gen = torch.Generator().manual_seed(hash((args.seed, step, 1)) % 2**31)
         behaviour.model.load_state_dict(snapshots[0])  # the oldest kept: k updates behind (fewer at the start)
-        with timer("gen"):
-            parts = rollout(behaviour, tok, task, args, rng, accel.device, gen)
-        with timer("train"):
+        with run.timer("gen"):
+            parts = rollout(behaviour, tok, run.task, args, rng, run.accel.device, gen)
+        with run.timer("train"):
             stats = update(model, opt, parts, async_opd_loss, args, step, teacher)
         snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-        t = timer.pop()
-        b = parts[0]
-        gen_tokens, gen_time = gen_tokens + int(b["completion_mask"].sum()), gen_time + t["gen"]
-        metrics = {**common.rollout_metrics(b["rewards"], b["completion_mask"], b["finish_reasons"], args.group_size,
-                                            t["gen"]),
-                   "rollout/repeat_frac": repeat_frac(b["texts"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
-                   **{f"perf/{k}_s": v for k, v in t.items()}}
-        if step % args.eval_every == 0 or step == args.steps:
-            metrics.update(evaluate(sampler))
-        log(metrics, step)
-        if args.save_every and step % args.save_every == 0 or step == args.steps:  # the student (no resume)
-            common.save_checkpoint(run_dir / "checkpoint", model, tok, opt, {"step": step})
-
-    train = [h for h in history if "rollout/reward" in h]
+        run.log_step(step, parts[0], stats, extra={"rollout/repeat_frac": repeat_frac(parts[0]["texts"])})
+    train = [h for h in run.history if "rollout/reward" in h]
     last = train[-10:]
-    summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start), "teacher_acc": teacher_acc,
-               "kl_reverse_end": float(np.mean([h["kl/reverse"] for h in last])),
+    summary = {"teacher_acc": teacher_acc, "kl_reverse_end": float(np.mean([h["kl/reverse"] for h in last])),
                "kl_forward_end": float(np.mean([h["kl/forward"] for h in last])),
                "truncated_frac_max": max(h["rollout/truncated_frac"] for h in train),
                "length_mean": float(np.mean([h["rollout/length"] for h in train]))}
-    common.save_curve(history, run_dir / "curve.png", f"AsyncOPD {args.variant}, k={args.staleness} on {task.name}",
-                      {"teacher": teacher_acc})
     print(f"[{args.variant}, k={args.staleness}] teacher held-out accuracy {teacher_acc:.3f}, final KL(s||t) "
           f"{summary['kl_reverse_end']:.3f}")
-    return tracker.finish(summary)
+    return run.finish(f"AsyncOPD {args.variant}, k={args.staleness}", extra=summary, hlines={"teacher": teacher_acc})
 
 
 if __name__ == "__main__":

@@ -84,7 +84,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -94,7 +93,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 import tyro
-from tqdm import tqdm
 
 import common
 from algos import _llm as llm
@@ -497,74 +495,44 @@ def opd_summary(history: list[dict], teacher_eval: dict, labelled_prompts: int) 
 
 def main(args: Args) -> dict:
     check_args(args)
-    from accelerate import Accelerator
-
-    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    if accel.num_processes > 1:
+    run = llm.Run(args, total=total_steps(args))  # accelerator, threads, seed, task, held-out sets; all stages' steps
+    if run.accel.num_processes > 1:
         raise SystemExit("OPD runs in one process: start it with python, not torchrun or accelerate launch")
-    torch.set_num_threads(args.threads)
-    common.set_seed(args.seed)
-    task = llm.make_task(args.task, args.digits)
-    hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
-    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.ref_coef > 0)  # the student
-    teacher, tok_t = common.load_model(args.teacher, accel.device, args.dtype)
+    model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.ref_coef > 0)  # the student
+    teacher, tok_t = common.load_model(args.teacher, run.accel.device, args.dtype)
     check_teacher(tok, tok_t, model, teacher, args.teacher)
     teacher_sampler = common.Sampler(teacher.eval().requires_grad_(False))  # frozen: nothing to refresh
     opt = llm.make_optimizer(model.parameters(), args)
-
-    run_dir = Path(args.out_dir) / args.exp_name
-    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
-    start_step, history = state.get("step", 0), state.get("history", [])
-    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
-    labelled_prompts = state.get("labelled_prompts", 0)
-    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name)
-    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
     evaluate = lambda policy, k=args.pass_k: common.run_eval(  # noqa: E731
-        policy, tok, task, eval_sets, args.max_new_tokens, k, args.temperature, hard_task)
+        policy, tok, run.task, run.eval_sets, args.max_new_tokens, k, args.temperature, run.hard_task)
 
-    def log(metrics: dict, step: int):
-        history.append({"step": step, **metrics})
-        tracker.log(metrics, step)
+    def evaluate_student() -> dict:  # at step 0, after the teacher's evaluation (once per run), with its accuracy
+        if run.history:
+            return evaluate(sampler)
+        run.counters["teacher_eval"] = evaluate(teacher_sampler, 0)
+        return {**evaluate(sampler), "eval/teacher_acc": run.counters["teacher_eval"]["eval/acc"]}
 
-    teacher_eval = state.get("teacher_eval") or evaluate(teacher_sampler, 0)
-    if start_step == 0:
-        log({**evaluate(sampler), "eval/teacher_acc": teacher_eval["eval/acc"]}, 0)
-    total = total_steps(args)
-    for step in tqdm(range(start_step + 1, total + 1), desc=f"opd[{args.loss},{args.schedule}]", dynamic_ncols=True,
-                     initial=start_step, total=total):
+    # resume (the labelled-prompt count and the teacher's evaluation too), then the step-0 held-out evaluation
+    run.start(model, tok, opt, sampler, evaluate=evaluate_student,
+              counters={"labelled_prompts": 0, "teacher_eval": None})
+    run.counters["teacher_eval"] = run.counters["teacher_eval"] or evaluate(teacher_sampler, 0)  # an older checkpoint
+    for step, rng in run.steps():  # rng: default_rng([seed, step]) (one process: rank 0 adds nothing)
         torch.manual_seed(hash((args.seed, step)) % 2**31)  # each step's draws depend on (seed, step): exact resume
-        rng = np.random.default_rng([args.seed, step])
         stage = stage_of(step, args)
-        with timer("gen"):
-            parts = rollout(sampler, tok, task, args, rng, accel.device, teacher_sampler, stage)
-        with timer("train"):
+        with run.timer("gen"):
+            parts = rollout(sampler, tok, run.task, args, rng, run.accel.device, teacher_sampler, stage)
+        with run.timer("train"):
             stats = update(model, opt, parts, opd_loss, args, step, teacher, ref_model)
-        t = timer.pop()
-        gen_tokens, gen_time = gen_tokens + sum(int(p["completion_mask"].sum()) for p in parts), gen_time + t["gen"]
-        labelled_prompts += args.prompts_per_step if stage == "grpo" else 0
+        run.gen_tokens += sum(int(p["completion_mask"].sum()) for p in parts[1:])  # log_step counts parts[0]'s
+        run.counters["labelled_prompts"] += args.prompts_per_step if stage == "grpo" else 0
         own = parts[0]  # the rollouts of the policy being trained where it sampled, else the teacher's
-        metrics = {"stage": {"warmup": 0, "opd": 1, "grpo": 2}[stage],
-                   **common.rollout_metrics(own["rewards"], own["completion_mask"], own["finish_reasons"],
-                                            args.group_size, t["gen"]),
-                   "rollout/source_student": float(own["source"] == "student"),
-                   "rollout/repeat_frac": repeat_frac(own["texts"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
-                   **{f"perf/{k}_s": v for k, v in t.items()}}
-        if step % args.eval_every == 0 or step == total:
-            metrics.update(evaluate(sampler))
-        log(metrics, step)
-        if args.save_every and step % args.save_every == 0 or step == total:
-            common.save_checkpoint(run_dir / "checkpoint", model, tok, opt,
-                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
-                                    "gen_tokens": gen_tokens, "gen_time": gen_time,
-                                    "labelled_prompts": labelled_prompts, "teacher_eval": teacher_eval})
-
-    summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start),
-               **opd_summary(history, teacher_eval, labelled_prompts)}
-    common.save_curve(history, run_dir / "curve.png", f"OPD {args.loss}/{args.schedule} on {task.name}",
-                      {"teacher": summary["teacher_acc"]})
-    print(f"teacher held-out greedy accuracy {summary['teacher_acc']:.3f}")
-    return tracker.finish(summary)
+        run.log_step(step, own, stats, extra={"stage": {"warmup": 0, "opd": 1, "grpo": 2}[stage],
+                                              "rollout/source_student": float(own["source"] == "student"),
+                                              "rollout/repeat_frac": repeat_frac(own["texts"])})
+    teacher_eval = run.counters["teacher_eval"]
+    print(f"teacher held-out greedy accuracy {teacher_eval['eval/acc']:.3f}")
+    return run.finish(f"OPD {args.loss}/{args.schedule}", hlines={"teacher": teacher_eval["eval/acc"]},
+                      extra=opd_summary(run.history, teacher_eval, run.counters["labelled_prompts"]))
 
 
 if __name__ == "__main__":

@@ -67,7 +67,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -77,7 +76,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 import tyro
-from tqdm import tqdm
 
 import common
 from algos import _llm as llm
@@ -485,72 +483,40 @@ def self_opd_summary(history: list[dict], privileged_start: float, privileged_en
 
 def main(args: Args) -> dict:
     check_args(args)
-    from accelerate import Accelerator
-
-    accel = Accelerator(cpu=args.device == "cpu" or not torch.cuda.is_available())
-    if accel.num_processes > 1:
+    run = llm.Run(args)  # accelerator, threads, seed, the task and its held-out sets, the run folder
+    if run.accel.num_processes > 1:
         raise SystemExit("self_opd runs in one process: start it with python, not torchrun or accelerate launch")
-    torch.set_num_threads(args.threads)
-    common.set_seed(args.seed)
-    task = llm.make_task(args.task, args.digits)
-    if args.mode == "trace" and getattr(task, "kind", None) not in ("add", "addsteps"):
+    if args.mode == "trace" and getattr(run.task, "kind", None) not in ("add", "addsteps"):
         raise SystemExit("--mode trace marks critical spans programmatically: only the arithmetic tasks "
                          "(add, addsteps) have span marks")
-    hard_task = llm.make_task(args.task, args.digits + 1) if args.eval_hard and hasattr(task, "digits") else None
-    eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
-    model, tok, _, sampler = llm.load_policy(args, accel)  # the student, and the teacher when shown x*
+    model, tok, _, sampler = llm.load_policy(args, run.accel)  # the student, and the teacher when shown x*
     opt = llm.make_optimizer(model.parameters(), args)
+    privileged = lambda: privileged_eval(sampler, tok, run.task, run.eval_sets["main"][:200], args)  # noqa: E731
 
-    run_dir = Path(args.out_dir) / args.exp_name
-    state = common.load_checkpoint(args.resume, model, opt) if args.resume else {}
-    start_step, history = state.get("step", 0), state.get("history", [])
-    gen_tokens, gen_time = state.get("gen_tokens", 0), state.get("gen_time", 0.0)
-    tracker = common.Tracker(run_dir, args, args.track, run_name=args.exp_name)
-    timer, t_start = common.Timer(), time.time() - state.get("wall_s", 0.0)
-    evaluate = lambda: common.run_eval(sampler, tok, task, eval_sets, args.max_new_tokens, args.pass_k,  # noqa: E731
-                                       args.temperature, hard_task)
+    def evaluate() -> dict:  # at step 0 after the privileged view's accuracy (checkpointed), logged beside it
+        first = not run.history
+        if first:
+            run.counters["privileged_acc_start"] = privileged()
+        out = common.run_eval(sampler, tok, run.task, run.eval_sets, args.max_new_tokens, args.pass_k,
+                              args.temperature, run.hard_task)
+        return {**out, "eval/privileged_acc": run.counters["privileged_acc_start"]} if first else out
 
-    def log(metrics: dict, step: int):
-        history.append({"step": step, **metrics})
-        tracker.log(metrics, step)
-
-    teacher_acc0 = state.get("privileged_acc_start")
-    if start_step == 0:
-        teacher_acc0 = privileged_eval(sampler, tok, task, eval_sets["main"][:200], args)
-        log({**evaluate(), "eval/privileged_acc": teacher_acc0}, 0)
-    for step in tqdm(range(start_step + 1, args.steps + 1), desc=f"self_opd[{args.mode}]", dynamic_ncols=True,
-                     initial=start_step, total=args.steps):
+    # resume (the privileged view's starting accuracy too), then the step-0 held-out evaluation
+    run.start(model, tok, opt, sampler, evaluate=evaluate, counters={"privileged_acc_start": None})
+    for step, rng in run.steps():  # rng: default_rng([seed, step]) (one process: rank 0 adds nothing)
         torch.manual_seed(hash((args.seed, step)) % 2**31)  # each step's draws depend on (seed, step): exact resume
-        rng = np.random.default_rng([args.seed, step])
-        with timer("gen"):
-            parts = rollout(sampler, tok, task, args, rng, accel.device, step)
-        with timer("train"):
+        with run.timer("gen"):
+            parts = rollout(sampler, tok, run.task, args, rng, run.accel.device, step)
+        with run.timer("train"):
             stats = update(model, opt, parts, self_opd_loss, args, step, model)  # the teacher: the same weights
-        t = timer.pop()
         b = parts[0]
-        gen_tokens, gen_time = gen_tokens + int(b["completion_mask"].sum()), gen_time + t["gen"]
-        metrics = {**common.rollout_metrics(b["rewards"], b["completion_mask"], b["finish_reasons"], args.group_size,
-                                            t["gen"]),
-                   "rollout/repeat_frac": repeat_frac(b["texts"]), **stats, "perf/lr": opt.param_groups[0]["lr"],
-                   **({"trace/kl_weight": b["kl_weight"]} if args.mode == "trace" else {}),
-                   **{f"perf/{k}_s": v for k, v in t.items()}}
-        if step % args.eval_every == 0 or step == args.steps:
-            metrics.update(evaluate())
-        log(metrics, step)
-        if args.save_every and step % args.save_every == 0 or step == args.steps:
-            common.save_checkpoint(run_dir / "checkpoint", model, tok, opt,
-                                   {"step": step, "history": history, "wall_s": time.time() - t_start,
-                                    "gen_tokens": gen_tokens, "gen_time": gen_time,
-                                    "privileged_acc_start": teacher_acc0})
-
-    summary = {**common.summarize(history, gen_tokens, gen_time, time.time() - t_start),
-               **self_opd_summary(history, teacher_acc0,
-                                  privileged_eval(sampler, tok, task, eval_sets["main"][:200], args))}
-    common.save_curve(history, run_dir / "curve.png", f"self-OPD {args.mode} on {task.name}",
-                      {"teacher (privileged view)": teacher_acc0})
+        run.log_step(step, b, stats, extra={"rollout/repeat_frac": repeat_frac(b["texts"]),
+                                            **({"trace/kl_weight": b["kl_weight"]} if args.mode == "trace" else {})})
+    teacher_acc0 = run.counters["privileged_acc_start"]
+    summary = self_opd_summary(run.history, teacher_acc0, privileged())
     print(f"[{args.mode}] privileged view {teacher_acc0:.3f} -> {summary['privileged_acc_end']:.3f}; entropy "
           f"{summary['entropy_first']:.3f} -> {summary['entropy_last']:.3f}")
-    return tracker.finish(summary)
+    return run.finish(f"self-OPD {args.mode}", extra=summary, hlines={"teacher (privileged view)": teacher_acc0})
 
 
 if __name__ == "__main__":
