@@ -11,6 +11,8 @@ import copy
 import json
 import os
 import random
+import shutil
+import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, is_dataclass
@@ -247,7 +249,7 @@ class Sampler:
     - a full copy of a model that FSDP2 shards (bf16 on CUDA: 2 bytes per parameter on every rank), gathered one
       parameter at a time by refresh() after every optimiser step (a collective: every rank calls it);
     - a vLLM engine (algos/_vllm.py), whose weights refresh() sends after every optimiser step.
-    Build it before common.shard(model): a sharded copy is a deep copy of the full weights."""
+    Build it before common.shard(model): a sharded copy is a deep copy of the full weights. LoRA: llm.LoRASampler."""
 
     def __init__(self, model, engine=None, sharded: bool = False, fast: bool | None = None):
         cuda = next(model.parameters()).device.type == "cuda" or sharded and torch.cuda.is_available()
@@ -364,21 +366,29 @@ def chunk_positions(vocab: int, chunk_mb: float | None = None) -> int:
     return max(1, int((LOGPROB_CHUNK_MB if chunk_mb is None else chunk_mb) * 2**20) // (4 * vocab))
 
 
+@dataclass
+class AdaptersOff:
+    """A LoRA policy's frozen reference without a second copy: token_logprobs runs `model` with adapters disabled."""
+    model: torch.nn.Module
+
+
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
                    chunk_mb: float | None = None, with_entropy: bool = False, fused_fn=None):
-    """log pi(y_t | x, y_<t) for every completion token, [B, C] (and the entropy when asked). The decoder runs
-    once; the lm_head + log-softmax run over chunks of positions whose fp32 logits take about `chunk_mb` MiB
-    (LOGPROB_CHUNK_MB by default), and
-    under a gradient each chunk is recomputed in the backward (activation checkpointing), so at most one chunk of
-    [positions x vocab] logits is ever alive, in the forward or the backward. `fused_fn(hidden, weight, targets,
-    temperature)` -> (logprob, entropy), a kernel, replaces the chunked loop when given."""
+    """log pi(y_t | x, y_<t) for every completion token, [B, C] (and the entropy when asked), of a model or of an
+    AdaptersOff reference. The decoder runs once; the lm_head + log-softmax run over chunks of positions whose fp32
+    logits take about `chunk_mb` MiB (LOGPROB_CHUNK_MB by default), and under a gradient each chunk is recomputed in
+    the backward (activation checkpointing), so at most one chunk of [positions x vocab] logits is ever alive, in the
+    forward or the backward. `fused_fn(hidden, weight, targets, temperature)` -> (logprob, entropy), a kernel,
+    replaces the chunked loop when given."""
+    off = isinstance(model, AdaptersOff)  # a LoRA policy's reference: the same model, its adapters disabled
+    model, adapters = (model.model, model.model.disable_adapter()) if off else (model, nullcontext())
     ids = torch.cat([prompt_ids, completion_ids], 1)
     mask = torch.cat([prompt_mask, completion_mask], 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)  # left padding: positions count real tokens only
     P, (B, C) = prompt_ids.shape[1], completion_ids.shape
     targets = completion_ids.reshape(-1)
     head = model.get_output_embeddings()
-    with autocast(model):  # bf16 matmuls under --dtype bf16; the log-softmax below is fp32 either way
+    with adapters, autocast(model):  # bf16 matmuls under --dtype bf16; the log-softmax below is fp32 either way
         h = decoder_hidden(model, ids, mask, pos)[:, P - 1:-1].reshape(B * C, -1)  # predicts each completion token
         if fused_fn is not None:  # the lm_head in the autocast dtype, as the chunked path's matmul
             dt = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
@@ -571,19 +581,21 @@ def shard(model, accel):
 
 # ---- checkpoints ----
 def save_checkpoint(path: str | Path, model, tok, optimizer=None, state: dict | None = None, extra=None) -> None:
-    """Model in HF format (safetensors), optimizer tensors in safetensors, counters in JSON, `extra` modules (a dict,
-    e.g. a critic) as <name>.safetensors. No pickle. A sharded model (every rank calls) saves its shards and the
-    extra modules' with torch.distributed.checkpoint; otherwise only rank 0 writes."""
+    """Model in HF format (safetensors; a LoRA model: its adapters, as peft saves them), optimizer tensors in
+    safetensors, counters in JSON, `extra` modules (a dict, e.g. a critic) as <name>.safetensors. No pickle. A sharded
+    model (every rank calls) saves its shards and the extra modules' with torch.distributed.checkpoint; otherwise only
+    rank 0 writes."""
     from safetensors.torch import save_file
 
     path, rank = Path(path), torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     tmp = path.with_name(path.name + ".tmp")
     if is_sharded(model):
         _dcp(model, optimizer, tmp, True, extra)
+        lora = {n: p.full_tensor() for n, p in model.named_parameters() if "lora_" in n}  # small: gathered
     if rank != 0:
         return torch.distributed.barrier() if is_sharded(model) else None
-    if is_sharded(model):
-        model.config.save_pretrained(tmp)
+    if is_sharded(model):  # the config files beside the shards; a LoRA model's adapters: export_checkpoint reads them
+        model.save_pretrained(tmp, state_dict=lora)
     else:
         model.save_pretrained(tmp)
         for name, module in (extra or {}).items():
@@ -597,8 +609,6 @@ def save_checkpoint(path: str | Path, model, tok, optimizer=None, state: dict | 
         (tmp / "optimizer_groups.json").write_text(json.dumps(sd["param_groups"]))
     (tmp / "trainer_state.json").write_text(json.dumps(state or {}))
     if path.exists():  # swap in only once the new checkpoint is complete: the last good one survives a crash
-        import shutil
-
         shutil.rmtree(path)
     tmp.rename(path)
     if is_sharded(model):
@@ -609,16 +619,18 @@ def _dcp(model, optimizer, path: Path, save: bool, extra=None) -> None:
     """Save or load a sharded model's (and optimizer's) state with torch.distributed.checkpoint: each rank its own
     shard, resharded on load if the world size changed."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     root = torch.nn.ModuleDict({"policy": model, **extra}) if extra else model  # one optimizer may span them all
-    msd, osd = get_state_dict(root, optimizer if optimizer is not None else [])
+    lora = hasattr(model, "peft_config")  # LoRA: the adapters only; the frozen base weights are the model's own
+    opts = StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+    msd, osd = get_state_dict(root, optimizer if optimizer is not None else [], options=opts)
     state = {"model": msd, **({"optim": osd} if optimizer is not None else {})}
     if save:
         return dcp.save(state, checkpoint_id=str(path))
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(root, optimizer if optimizer is not None else [], model_state_dict=state["model"],
-                   optim_state_dict=state.get("optim", {}))
+                   optim_state_dict=state.get("optim", {}), options=opts)
 
 
 def load_checkpoint(path: str | Path, model, optimizer=None, extra=None) -> dict:
@@ -628,16 +640,19 @@ def load_checkpoint(path: str | Path, model, optimizer=None, extra=None) -> dict
     path = Path(path)
     if not (path / "trainer_state.json").exists():
         raise SystemExit(f"{path} is not a checkpoint (no trainer_state.json)")
-    if is_sharded(model) or (path / ".metadata").exists():
-        if not is_sharded(model):
+    if (path / "adapter_config.json").exists() != hasattr(model, "peft_config"):
+        raise SystemExit(f"{path}: resume a LoRA checkpoint with the run's --lora-rank, a full one without")
+    if is_sharded(model) or (path / ".metadata").exists():  # no process group (export_checkpoint): read in this one
+        if not is_sharded(model) and torch.distributed.is_initialized():
             raise SystemExit(f"{path} holds the shards of a run with several processes: resume it under torchrun "
                              "(any number of processes: the shards are redistributed)")
         _dcp(model, optimizer, path, False, extra)
         return json.loads((path / "trainer_state.json").read_text())
-    weights = {}
-    for shard in sorted(path.glob("model*.safetensors")):  # one file, or shards of a large model
-        weights.update(load_file(shard))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if hasattr(model, "peft_config"):  # the adapters only: the frozen base weights are the model's own
+        missing, unexpected = model.load_adapter(path, "default", is_trainable=True)
+    else:  # one file, or the shards of a large model
+        weights = {k: v for f in sorted(path.glob("model*.safetensors")) for k, v in load_file(f).items()}
+        missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {k for k in missing if "lm_head" in k and getattr(model.config, "tie_word_embeddings", False)}
     if set(missing) - tied or unexpected:
         raise SystemExit(f"{path}: checkpoint does not fit the model (missing {sorted(set(missing) - tied)[:3]}, "
@@ -652,3 +667,34 @@ def load_checkpoint(path: str | Path, model, optimizer=None, extra=None) -> dict
         optimizer.load_state_dict({"state": state,
                                    "param_groups": json.loads((path / "optimizer_groups.json").read_text())})
     return json.loads((path / "trainer_state.json").read_text())
+
+
+def export_checkpoint(path: str | Path, out: str | Path, merge_lora: bool = False) -> Path:
+    """A checkpoint as a folder AutoModelForCausalLM.from_pretrained loads (safetensors weights, config, tokenizer and
+    generation config), from one process's weights, a run's shards or (merge_lora) a LoRA adapter and its base."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    path = Path(path)
+    if (path / "adapter_config.json").exists() != merge_lora:
+        raise SystemExit(f"{path}: " + ("no LoRA adapter to merge" if merge_lora else "LoRA: add --merge-lora"))
+    if merge_lora:
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=torch.float32).merge_and_unload()
+    else:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+        model.generation_config = GenerationConfig.from_pretrained(path)
+        from torch.distributed.checkpoint import FileSystemReader  # a PPO run's policy is saved beside its critic
+
+        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata if (path / ".metadata").exists() else {}
+        load_checkpoint(path, model, extra={"critic": torch.nn.Module()} if "model.policy." in str([*keys]) else None)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(path).save_pretrained(out)
+    return Path(out)
+
+
+if __name__ == "__main__":  # python common.py export CHECKPOINT OUT [--merge-lora]
+    cmd = [a for a in sys.argv[1:] if a != "--merge-lora"]
+    if len(cmd) != 3 or cmd[0] != "export":
+        raise SystemExit("usage: python common.py export CHECKPOINT OUT [--merge-lora]\n" + export_checkpoint.__doc__)
+    print(f"wrote {export_checkpoint(cmd[1], cmd[2], '--merge-lora' in sys.argv)}")

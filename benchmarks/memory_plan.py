@@ -86,6 +86,22 @@ Result (benchmarks/results/memory_plan.md): Qwen2.5-7B at 512 new tokens fits on
 (micro-batch up to 53, peak 60.0 GiB at 32) or without (micro-batch 2), with the pass@k eval off: its one generate
 call of 800 sequences needs 27 GiB of KV cache and 15 GiB of prefill at 7B.
 
+LoRA (--lora-rank r, peft adapters on every attention and MLP projection; Setup(lora=r)): each adapted layer of
+shape out x in adds A (r x in) and B (out x in) in fp32, Pa = r x layers x (2h + q + 2 kv + q + h + 3 (h + I)) in
+all; gradients and AdamW state exist for those only (4 Pa + 8 Pa instead of 12 P; FSDP2 splits dim 0 of A and B
+like any tensor), the optimiser's temporary is 4 Pa, and the reference of a KL term costs nothing: it is the policy
+itself with its adapters disabled (common.AdaptersOff), where full fine-tuning keeps a 4P copy. The sampler's bf16
+copy is a plain model with the adapters merged (2P, as without LoRA). Autograd saves, per token, relative to full
+fine-tuning (checked to the byte on CPU by tests/test_llm.py, fp32 and autocast, SDPA and eager): per layer - 2 r h
+(RMSNorm's normalised copies: its weight is frozen, so only its output is kept) + 7 r a (each adapter's A output,
+the input of B) + a q under autocast with SDPA (peft casts the o_proj adapter's bf16 input to fp32 and autocast
+casts it back: a copy SDPA's saved output no longer shares), and once - (2 r h + 12) (the final norm's normalised
+copy, the embedding output, which needs no gradient, one rsqrt and the input ids). The frozen lm_head keeps its
+bf16 cast for the backward but gets no gradient (2 V h per chunk instead of 8 V h under autocast; none in fp32),
+and FSDP2 reduces no base gradient. Autocast caches the casts of weights that require a gradient only: the frozen
+weights are cast at each use, so under checkpointing the forward holds one cast at a time, not all of them. Measured: one GRPO step of SmolLM2-135M on CPU, tests/test_llm.py and
+benchmarks/results/memory_plan.md.
+
 Deviations, assumptions: the KV cache and logits of vLLM are not modelled (--engine hf); prompts are all of the
 stated length and every completion runs to the budget (the worst case); allocator fragmentation, the CUDA context,
 cuBLAS workspaces, NCCL buffers and the compiled decode step's CUDA-graph pool are outside the plan: the table
@@ -185,18 +201,28 @@ def shard_numel(shape: tuple[int, ...], n: int) -> int:
     return numel(shape) if n == 1 else -(-shape[0] // n) * numel(shape[1:])
 
 
-def adamw_state_bytes(s: Shape, gpus: int = 1, with_step: bool = True) -> int:
-    """torch.optim.AdamW's state: exp_avg and exp_avg_sq in fp32 per parameter, and a 0-d fp32 'step' per tensor
-    (on the CPU unless capturable or fused)."""
-    shapes = param_shapes(s)
+def lora_param_shapes(s: Shape, rank: int) -> list[tuple[int, ...]]:
+    """The LoRA adapters (A: rank x in, B: out x rank) of every attention and MLP projection of every layer, in the
+    order peft registers them (q, k, v, o, gate, up, down)."""
+    h, q, kv, i = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.inter
+    linears = ((q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i))
+    return [shape for out, inp in linears for shape in ((rank, inp), (out, rank))] * s.layers if rank else []
+
+
+def adamw_state_bytes(s: Shape, gpus: int = 1, with_step: bool = True, lora: int = 0) -> int:
+    """torch.optim.AdamW's state: exp_avg and exp_avg_sq in fp32 per trained parameter (all of them, or the LoRA
+    adapters of rank `lora` only), and a 0-d fp32 'step' per tensor (on the CPU unless capturable or fused)."""
+    shapes = lora_param_shapes(s, lora) if lora else param_shapes(s)
     return 8 * sum(shard_numel(p, gpus) for p in shapes) + 4 * len(shapes) * with_step
 
 
 # ---- activations ----
-def layer_saved_bytes(s: Shape, L: int, bf16: bool, attn: str = "sdpa") -> float:
-    """Bytes autograd saves per token in one decoder layer (see the header for each term)."""
+def layer_saved_bytes(s: Shape, L: int, bf16: bool, attn: str = "sdpa", lora: int = 0) -> float:
+    """Bytes autograd saves per token in one decoder layer (see the header for each term; `lora`: the rank)."""
     a, r, h, q, nq = (2 if bf16 else 4), 4, s.hidden, s.heads * s.head_dim, s.heads
     b = 4 * r * h + (5 * a * h if bf16 else 2 * r * h) + 4 * a * q + 4 * a * s.inter + 8
+    if lora:  # frozen norms keep no normalised copy; each adapter's A output; o_proj's re-cast input (autocast, SDPA)
+        b += -2 * r * h + 7 * lora * a + (a * q if bf16 and attn == "sdpa" else 0)
     if attn == "sdpa":
         return b + 4 * nq + a * L
     if attn == "eager":
@@ -204,9 +230,9 @@ def layer_saved_bytes(s: Shape, L: int, bf16: bool, attn: str = "sdpa") -> float
     raise ValueError(f"attention {attn!r}: sdpa or eager")
 
 
-def model_saved_bytes(s: Shape, bf16: bool) -> float:
-    """Bytes saved per token once for the model: cos and sin, the final norm, the input ids."""
-    return 2 * 4 * s.head_dim + 2 * 4 * s.hidden + 4 + 8
+def model_saved_bytes(s: Shape, bf16: bool, lora: int = 0) -> float:
+    """Bytes saved per token once for the model: cos and sin, the final norm, the input ids (LoRA: see the header)."""
+    return 2 * 4 * s.head_dim + 2 * 4 * s.hidden + 4 + 8 - (2 * 4 * s.hidden + 12 if lora else 0)
 
 
 def layer_backward_bytes(s: Shape, L: int, bf16: bool, attn: str = "sdpa") -> float:
@@ -216,17 +242,18 @@ def layer_backward_bytes(s: Shape, L: int, bf16: bool, attn: str = "sdpa") -> fl
     return max(mlp, 2 * (4 + (a if bf16 else 0)) * s.heads * L + 2 * 4 * s.hidden) if attn == "eager" else mlp
 
 
-def decoder_activation_bytes(s: Shape, M: int, L: int, bf16: bool, ckpt: bool, attn: str = "sdpa") -> dict:
+def decoder_activation_bytes(s: Shape, M: int, L: int, bf16: bool, ckpt: bool, attn: str = "sdpa",
+                             lora: int = 0) -> dict:
     """The decoder's share of a forward + backward on M sequences of L tokens: what is saved at the end of the
     forward ('saved'), and the extra alive at the worst moment of the forward and of the backward."""
     T = M * L
-    per_layer = layer_saved_bytes(s, L, bf16, attn) * T
+    per_layer = layer_saved_bytes(s, L, bf16, attn, lora) * T
     if ckpt:
-        saved = (s.layers * 4 * s.hidden + model_saved_bytes(s, bf16) + L) * T
+        saved = (s.layers * 4 * s.hidden + model_saved_bytes(s, bf16, lora) + L) * T
         recomputed = per_layer - 4 * s.hidden * T  # its input is the checkpoint's saved input, counted above
         return {"saved": saved, "fwd_extra": per_layer,
                 "bwd_extra": recomputed + layer_backward_bytes(s, L, bf16, attn) * T}
-    saved = s.layers * per_layer + model_saved_bytes(s, bf16) * T
+    saved = s.layers * per_layer + model_saved_bytes(s, bf16, lora) * T
     return {"saved": saved, "fwd_extra": 0.0, "bwd_extra": layer_backward_bytes(s, L, bf16, attn) * T}
 
 
@@ -245,20 +272,23 @@ class Setup:
     chunk_mb: float = 256.0  # --logprob-chunk-mb
     logprob_path: str = "recompute"  # or "legacy": 4096 positions per chunk, every chunk's graph kept
     fsdp_gather: str = "fp32"  # what FSDP2 all-gathers: fp32 (common.shard today) or bf16 (a MixedPrecisionPolicy)
-    kl: bool = False  # a reference model (--kl-coef > 0): an fp32 copy, sharded like the policy
+    kl: bool = False  # a reference model (--kl-coef > 0): an fp32 copy, sharded like the policy (none under LoRA)
     pass_k: int = 8  # eval pass@k on 100 prompts (0 = off)
+    lora: int = 0  # --lora-rank: adapters on every attention and MLP projection (0 = full fine-tuning)
 
 
 def plan(s: Shape, u: Setup) -> dict:
     """Per-GPU bytes of each term and each phase of one steady-state GRPO step; 'peak' is the largest phase."""
     shapes, N = param_shapes(s), u.gpus
     P, P_local = n_params(s), sum(shard_numel(p, N) for p in shapes)
+    trained = sum(shard_numel(p, N) for p in lora_param_shapes(s, u.lora)) if u.lora else P_local  # LoRA: adapters
     layer = sum(numel(p) for p in layer_param_shapes(s))
     lin = layer - 2 * s.hidden  # what autocast casts for a layer: its linear weights and biases, not the norms
     root = P - layer * s.layers
     kv_bytes, a = (2, 2) if u.bf16 else (4, 4)
-    t = {"weights": 4 * P_local, "grads": 4 * P_local, "adamw": adamw_state_bytes(s, N, with_step=False),
-         "sampler_bf16": 2 * P if u.bf16 else 0, "ref_model": 4 * P_local if u.kl else 0}
+    t = {"weights": 4 * P_local + (4 * trained if u.lora else 0), "grads": 4 * trained,
+         "adamw": adamw_state_bytes(s, N, with_step=False, lora=u.lora), "sampler_bf16": 2 * P if u.bf16 else 0,
+         "ref_model": 4 * P_local if u.kl and not u.lora else 0}  # LoRA's reference: the policy, adapters off
     persistent = sum(t.values())
     # rollout and eval: KV cache + the larger of the prefill and decode transients
     width = -(-u.prompt // 32) * 32
@@ -278,7 +308,7 @@ def plan(s: Shape, u: Setup) -> dict:
     evaluation = persistent + t["eval_kv_cache"] + eval_transient
     # training: one micro-batch forward + backward
     L, Tc = u.prompt + u.new, u.micro * u.new
-    act = decoder_activation_bytes(s, u.micro, L, u.bf16, u.ckpt, u.attn)
+    act = decoder_activation_bytes(s, u.micro, L, u.bf16, u.ckpt, u.attn, u.lora)
     if u.logprob_path == "legacy":  # the log-softmax of every chunk is saved (in keep): the backward recomputes none
         chunk, bufs_bwd = min(4096, Tc) * 4 * s.vocab, 3
         keep = Tc * (4 * s.vocab + a * s.hidden + 4 * s.hidden)
@@ -292,7 +322,9 @@ def plan(s: Shape, u: Setup) -> dict:
     # gathered in bf16 by FSDP2: its bf16 gradient, the unsharded accumulation being counted with FSDP2's buffers)
     head_fwd = 2 * Vh if casts else 0
     head_grad = 8 * Vh if casts else (2 if u.bf16 else 4) * Vh
-    casts_fwd = 2 * lin * s.layers if casts else 0
+    if u.lora:  # a frozen lm_head: its bf16 cast for the input's gradient, no weight gradient
+        head_grad = 2 * Vh if casts else 0
+    casts_fwd = 2 * lin * s.layers if casts and not (u.lora and u.ckpt) else 0  # frozen weights: not cached
     casts_bwd = (2 * lin if u.ckpt else 2 * lin * s.layers) if casts else 0
     if N > 1:
         g = 4 if u.fsdp_gather == "fp32" else 2
@@ -300,6 +332,7 @@ def plan(s: Shape, u: Setup) -> dict:
         # the lm_head's (or tied embedding's) unsharded gradient until the root's reduce-scatter at the end, one
         # layer's unsharded gradient before its reduce-scatter (and its fp32 copy when gathered in bf16)
         fsdp_bwd = fsdp_fwd + g * (s.vocab * s.hidden + s.hidden) + g * layer + (4 * layer if g == 2 else 0)
+        fsdp_bwd = fsdp_fwd if u.lora else fsdp_bwd  # LoRA: no unsharded base gradients (the adapters' are small)
     else:
         fsdp_fwd = fsdp_bwd = 0
     t["activations"] = act["saved"]
@@ -313,7 +346,7 @@ def plan(s: Shape, u: Setup) -> dict:
                                                                           bufs_bwd * chunk + head_grad)
     training = max(fwd, bwd)
     t["train_extra"] = training - persistent  # what one micro-batch's forward + backward adds to the persistent
-    optimiser = persistent + 4 * P_local
+    optimiser = persistent + 4 * trained
     phases = {"rollout": rollout, "eval": evaluation, "training": training, "optimiser": optimiser}
     return {**t, "params": P, **{f"phase_{k}": v for k, v in phases.items()},
             "peak": max(phases.values()), "peak_phase": max(phases, key=phases.get)}
@@ -343,6 +376,8 @@ def command(model: str, u: Setup) -> str:
         flags.append("--grad-checkpointing")
     if u.pass_k != 8:
         flags.append(f"--pass-k {u.pass_k}")
+    if u.lora:
+        flags.append(f"--lora-rank {u.lora}")
     return " ".join([launch] + flags)
 
 
@@ -425,8 +460,29 @@ def render(rs: list[dict], base: Setup) -> str:
                              f"checkpointing {'on' if u.ckpt else 'off'}"
                              f" ({gb(f['plan']['peak'])} GiB): `{command(r['hub'], u)}`")
         lines.append("")
-    lines += [*breakdown(rs), "", *checks()]
+    lines += [*lora_table(base), "", *breakdown(rs), "", *checks()]
     return "\n".join(lines) + "\n"
+
+
+def lora_table(base: Setup, rank: int = 16) -> list[str]:
+    """Full fine-tuning against LoRA of rank `rank`, checkpointing on, with a KL term (--kl-coef > 0)."""
+    out = [f"LoRA (`--lora-rank {rank}`, adapters on every attention and MLP projection) against full fine-tuning, "
+           "checkpointing on, with a KL term (`--kl-coef > 0`): the reference is an fp32 copy of the policy (sharded "
+           "like it) under full fine-tuning, and the policy itself with its adapters disabled under LoRA (no copy). "
+           "Gradients and AdamW state exist for the adapters only; the bf16 sampler copy (the adapters merged) and "
+           "the activations stay about the same, so the gain is in the persistent state.", "",
+           "| model | GPUs | adapters | weights + grads + AdamW + reference: full / LoRA GiB | 80 GB max micro: "
+           "full / LoRA | 80 GB peak GiB at micro 8: full / LoRA |", "|---|---|---|---|---|---|"]
+    for name in MODELS:
+        s = Shape.load(CONFIGS / name)
+        for n in (1, 8):
+            u = replace(base, gpus=n, ckpt=True, kl=True, micro=8)
+            full, lora = plan(s, u), plan(s, replace(u, lora=rank))
+            state = lambda p: gb(p["weights"] + p["grads"] + p["adamw"] + p["ref_model"])  # noqa: E731
+            micro = [max_micro(s, v, "80GB") or "-" for v in (u, replace(u, lora=rank))]
+            out.append(f"| {name} | {n} | {sum(map(numel, lora_param_shapes(s, rank))) / 1e6:.1f}M | {state(full)} / "
+                       f"{state(lora)} | {micro[0]} / {micro[1]} | {gb(full['peak'])} / {gb(lora['peak'])} |")
+    return out
 
 
 def breakdown(rs: list[dict]) -> list[str]:
@@ -518,10 +574,13 @@ def main() -> int:
     ap.add_argument("--logprob-chunk-mb", type=float, default=256.0)
     ap.add_argument("--fsdp-gather", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--pass-k", type=int, default=8)
+    ap.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (0 = full fine-tuning)")
+    ap.add_argument("--kl", action="store_true", help="a reference model (--kl-coef > 0)")
     args = ap.parse_args()
     base = Setup(gpus=args.gpus, micro=args.micro, prompt=args.prompt_tokens, new=args.new_tokens,
                  prompts_per_step=args.prompts_per_step, group=args.group_size, ckpt=args.ckpt, attn=args.attn,
-                 chunk_mb=args.logprob_chunk_mb, fsdp_gather=args.fsdp_gather, pass_k=args.pass_k)
+                 chunk_mb=args.logprob_chunk_mb, fsdp_gather=args.fsdp_gather, pass_k=args.pass_k, lora=args.lora_rank,
+                 kl=args.kl)
     if args.model:
         s = Shape.load(args.model)
         p = plan(s, base)

@@ -706,3 +706,109 @@ def test_evaluation_samples_go_to_samples_jsonl(tmp_path, tiny):
         "completion"]
     summary = common.summarize([{"step": 0, **out}, {"step": 1, "rollout/reward": 0.5, **out}], 10, 1.0, 1.0)
     assert "eval_samples_start" not in summary
+
+
+# ---- LoRA checkpoints and export ----
+def lora_model(seed: int = 0, rank: int = 4):
+    """The tiny model with peft LoRA adapters (B non-zero) after one AdamW step on the adapters."""
+    from algos import grpo
+
+    torch.manual_seed(seed)
+    model = llm.add_lora(common.load_model("tiny-0.6m")[0], grpo.Args(lora_rank=rank))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([[1, 5, 6]])).logits.sum().backward()
+    opt.step()
+    return model, opt
+
+
+def logits(model, ids=((1, 12, 40, 13, 7), (1, 9, 9, 14, 30))):
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits
+
+
+def test_lora_checkpoint_roundtrip(tmp_path, tiny):
+    """A LoRA model's checkpoint holds its adapters (peft's safetensors), not the base weights, and AdamW's state of
+    the adapters; a fresh LoRA model resumes them exactly; a full model refuses it, and a LoRA model a full one."""
+    _, tok = tiny
+    model, opt = lora_model(0)
+    common.save_checkpoint(tmp_path / "ck", model, tok, opt, {"step": 2})
+    assert (tmp_path / "ck" / "adapter_model.safetensors").exists() and not list((tmp_path / "ck").glob("model*"))
+    m2, opt2 = lora_model(1)  # other adapters, other optimiser state
+    assert common.load_checkpoint(tmp_path / "ck", m2, opt2) == {"step": 2}
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), m2.parameters()))
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert s1.keys() == s2.keys() and all(torch.equal(s1[k]["exp_avg_sq"], s2[k]["exp_avg_sq"]) for k in s1)
+    with pytest.raises(SystemExit, match="--lora-rank"):
+        common.load_checkpoint(tmp_path / "ck", common.load_model("tiny-0.6m")[0])
+    common.save_checkpoint(tmp_path / "full", common.load_model("tiny-0.6m")[0], tok)
+    with pytest.raises(SystemExit, match="--lora-rank"):
+        common.load_checkpoint(tmp_path / "full", m2)
+
+
+def test_export_checkpoint_one_process_and_lora(tmp_path, tiny):
+    """export_checkpoint (`python common.py export CHECKPOINT OUT [--merge-lora]`): a full checkpoint and a LoRA one
+    (merged into its base: the plain model's logits equal the peft model's) become folders that
+    AutoModelForCausalLM.from_pretrained loads with the tokenizer and generation config; --merge-lora is asked for
+    exactly when the checkpoint is a LoRA one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, tok = tiny
+    full = common.load_model("tiny-0.6m")[0]
+    with torch.no_grad():
+        full.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+    common.save_checkpoint(tmp_path / "full", full, tok, None, {"step": 1})
+    model, opt = lora_model(0)
+    common.save_checkpoint(tmp_path / "lora", model, tok, opt, {"step": 1})
+    for name, m, merge in (("full", full, False), ("lora", model, True)):
+        out = common.export_checkpoint(tmp_path / name, tmp_path / f"{name}-hf", merge_lora=merge)
+        exported = AutoModelForCausalLM.from_pretrained(out)
+        assert type(exported).__name__ == "LlamaForCausalLM" and (out / "generation_config.json").exists()
+        assert AutoTokenizer.from_pretrained(out)("12+34=")["input_ids"] == tok("12+34=")["input_ids"]
+        assert torch.allclose(logits(exported), logits(m), atol=1e-5), name
+        with pytest.raises(SystemExit, match="no LoRA adapter" if not merge else "--merge-lora"):
+            common.export_checkpoint(tmp_path / name, tmp_path / "x", merge_lora=not merge)
+
+
+def test_sharded_lora_checkpoint_roundtrip_in_one_process(tmp_path, tiny):
+    """A LoRA model under FSDP2 (peft first, then fully_shard) in a one-rank gloo group: its checkpoint holds the
+    adapters' shards (torch.distributed.checkpoint, frozen base left out) and their gathered peft file; another
+    sharded LoRA model resumes adapters and AdamW state exactly; export merges the gathered file into the base."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _, tok = tiny
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        models, opts = [], []
+        for seed in (0, 1):
+            m, _ = lora_model(seed)
+            for unit in [*m.base_model.model.model.layers, m]:
+                fully_shard(unit, mesh=mesh)
+            models.append(m)
+            opts.append(torch.optim.AdamW(m.parameters(), lr=1e-3))
+        models[0](torch.tensor([[1, 5, 6]])).logits.sum().backward()
+        opts[0].step()
+        common.save_checkpoint(tmp_path / "ck", models[0], tok, opts[0], {"step": 3})
+        ck = tmp_path / "ck"
+        assert (ck / ".metadata").exists() and (ck / "adapter_model.safetensors").exists()
+        assert common.load_checkpoint(ck, models[1], opts[1]) == {"step": 3}
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(a.full_tensor(), b.full_tensor())
+        s0, s1 = (o.state_dict()["state"] for o in opts)
+        assert s0.keys() == s1.keys() and all(torch.equal(s0[k]["exp_avg"].full_tensor(),
+                                                          s1[k]["exp_avg"].full_tensor()) for k in s0)
+        trained = {n: p.full_tensor() for n, p in models[0].named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    from transformers import AutoModelForCausalLM
+
+    plain, _ = lora_model(2)
+    assert plain.load_state_dict(trained, strict=False).missing_keys == ["base_model.model.lm_head.weight"]  # tied
+    exported = AutoModelForCausalLM.from_pretrained(common.export_checkpoint(ck, tmp_path / "hf", merge_lora=True))
+    assert torch.allclose(logits(exported), logits(plain), atol=1e-5)
