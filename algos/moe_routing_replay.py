@@ -13,21 +13,36 @@ a separate copy of the policy at rollout precision (--rollout-dtype bf16: the wh
 engine) whose routers add Gaussian noise of std --router-noise to their logits (a controlled stand-in for the kernel
 and batch nondeterminism that makes real engines route differently, even between identical passes); it records the
 expert ids of every token it feeds (prompt and response). The trainer is the fp32 policy. A token whose route differs
-between the two gets a different probability: pi_old(y_t) != mu(y_t) even at the same weights.
-Routing (class Routing: a forward hook on every router module of the transformers model, *TopKRouter of Qwen3-MoE,
-Qwen2-MoE, Mixtral and OLMoE: the router's own forward runs, then its output (logits, gate weights, expert ids) is
-replaced)
+between the two gets a different probability: pi_old(y_t) != mu(y_t) even at the same weights. Where the noise acts
+decides what a replay can remove (--router-noise-on):
+  select (default)  the noise only picks the engine's experts, their gate weights come from the noise-free logits:
+                    the engine differs from the trainer in the choice of experts and bf16 rounding only, so
+                    replaying the choice removes the injected mismatch entirely; R3's KL drop is built in here
+  logits            the engine's router logits themselves are noisy: the experts and their gate weights both, so a
+                    replay of the choice leaves the gate weights' mismatch (the trainer's gates are its own)
+  --router-noise 0  bf16 numerics only: the routes differ only where bf16 rounding flips a top-k choice
+Routing (class Routing: a forward hook on every router module of the transformers model, of a class in
+CHECKED_ROUTERS only (Qwen3-MoE, whose class the shipped tiny-moe uses, Qwen2-MoE, Mixtral, OLMoE: softmax top-k
+gates, checked against each class in the tests), and on its first call the router's own gate weights are checked
+to equal gate_weights of its own choice (check_gates; a router whose gates are not, e.g. sigmoid gates, stops the run
+with a message): the router's own forward runs, then its output (logits, gate weights, expert ids) is replaced)
   own route        I = top-k(s)                                              (--replay none, and the trainer's eval)
   rollout route    I_mu = top-k(s_mu + eps),  eps ~ N(0, noise^2)            (MoERolloutEngine, recorded)
+                   (logits: s_mu <- s_mu + eps, and the engine's gates are softmax(s_mu + eps) over I_mu)
   R3 (--replay r3) the trainer's forwards (pi_old, pi_theta, pi_ref) use I_mu, the recorded ids of the same token;
                    gate weights from the trainer's own logits over the replayed set, as the R3 paper does:
                    g_i = softmax(s)_i / sum_{j in I_mu} softmax(s)_j  for i in I_mu                   gate_weights
                    so the policy gradient reaches the router through g, and nothing flows through I_mu (integers)
-  PR2 (--replay pr2) each router has an evolution predictor P_l (a linear map, zero-initialised, not part of the
-                   policy; make_predictors): the rollout routes by the predicted logits, I_mu = top-k(s_mu + c P_l(h) + eps), c =
-                   --pr2-scale, and the trainer replays I_mu as in R3. P_l is fitted after each rollout batch's
-                   updates to the router change those updates caused on the batch's tokens,
-                   min ||P_l(h_before) - (s_after - s_before)||^2              fit_predictors, pr2_fit
+  PR2 (--replay pr2) each router has an evolution predictor P_l (RouterDrift; not part of the policy): the rollout
+                   routes by the predicted logits, I_mu = top-k(s_mu + c P_l(h) + eps), c = --pr2-scale, and the
+                   trainer replays I_mu as in R3. The predictor is grounded in what moves s = W_r h, the optimiser:
+                   P_l(h) = g_l D_l h, D_l = -K lr (m_hat / (sqrt(v_hat) + eps) + wd W_r), where the policy's AdamW
+                   moments would move W_r over the batch's K = ppo_epochs * minibatches steps    adam_forecast
+                   and g_l >= 0 the least-squares gain over the batches so far of that forecast against the router
+                   change the updates really caused on the batch's tokens (delta = s_after - s_before):
+                   g_l = max(0, sum <D_l h, delta> / sum ||D_l h||^2)                            fit_drift, pr2_fit
+                   Judged out of sample, against R3's implicit forecast of no change, on the logit change it explains
+                   (1 - MSE / MSE(no change)) and on the share of top-k routes it gets right   topk_agreement
 Load balancing (every arm): + aux_coef * E sum_e f_e P_e per layer (Switch Transformer), f_e the share of routed
 slots sent to expert e (the routes actually used; no gradient), P_e the mean router probability (the gradient
 path), averaged over layers, on real tokens                                              load_balancing_loss
@@ -48,10 +63,14 @@ Deviations:
 - grpo.py corrects for a sampler that is not the trainer by default (--sampler-is-cap 2); here the engine never is
   (that mismatch is what the arms compare), so the cap defaults to 0: the none, R3 and PR2 arms train on the
   mismatched rollouts uncorrected, and TIS is the arm with the cap set.
-- PR2's predictor architecture and objective are not given in its abstract: here P_l is one linear layer per router
-  on the router input, fitted by least squares (--pr2-iters Adam steps per rollout batch) to the change of router
-  logits over one rollout batch's updates (its target needs one more no-grad forward of --pr2-rows sequences
-  before and after the update). The predictor is not saved in the checkpoint.
+- PR2's abstract leaves open the predictor's form and input, its training target and horizon, how the prediction
+  enters the routing (added to the logits here, scaled by --pr2-scale, for the choice only: the trainer's replayed
+  gates are its own), and whether the predicted routes are also used at the rollout's later tokens (here at every
+  token the engine feeds). Here P_l is the optimiser's own forecast with one fitted gain per router, not a learned
+  network: the coming gradients are unknown, so their momentum is what can be forecast; a linear map of the router
+  input fitted by Adam to the last batch's change explained less than forecasting no change (-0.45). Its target
+  needs one more no-grad forward of --pr2-rows sequences before and after the update. The forecast is not saved in
+  the checkpoint (a resumed run refits its gain from zero).
 - The load-balancing loss counts f_e on the routes used (the replayed ones under R3 / PR2) and averages the
   per-layer losses (transformers' load_balancing_loss_func pools the counts over layers first).
 - pi_ref (when --kl-coef > 0) is scored on the same routes as pi_theta.
@@ -64,14 +83,20 @@ Commands:
   python algos/moe_routing_replay.py --replay none                   # the mismatch left alone
   python algos/moe_routing_replay.py --replay pr2                    # predictive routing replay
   python algos/moe_routing_replay.py --replay none --sampler-is-cap 2   # truncated importance sampling instead
+  python algos/moe_routing_replay.py --router-noise-on logits       # noisy router logits: selection and gates
+  python algos/moe_routing_replay.py --router-noise 0                # bf16 numerics only
   python algos/moe_routing_replay.py --rollout-dtype fp32 --router-noise 0   # no mismatch: R3 is exact
   python algos/moe_routing_replay.py --model allenai/OLMoE-1B-7B-0924-Instruct --task gsm8k --device cuda \
       --max-new-tokens 512 --lr 1e-6 --micro-batch-size 8 --threads 8   # a real MoE checkpoint (unverified here)
 Expected: the default (R3) lifts held-out greedy accuracy on 2-digit addition from 45.4% to 61.9 ± 2.7% in 100 rollout
-batches (about 100 s on one thread of 2 shared cores), with a train-inference KL(mu || pi_old) of 3.6e-4 per token
-against 5.6e-2 without replay (3 seeds); TIS leaves the KL at 4.5e-2 and ends at 61.3 ± 9.0%; PR2's linear forecast
-of the router change is worse than forecasting none (explained share -0.45), so its replayed routes are no less
-stale than R3's (1.84% vs 1.56% at the batch's last step without router noise). benchmarks/results/
+batches (about 100 s on one thread of 2 shared cores; 3 seeds per arm). What R3 removes depends on the mismatch:
+train-inference KL(mu || pi_old) per token, R3 vs no replay, 3.6e-4 vs 5.6e-2 with the noise on the engine's choice
+only (the default; by construction: a replay of the choice removes exactly the injected mismatch), 6.8e-2 vs 1.5e-1
+with the noise on the engine's router logits (the gates still differ), 3.1e-4 vs 6.8e-4 with bf16 numerics only.
+TIS leaves the KL at 4.5e-2 and ends at 61.3 ± 9.0%. PR2's optimiser forecast explains 3% of the router-logit change
+over a rollout batch (out of sample) and gets 98.39% of the top-k routes right against 98.33% for forecasting no
+change; without router noise its replayed routes are stale at the batch's last step in 1.37 ± 0.10% of (token,
+layer) pairs against R3's 1.56 ± 0.02%; accuracy 62.3 ± 1.1% (PR2) vs 61.9 ± 2.7% (R3). benchmarks/results/
 moe_routing_replay.md (benchmarks/moe_routing_replay_table.py) and the claims table in benchmarks/README.md.
 """
 from __future__ import annotations
@@ -118,7 +143,11 @@ class Args(LLMArgs):
     rollout_dtype: Literal["bf16", "fp32"] = "bf16"
     """precision of the rollout engine's copy of the policy (bf16: the whole copy; fp32: the trainer's numerics)"""
     router_noise: float = 0.5
-    """std of the Gaussian noise added to every router logit in the rollout engine (0 = none)"""
+    """std of the Gaussian noise added to every router logit in the rollout engine (0 = none: bf16 numerics only)"""
+    router_noise_on: Literal["select", "logits"] = "select"
+    """select: the noise only picks the engine's experts, their gate weights come from the noise-free logits (a pure
+    routing mismatch); logits: the engine's router logits themselves are perturbed (the experts and their gate
+    weights), so replaying the routes leaves the gate weights' mismatch in place"""
     prompts_per_step: int = 32
     """distinct prompts per rollout batch (per process)"""
     group_size: int = 8
@@ -134,10 +163,6 @@ class Args(LLMArgs):
     """weight of the load-balancing loss (tiny-moe was trained with 0.01)"""
     pr2_scale: float = 1.0
     """PR2: the predicted router change added to the rollout's router logits is scaled by this"""
-    pr2_lr: float = 1e-3
-    """PR2: Adam learning rate of the evolution predictors"""
-    pr2_iters: int = 20
-    """PR2: predictor fitting steps after each rollout batch"""
     pr2_rows: int = 64
     """PR2: sequences of each rollout batch whose router change is measured (two extra no-grad forwards)"""
     # objective
@@ -183,8 +208,10 @@ def check_args(args: Args) -> None:
     if args.engine == "vllm":
         raise SystemExit("--engine vllm: the rollout engine here is MoERolloutEngine, a Hugging Face copy of the policy "
                          "that records every token's routes (vLLM does not expose them)")
-    if args.replay == "pr2" and (args.pr2_rows < 1 or args.pr2_iters < 1):
-        raise SystemExit("--replay pr2 needs --pr2-rows and --pr2-iters >= 1")
+    if args.replay == "pr2" and (args.pr2_rows < 1 or args.pr2_scale < 0):
+        raise SystemExit("--replay pr2 needs --pr2-rows >= 1 and --pr2-scale >= 0")
+    if args.router_noise_on == "logits" and args.router_noise == 0:
+        raise SystemExit("--router-noise-on logits needs --router-noise > 0 (with 0 there is no noise to place)")
 
 
 # ---- the idea (GRPO's equations, unchanged) ----
@@ -256,15 +283,28 @@ def truncated_is_weight(old_logp, sampler_logp, cap: float):
 
 
 # ---- the idea: routes recorded, perturbed, replayed and predicted ----
+# Router classes whose forward this file has been checked to reproduce: softmax over the experts, top-k, the top-k
+# renormalised when norm_topk_prob (Mixtral: always), returned as (logits [N, E], gate weights [N, k], ids [N, k]).
+# tests/test_moe_routing_replay.py builds a small model of each and checks R3's recomputed gate against its own output.
+# Others (sigmoid gates as Lfm2-MoE, expert biases as DeepSeek-V3, scaling factors) would be replayed wrongly.
+CHECKED_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "MixtralTopKRouter", "OlmoeTopKRouter")
+
+
 def find_routers(model) -> list:
-    """The top-k routers of a transformers mixture-of-experts model, in layer order: modules of a class named
-    *TopKRouter (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) whose forward maps h [N, H] to (logits [N, E], gate
-    weights [N, k], expert ids [N, k])."""
-    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
-    if not routers:
+    """The top-k routers of a transformers mixture-of-experts model, in layer order: modules of a class in
+    CHECKED_ROUTERS (Qwen3-MoE and the shipped tiny-moe, Qwen2-MoE, Mixtral, OLMoE), whose forward maps h [N, H] to
+    (logits [N, E], gate weights [N, k], expert ids [N, k]). Any other *TopKRouter class is refused by name."""
+    found = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    if not found:
         raise SystemExit(f"{type(model).__name__} has no *TopKRouter modules: --model must be a mixture-of-experts "
                          "model of transformers (tiny-moe, Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE)")
-    return routers
+    unchecked = sorted({type(m).__name__ for m in found} - set(CHECKED_ROUTERS))
+    if unchecked:
+        raise SystemExit(f"{type(model).__name__}: router class {', '.join(unchecked)} is not one whose gate rule R3's "
+                         f"replay reproduces (checked: {', '.join(CHECKED_ROUTERS)}; softmax top-k gates). A router "
+                         "with sigmoid gates, expert biases or a scaling factor would be replayed with wrong gate "
+                         "weights: add it to CHECKED_ROUTERS only with a gate_weights rule its output matches")
+    return found
 
 
 def gate_weights(logits, ids, normalise: bool):
@@ -274,6 +314,18 @@ def gate_weights(logits, ids, normalise: bool):
     if normalise:
         g = g / g.sum(-1, keepdim=True)
     return g.to(logits.dtype)
+
+
+def check_gates(router, logits, gates, ids, normalise: bool) -> None:
+    """The router's own gate weights must be gate_weights of its own logits over its own ids (to the rounding of
+    the logits' dtype); otherwise recomputing them over replayed ids would change the model, so stop."""
+    ref = gate_weights(logits.detach(), ids, normalise).float()
+    tol = 1e-5 if logits.dtype == torch.float32 else 1e-2  # bf16 / fp16 gates: a few units of 2^-8
+    if gates.shape != ref.shape or not torch.allclose(gates.detach().float(), ref, atol=tol, rtol=tol):
+        err = (gates.detach().float() - ref).abs().max().item() if gates.shape == ref.shape else float("nan")
+        raise SystemExit(f"{type(router).__name__}: its gate weights are not softmax(logits) over its top-k "
+                         f"{'renormalised ' if normalise else ''}(max difference {err:.3g}, gate shape "
+                         f"{tuple(gates.shape)}): routing replay would recompute them wrongly for this router")
 
 
 def load_balancing_loss(logits, ids, mask, n_experts: int):
@@ -287,44 +339,68 @@ def load_balancing_loss(logits, ids, mask, n_experts: int):
 
 
 class Routing:
-    """Forward hooks on every router of one model. Each call: the router's own forward runs; the ids become
-    top-k(s + c P_l(h) + noise) when the predictor or the noise is on (else the router's own), then the replayed ids
-    where `replay` holds a record (>= 0); gate weights are recomputed over the final ids unless they are the router's
-    own. `record` collects the ids of every call (the rollout engine); `keep` keeps the last call's logits, ids, own
-    ids and inputs per layer (aux loss, disagreement, PR2's targets)."""
+    """Forward hooks on every router of one model. Each call: the router's own forward runs (its gates checked against
+    gate_weights on the first call, check_gates); the ids become top-k(s + c P_l(h) + noise) when the predictor or the
+    noise is on (else the router's own), then the replayed ids where `replay` holds a record (>= 0); gate weights are
+    recomputed over the final ids unless they are the router's own. With noise_on == "logits" the noisy logits
+    replace the router's logits (ids and gate weights both from them). `record` collects the ids of every call (the
+    rollout engine); `keep` keeps the last call's logits, ids, own ids and inputs per layer (aux loss, disagreement,
+    PR2's targets)."""
 
-    def __init__(self, model, noise: float = 0.0, predictors=None, pr2_scale: float = 1.0):
+    def __init__(self, model, noise: float = 0.0, predictors=None, pr2_scale: float = 1.0, noise_on: str = "select"):
         self.routers = find_routers(model)
         self.k, self.n_experts = self.routers[0].top_k, self.routers[0].weight.shape[0]
         self.normalise = getattr(self.routers[0], "norm_topk_prob", True)  # Mixtral always renormalises
-        self.noise, self.predictors, self.pr2_scale = noise, predictors, pr2_scale
+        self.noise, self.predictors, self.pr2_scale, self.noise_on = noise, predictors, pr2_scale, noise_on
         self.replay, self.mask, self.recorded, self.rows, self.keep = None, None, None, 0, False
         self.kept = [None] * len(self.routers)
+        self.checked = [False] * len(self.routers)
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(partial(self._hook, layer))
 
     def _hook(self, layer, module, inputs, output):
-        logits, _, own = output
+        logits, gates, own = output
+        if not self.checked[layer]:
+            check_gates(module, logits, gates, own, self.normalise)
+            self.checked[layer] = True
         h = inputs[0].reshape(logits.shape[0], -1)
-        ids = own
+        ids, noisy = own, None
         if self.noise > 0 or self.predictors is not None:
             s = logits.detach().float()
+            if self.noise > 0 and self.noise_on == "logits":  # the engine's logits themselves: ids and gates
+                noisy = (s + self.noise * torch.randn_like(s)).to(logits.dtype)
+                s = noisy.float()
             if self.predictors is not None:
                 s = s + self.pr2_scale * self.predictors[layer](h.detach().float())
-            if self.noise > 0:
+            if self.noise > 0 and self.noise_on == "select":  # the choice only; gates from the clean logits
                 s = s + self.noise * torch.randn_like(s)
             ids = s.topk(self.k, -1).indices
         if self.replay is not None:
-            rec = self.replay[layer].reshape(-1, self.k).to(ids.device)
+            rec = self.replay[layer]
+            if rec.numel() != ids.numel():
+                raise ValueError(f"replayed routes of layer {layer} hold {rec.numel() // self.k} token routes "
+                                 f"(shape {tuple(rec.shape)}) for a forward of {ids.shape[0]} tokens")
+            rec = rec.reshape(-1, self.k).to(ids.device)
             ids = torch.where(rec >= 0, rec, ids)
         if self.recorded is not None:
             self.recorded[layer].append(ids.reshape(self.rows, -1, self.k))
         if self.keep:
             self.kept[layer] = (logits, ids, own, h.detach())
+        if noisy is not None:
+            return noisy, gate_weights(noisy, ids, self.normalise), ids
         return output if ids is own else (logits, gate_weights(logits, ids, self.normalise), ids)
 
     def set(self, replay=None, mask=None, keep: bool = False):
         """Routes to replay ([L, b, T, k], -1 = free) and the real-token mask [b, T] of the next forward."""
+        if replay is not None:
+            L, k = len(self.routers), self.k
+            if replay.dim() != 4 or replay.shape[0] != L or replay.shape[3] != k or \
+                    (mask is not None and tuple(replay.shape[1:3]) != tuple(mask.shape)):
+                raise ValueError(f"routes to replay must have shape [layers={L}, b, T, top_k={k}] matching the "
+                                 f"mask [b, T]; got {tuple(replay.shape)} and mask "
+                                 f"{None if mask is None else tuple(mask.shape)}")
+            if replay.dtype.is_floating_point or replay.max() >= self.n_experts:
+                raise ValueError(f"routes to replay must be integer expert ids below {self.n_experts} (-1 = free)")
         self.replay, self.mask, self.keep = replay, mask, keep
 
     def aux_loss(self):
@@ -337,11 +413,12 @@ class MoERolloutEngine:
     """The inference engine: a copy of the policy at rollout precision whose routers add noise (and, with PR2, the
     predicted router change) and record the expert ids of every token they route."""
 
-    def __init__(self, model, dtype: str, noise: float, predictors=None, pr2_scale: float = 1.0):
+    def __init__(self, model, dtype: str, noise: float, predictors=None, pr2_scale: float = 1.0,
+                 noise_on: str = "select"):
         self.model = copy.deepcopy(model).to(torch.bfloat16 if dtype == "bf16" else torch.float32).eval()
         self.model.requires_grad_(False)
         self.model.amp_dtype = None  # the copy's own dtype is its precision: no autocast
-        self.routing = Routing(self.model, noise, predictors, pr2_scale)
+        self.routing = Routing(self.model, noise, predictors, pr2_scale, noise_on)
         # the trainer's own computation only in fp32, without noise or forecast, the trainer not under autocast
         self._same = dtype == "fp32" and noise == 0 and predictors is None and getattr(model, "amp_dtype", None) is None
 
@@ -385,19 +462,56 @@ def route_disagreement(kept, routes, mask) -> tuple[float, float]:
     return float((diff * mask).sum()), float(mask.sum()) * len(kept)
 
 
-def fit_predictors(predictors, opt, h, delta, iters: int) -> tuple[float, float]:
-    """PR2's evolution predictors: min over P_l of sum_l mean ||P_l(h_l) - delta_l||^2, h_l [N, H] the router inputs
-    before the batch's updates, delta_l [N, E] the router-logit change they caused. Returns the loss before fitting
-    (the forecast the rollout used, out of sample) and after."""
-    losses = []
-    for _ in range(iters + 1):
-        opt.zero_grad(set_to_none=True)
-        loss = sum(((p(x) - d) ** 2).mean() for p, x, d in zip(predictors, h, delta))
-        losses.append(loss.item())
-        if len(losses) <= iters:
-            loss.backward()
-            opt.step()
-    return losses[0], losses[-1]
+class RouterDrift(torch.nn.Module):
+    """PR2's evolution predictor of one router, grounded in what moves its logits s = W h: the optimiser. D is where
+    the policy optimiser's current AdamW moments would move W over the coming batch's steps (adam_forecast), g a gain
+    fitted on the batches so far (how much of that forecast the real change bears out): P(h) = g D h. D = 0, g = 0
+    at the start, so PR2 starts as R3."""
+
+    def __init__(self, n_experts: int, hidden: int):
+        super().__init__()
+        self.register_buffer("D", torch.zeros(n_experts, hidden))
+        self.register_buffer("gain", torch.zeros(()))
+        self.register_buffer("num", torch.zeros((), dtype=torch.float64))  # running sums of the gain's least squares
+        self.register_buffer("den", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, h):  # [N, H] -> the forecast change of the logits [N, E]
+        return self.gain * (h @ self.D.T)
+
+
+def adam_forecast(opt, weight, steps: int):
+    """The change of `weight` that `steps` more AdamW steps at the optimiser's current moments and learning rate would
+    make: -steps * lr * (m_hat / (sqrt(v_hat) + eps) + wd * W), m_hat, v_hat the bias-corrected moments (zero before
+    the first step). The coming gradients are unknown: this is their momentum's share."""
+    st = opt.state.get(weight, {})
+    if "exp_avg" not in st:
+        return torch.zeros_like(weight, dtype=torch.float32)
+    group = next(g for g in opt.param_groups if any(q is weight for q in g["params"]))
+    (b1, b2), t = group["betas"], float(st["step"])
+    m, v = st["exp_avg"] / (1 - b1 ** t), st["exp_avg_sq"] / (1 - b2 ** t)
+    return (-steps * group["lr"] * (m / (v.sqrt() + group["eps"]) + group["weight_decay"] * weight.detach())).float()
+
+
+def fit_drift(predictors, h, delta, forecasts) -> list[float]:
+    """After a batch's updates, per router: the gain refitted by least squares over all batches so far,
+    g = max(0, sum <D h, delta> / sum ||D h||^2) (h [N, H] the router inputs before the updates, delta [N, E] the
+    logit change they caused, D the forecast this batch's rollout used), then D = the next batch's forecast
+    (adam_forecast). Returns the gains."""
+    gains = []
+    for p, x, d, nxt in zip(predictors, h, delta, forecasts):
+        base = x @ p.D.T
+        p.num += (base * d).sum().double()
+        p.den += (base * base).sum().double()
+        p.gain.fill_(max(0.0, float(p.num / p.den)) if p.den > 0 else 0.0)
+        p.D.copy_(nxt)
+        gains.append(float(p.gain))
+    return gains
+
+
+def topk_agreement(s_from, s_to, k: int) -> float:
+    """Share of rows whose top-k expert set under s_from [N, E] equals the one under s_to."""
+    a, b = s_from.topk(k, -1).indices.sort(-1).values, s_to.topk(k, -1).indices.sort(-1).values
+    return float((a == b).all(-1).float().mean())
 
 
 # ---- rollout and update ----
@@ -499,30 +613,44 @@ def router_snapshot(model, routing: Routing, batch: dict, rows, args: Args) -> t
 
 
 def make_predictors(model, args: Args, device):
-    """PR2's forecasters and their optimiser: one zero-initialised linear predictor per router, so that PR2 starts as
-    R3 (no change forecast); (None, None) unless --replay pr2."""
+    """PR2's forecasters, one RouterDrift per router (zero: PR2 starts as R3); None unless --replay pr2."""
     if args.replay != "pr2":
-        return None, None
-    n_layers, hidden = len(find_routers(model)), find_routers(model)[0].weight.shape
-    predictors = torch.nn.ModuleList(torch.nn.Linear(hidden[1], hidden[0]) for _ in range(n_layers))
-    predictors.to(device).requires_grad_(True)
-    for p in predictors.parameters():
-        torch.nn.init.zeros_(p)
-    return predictors, torch.optim.Adam(predictors.parameters(), lr=args.pr2_lr)
+        return None
+    n_experts, hidden = find_routers(model)[0].weight.shape
+    return torch.nn.ModuleList(RouterDrift(n_experts, hidden) for _ in find_routers(model)).to(device)
 
 
 def pr2_fit(predictors, opt, model, routing: Routing, batch: dict, rows, before: tuple, args: Args) -> dict:
-    """After an update: the router logits' change on `rows` since `before` (router_snapshot), the predictors fitted to
-    it, and how much of it their forecast explains against R3's forecast of no change (the pr2/ figures)."""
+    """After an update: the router logits' change on `rows` since `before` (router_snapshot), how well the forecast
+    the rollout used predicted it (out of sample), then the forecasters refitted for the next batch (fit_drift, with
+    the optimiser's forecast over its ppo_epochs * minibatches steps). pr2/explained is 1 - MSE(forecast) /
+    MSE(no change), R3's implicit forecast; pr2/agree and pr2/agree_r3 are the shares of (token, layer) routes whose
+    top-k under the forecast s + c P(h), and under the unchanged s, equal the top-k after the updates."""
     after = router_snapshot(model, routing, batch, rows, args)
     delta = [a - b for a, b in zip(after[1], before[1])]
-    forecast, fitted = fit_predictors(predictors, opt, before[0], delta, args.pr2_iters)
+    with torch.no_grad():
+        forecast = [args.pr2_scale * p(x) for p, x in zip(predictors, before[0])]
+    err = sum(((f - d) ** 2).mean().item() for f, d in zip(forecast, delta))
     change = sum((d ** 2).mean().item() for d in delta)  # the error of R3's forecast: no change
-    return {"pr2/forecast_mse": forecast, "pr2/fitted_mse": fitted, "pr2/change_ms": change,
-            "pr2/explained": 1 - forecast / max(change, 1e-12)}
+    agree = np.mean([topk_agreement(s + f, s2, routing.k) for s, f, s2 in zip(before[1], forecast, after[1])])
+    agree_r3 = np.mean([topk_agreement(s, s2, routing.k) for s, s2 in zip(before[1], after[1])])
+    steps = args.ppo_epochs * args.minibatches
+    gains = fit_drift(predictors, before[0], delta, [adam_forecast(opt, r.weight, steps) for r in routing.routers])
+    return {"pr2/forecast_mse": err, "pr2/change_ms": change, "pr2/explained": 1 - err / max(change, 1e-12),
+            "pr2/agree": float(agree), "pr2/agree_r3": float(agree_r3), "pr2/gain": float(np.mean(gains))}
 
 
 # ---- main ----
+def run_figures(history: list) -> dict:
+    """The run's mismatch figures, means over its rollout batches: kl_k3, ratio_var, logratio_abs, disagree, stale;
+    under PR2 also pr2_explained, pr2_agree, pr2_agree_r3 and pr2_gain (the forecast against R3's, out of sample)."""
+    train = [h for h in history if "mismatch/kl_k3" in h]
+    keys = ["mismatch/kl_k3", "mismatch/ratio_var", "mismatch/logratio_abs", "routing/disagree", "routing/stale"]
+    keys += [k for k in ("pr2/explained", "pr2/agree", "pr2/agree_r3", "pr2/gain") if train and k in train[0]]
+    return {(k.split("/")[1] if k.startswith(("mismatch", "routing")) else k.replace("/", "_")):
+            float(np.mean([h[k] for h in train])) for k in keys}
+
+
 def main(args: Args) -> dict:
     check_args(args)
     from accelerate import Accelerator
@@ -537,8 +665,9 @@ def main(args: Args) -> dict:
     eval_sets = common.held_out_sets(task, args.eval_examples, hard_task)
     # the sampler only evaluates (the trainer itself on CPU); rollouts come from the MoE engine
     model, tok, ref_model, sampler = llm.load_policy(args, accel, with_ref=args.kl_coef > 0)
-    predictors, pred_opt = make_predictors(model, args, accel.device)
-    engine = MoERolloutEngine(model, args.rollout_dtype, args.router_noise, predictors, args.pr2_scale)
+    predictors = make_predictors(model, args, accel.device)
+    engine = MoERolloutEngine(model, args.rollout_dtype, args.router_noise, predictors, args.pr2_scale,
+                              args.router_noise_on)
     if ref_model is not None:
         ref_model.routing = Routing(ref_model)
     routing = Routing(model)  # after the copies: their hooks are their own
@@ -573,7 +702,7 @@ def main(args: Args) -> dict:
             stats = update(model, opt, batch, routing, args, step, accel, engine, ref_model)
         if predictors is not None:
             with timer("pr2"):
-                stats.update(pr2_fit(predictors, pred_opt, model, routing, batch, rows, before, args))
+                stats.update(pr2_fit(predictors, opt, model, routing, batch, rows, before, args))
         t = timer.pop()
         gen_tokens, gen_time = gen_tokens + int(batch["completion_mask"].sum()), gen_time + t["gen"]
         metrics = {**common.rollout_metrics(batch["rewards"], batch["completion_mask"], batch["finish_reasons"],
@@ -589,9 +718,7 @@ def main(args: Args) -> dict:
                                    {"step": step, "history": history, "wall_s": time.time() - t_start,
                                     "gen_tokens": gen_tokens, "gen_time": gen_time})
     summary = common.summarize(history, gen_tokens, gen_time, time.time() - t_start)
-    train = [h for h in history if "mismatch/kl_k3" in h]
-    for key in ("mismatch/kl_k3", "mismatch/ratio_var", "mismatch/logratio_abs", "routing/disagree", "routing/stale"):
-        summary[key.split("/")[1]] = float(np.mean([h[key] for h in train]))
+    summary.update(run_figures(history))
     print(f"train-inference KL {summary['kl_k3']:.2e}, ratio variance {summary['ratio_var']:.2e}, routes: "
           f"{100 * summary['disagree']:.1f}% differ from the trainer's, {100 * summary['stale']:.1f}% at the last step")
     common.save_curve(history, run_dir / "curve.png", f"MoE routing replay ({args.replay}) on {task.name}")

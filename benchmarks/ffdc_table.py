@@ -5,12 +5,20 @@ training) and for the same WAM trained on single steps (`--horizons 1`), appends
 benchmarks/results/ffdc.csv (with provenance, through benchmarks/_results.py), and writes
 benchmarks/results/ffdc.md (the block `results:ffdc` of benchmarks/README.md) and benchmarks/results/ffdc.png.
 
-    python benchmarks/ffdc_table.py                  # both configurations, 3 seeds: about 8 min at 1 thread
+    python benchmarks/ffdc_table.py                  # both configurations, 3 seeds: about 20 min at 1 thread
     python benchmarks/ffdc_table.py --only ffdc      # one configuration
     python benchmarks/ffdc_table.py --report-only    # rebuild the .md and .png from the CSV
 
 Every execution mode of one seed runs on the same 200 maps with the same perturbation draws (common random
-numbers); the seeds differ in training data, initialisation, test maps and draws.
+numbers); the seeds differ in training data, initialisation, test maps and draws. Modes: 2-step and 8-step chunks;
+8-step chunks gated by the learned frame verifier (the predicted frame against the observed one), by a fixed pixel
+threshold, or by the learned rollout verifier (whether the rest of the predicted rollout can still be trusted, the
+paper's question); and the same-cost baseline, 2 of 8 predicted steps (each call costs what a gated call costs).
+Work is counted, not timed: model calls, imagined steps (a policy and a dynamics evaluation each), verifier
+evaluations and the multiply-accumulates of all of them, per episode; execution seconds describe only.
+Plan, fixed before the runs (3 seeds per configuration; benchmarks/report.py's verdict rule): at perturbation rate
+0.1, model calls gated < 2-step chunks, for each learned verifier; imagined steps gated < the same-cost baseline;
+multiply-accumulates gated (frame verifier) < 2-step chunks; success gated > 2-step chunks for each learned verifier.
 """
 from __future__ import annotations
 
@@ -31,9 +39,11 @@ CONFIGS = {
     "ffdc": (dict(), "python worldmodels/ffdc.py"),
     "ffdc-single-horizon": (dict(horizons=(1,)), "python worldmodels/ffdc.py --horizons 1"),
 }
-MODES = ("short", "long", "gated", "gated-fixed")
-LABEL = {"short": "2-step chunks", "long": "8-step chunks", "gated": "gated, learned verifier",
-         "gated-fixed": "gated, fixed threshold"}
+MODES = ("short", "long", "gated", "gated-fixed", "gated-rollout", "short-of-long")
+LABEL = {"short": "2-step chunks", "long": "8-step chunks", "gated": "gated, frame verifier",
+         "gated-fixed": "gated, fixed threshold", "gated-rollout": "gated, rollout verifier",
+         "short-of-long": "2 of 8 predicted steps"}
+WORK = ("short", "short-of-long", "long", "gated", "gated-rollout")  # the modes of the counted-work table
 
 
 def run(names: list[str], seeds: list[int], out_root: Path) -> None:
@@ -83,45 +93,72 @@ def by_script() -> tuple[dict, dict]:
     return by, meta
 
 
-def report() -> None:
-    by, meta = by_script()
-    if "ffdc" not in by:
-        raise SystemExit(f"no rows in {RESULTS / CSV}: run the benchmark first")
-    d = by["ffdc"]
-    rates = rates_of(d)
-    n = len(d)
+def mode_tables(d: dict, rates: list[str], n: int) -> list[str]:
+    """Model calls and success per mode and rate, then each gated arm against 2-step chunks."""
     ms = lambda key, digits=2: mean_std(vals(d, key), digits=digits)  # noqa: E731
+    modes = [m for m in MODES if f"{m}_r{rates[0]}_calls" in next(iter(d.values()))]
     lines = [f"`python worldmodels/ffdc.py`, mean ± std over {n} seeds (sample std), 200 test episodes per seed, mode "
              "and perturbation rate; an episode succeeds when the agent reaches the goal within its initial distance "
              "+ 2 steps. At each step, with the given probability, the agent slips (a random other move replaces "
              "the commanded one) or the goal moves to a free neighbouring cell, half the time each. Model calls = "
-             "chunk predictions (the paper's WAM forward passes); a call here rolls the WAM out for the whole chunk, "
-             "so network evaluations grow with the chunk length.", "",
-             "| perturbation rate | " + " | ".join(f"calls: {LABEL[m]}" for m in MODES) + " | "
-             + " | ".join(f"success: {LABEL[m]}" for m in MODES) + " |", "|---" * (2 * len(MODES) + 1) + "|"]
+             "chunk predictions (the paper's WAM forward passes); a call here rolls the WAM out step by step for the "
+             "whole predicted chunk, so its cost grows with the chunk length (see the counted work below).", ""]
+    for what in ("calls", "success"):
+        lines += [f"| {what} per episode, by perturbation rate | " + " | ".join(LABEL[m] for m in modes) + " |",
+                  "|---" * (len(modes) + 1) + "|"]
+        lines += [f"| {r} | " + " | ".join(ms(f"{m}_r{r}_{what}") for m in modes) + " |" for r in rates] + [""]
+    lines += ["Gated execution against 2-step chunks, difference of seed means with Welch's 95% interval:", "",
+              "| perturbation rate | verifier | calls, gated - short | calls saved | success, gated - short | early "
+              "replans per episode | steps per call |", "|---|---|---|---|---|---|---|"]
     for r in rates:
-        lines.append(f"| {r} | " + " | ".join(ms(f"{m}_r{r}_calls") for m in MODES) + " | "
-                     + " | ".join(ms(f"{m}_r{r}_success") for m in MODES) + " |")
-    lines += ["", "Gated execution (learned verifier) against 2-step chunks, difference of seed means with Welch's 95% "
-              "interval, and what a call costs:", "",
-              "| perturbation rate | calls, gated - short | calls saved | success, gated - short | network evaluations: "
-              "short / long / gated | early replans per episode: gated / gated-fixed | steps per call, gated | "
-              "execution s, short / gated |", "|---|---|---|---|---|---|---|---|"]
+        for m in [m for m in ("gated", "gated-rollout", "gated-fixed") if m in modes]:
+            g, sh = vals(d, f"{m}_r{r}_calls"), vals(d, f"short_r{r}_calls")
+            spc = [st / c for st, c in zip(vals(d, f"{m}_r{r}_steps"), g)]
+            saved = 100 * (1 - np.mean(g) / np.mean(sh))
+            lines.append(f"| {r} | {LABEL[m].split(', ')[1]} | {welch(g, sh)} | {saved:.0f}% | "
+                         f"{welch(vals(d, f'{m}_r{r}_success'), vals(d, f'short_r{r}_success'))} | "
+                         f"{ms(f'{m}_r{r}_early')} | {mean_std(spc, digits=1)} |")
+    return lines
+
+
+def work_table(d: dict, rates: list[str]) -> list[str]:
+    """What each mode costs per episode: imagined steps, verifier evaluations, multiply-accumulates (counted)."""
+    ms = lambda key, scale=1.0, digits=1: mean_std(vals(d, key), scale, digits)  # noqa: E731
+    modes = [m for m in WORK if f"{m}_r{rates[0]}_macs" in next(iter(d.values()))]
+    if not modes:
+        return []
+    lines = ["", "Counted work per episode (imagined steps: one policy and one dynamics evaluation each; verifier "
+             "evaluations: steps the verifier was asked; multiply-accumulates of all of them, in millions, from "
+             "the networks' layer shapes). Execution seconds on the shared CPU describe only.", "",
+             "| perturbation rate | mode | model calls | imagined steps | verifier evaluations | MACs (M) | "
+             "execution s (200 episodes) |", "|---|---|---|---|---|---|---|"]
     for r in rates:
-        g, s = vals(d, f"gated_r{r}_calls"), vals(d, f"short_r{r}_calls")
-        saved = 100 * (1 - np.mean(g) / np.mean(s))
-        spc = [st / c for st, c in zip(vals(d, f"gated_r{r}_steps"), g)]
-        lines.append(f"| {r} | {welch(g, s)} | {saved:.0f}% | {welch(vals(d, f'gated_r{r}_success'), vals(d, f'short_r{r}_success'))} | "
-                     + " / ".join(ms(f"{m}_r{r}_evals", 1) for m in ("short", "long", "gated")) + " | "
-                     + " / ".join(ms(f"{m}_r{r}_early") for m in ("gated", "gated-fixed")) + f" | {mean_std(spc, digits=1)} | "
-                     + " / ".join(ms(f"{m}_r{r}_exec_s", 2) for m in ("short", "gated")) + " |")
-    lines += ["", "The verifiers on held-out steps of perturbed 8-step chunks (rate 0.2; a step is *deviated* when the "
-              f"predicted frame shows the agent or the goal elsewhere than the observed one, {ms('verifier_deviated_frac')} "
-              f"of them): learned verifier recall {ms('verifier_learned_recall', 3)}, false alarms "
-              f"{ms('verifier_learned_false_alarm', 3)}; fixed threshold (pixel MSE > 1/300) recall "
-              f"{ms('verifier_fixed_recall', 3)}, false alarms {ms('verifier_fixed_false_alarm', 3)}. Without "
-              f"perturbation the WAM's imagined frame is off at the first step of a chunk in {ms('pred_dev_h1', 3)} of "
-              f"chunks and at the eighth in {ms('pred_dev_h8', 3)}."]
+        lines += [f"| {r} | {LABEL[m]} | {ms(f'{m}_r{r}_calls', digits=2)} | {ms(f'{m}_r{r}_evals')} | "
+                  f"{ms(f'{m}_r{r}_verifier_evals')} | {ms(f'{m}_r{r}_macs', 1e-6, 2)} | "
+                  f"{ms(f'{m}_r{r}_exec_s', digits=2)} |"
+                  for m in modes]
+    return lines
+
+
+def verifier_text(d: dict, by: dict, rates: list[str]) -> list[str]:
+    ms = lambda key, digits=2: mean_std(vals(d, key), digits=digits)  # noqa: E731
+    lines = ["", "The verifiers on held-out steps of perturbed 8-step chunks (rate 0.2). A step is *deviated* when the "
+             "predicted frame shows the agent or the goal elsewhere than the observed one "
+             f"({ms('verifier_deviated_frac')} "
+             f"of steps): frame verifier recall {ms('verifier_learned_recall', 3)}, false alarms "
+             f"{ms('verifier_learned_false_alarm', 3)}; fixed threshold (pixel MSE > 1/300) recall "
+             f"{ms('verifier_fixed_recall', 3)}, false alarms {ms('verifier_fixed_false_alarm', 3)}. The rest of the "
+             "chunk *can no longer be trusted* when executing its remaining actions from the real state (true "
+             "dynamics) would show a deviated frame at some later step"]
+    if vals(d, "rest_deviated_frac"):
+        lines[-1] += (f" ({ms('rest_deviated_frac')} of the steps that have a rest): rollout verifier recall "
+                      f"{ms('verifier_rollout_rest_recall', 3)}, false alarms "
+                      f"{ms('verifier_rollout_rest_false_alarm', 3)}; the frame verifier on the same labels "
+                      f"{ms('verifier_learned_rest_recall', 3)} / {ms('verifier_learned_rest_false_alarm', 3)}.")
+    else:
+        lines[-1] += " (not measured in these rows)."
+    lines[-1] += (f" Without perturbation the WAM's imagined frame is off at the first step of a chunk in "
+                  f"{ms('pred_dev_h1', 3)} of chunks and at the eighth in {ms('pred_dev_h8', 3)}.")
     if "ffdc-single-horizon" in by:
         e = by["ffdc-single-horizon"]
         me = lambda key, digits=2: mean_std(vals(e, key), digits=digits)  # noqa: E731
@@ -129,10 +166,20 @@ def report() -> None:
         lines += ["", f"Mixture-of-Horizon Training (windows of 1, 2, 4 and 8 steps in every batch, the default) against "
                   f"the same WAM trained on single steps (`--horizons 1`, {seeds}): imagined frame off at the "
                   f"eighth chunk step without perturbation {ms('pred_dev_h8', 3)} vs {me('pred_dev_h8', 3)}; gated "
-                  "execution, model calls per episode at rate " + ", ".join(
+                  "execution (frame verifier), model calls per episode at rate " + ", ".join(
                       f"{r}: {ms(f'gated_r{r}_calls')} vs {me(f'gated_r{r}_calls')}" for r in rates)
                   + "; success " + ", ".join(f"{r}: {ms(f'gated_r{r}_success')} vs {me(f'gated_r{r}_success')}"
                                               for r in rates) + "."]
+    return lines
+
+
+def report() -> None:
+    by, meta = by_script()
+    if "ffdc" not in by:
+        raise SystemExit(f"no rows in {RESULTS / CSV}: run the benchmark first")
+    d = by["ffdc"]
+    rates = rates_of(d)
+    lines = mode_tables(d, rates, len(d)) + work_table(d, rates) + verifier_text(d, by, rates)
     rows = list(meta.values())
     commits = ", ".join(f"`{c}`" for c in sorted({r["commit"] for r in rows}))
     lines += ["", f"Commits {commits}; {rows[0]['hardware']}, {rows[0]['versions']}; rows in "
@@ -146,7 +193,7 @@ def report() -> None:
 
     x = [float(r) for r in rates]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    for m in MODES:
+    for m in [m for m in MODES if vals(d, f"{m}_r{rates[0]}_calls")]:
         for ax, key in zip(axes, ("calls", "success")):
             v = np.array([vals(d, f"{m}_r{r}_{key}") for r in rates])  # (rates, seeds)
             ax.errorbar(x, v.mean(1), yerr=v.std(1, ddof=1) if v.shape[1] > 1 else None, marker="o", capsize=3,
@@ -154,7 +201,7 @@ def report() -> None:
     axes[0].set_ylabel("model calls per episode"), axes[1].set_ylabel("success rate")
     for ax in axes:
         ax.set_xlabel("perturbation probability per step"), ax.legend(fontsize=7)
-    fig.suptitle(f"FFDC on the gridworld: fixed vs verifier-gated chunks (mean ± std, {n} seeds)", fontsize=10)
+    fig.suptitle(f"FFDC on the gridworld: fixed vs verifier-gated chunks (mean ± std, {len(d)} seeds)", fontsize=10)
     fig.tight_layout()
     fig.savefig(PNG, dpi=90)
     plt.close(fig)

@@ -1,6 +1,7 @@
-"""Routing replay on a mixture-of-experts policy: no replay, R3, PR2 and TIS, 3 seeds each.
+"""Routing replay on a mixture-of-experts policy: no replay, R3, PR2 and TIS under three kinds of mismatch, 3 seeds.
 
-    python benchmarks/moe_routing_replay_table.py                # 3 seeds x 6 arms (about 100 s each, 1 thread)
+    python benchmarks/moe_routing_replay_table.py                # 3 seeds x 9 arms (about 60-100 s each, 1 thread)
+    python benchmarks/moe_routing_replay_table.py --arms pr2 "pr2 (no noise)" --seeds 0 1 2   # some arms only
     python benchmarks/moe_routing_replay_table.py --report-only  # rebuilds the table and the plot from the CSV
 
 The claims: R3 ("Stabilizing MoE Reinforcement Learning by Aligning Training and Inference Routers",
@@ -10,18 +11,28 @@ arXiv:2606.00395) routes rollouts by a forecast of the router after the coming u
 less stale and the routing-induced mismatch is smaller. Arms (algos/moe_routing_replay.py, one file, so everything
 but the routing of the trainer and the rollout is the same code), on its default setting: tiny-moe (Qwen3-MoE, 4
 experts, top-2), 2-digit addition, 32 prompts x 8 completions, 100 rollout batches of 4 optimiser steps, the rollout
-engine a bf16 copy whose routers add N(0, 0.5^2) noise to their logits:
+engine a bf16 copy whose routers add N(0, 0.5^2) noise:
   none   --replay none                     the trainer routes by its own router
   r3     --replay r3                       the trainer replays the rollout's routes
-  pr2    --replay pr2                      rollouts route by the predicted router, the trainer replays them
+  pr2    --replay pr2                      rollouts route by the forecast router, the trainer replays them
   tis    --replay none --sampler-is-cap 2  own routes, each token weighted by min(pi_old / mu, 2)
-  r3 (no noise), pr2 (no noise)            --router-noise 0: the rollout differs by bf16 numerics only, so the
-                                           routes the trainer replays go stale through router drift alone (PR2's
-                                           setting)
+Where the mismatch comes from decides what a replay can remove, so R3 is measured against no replay under each:
+  (default)       --router-noise-on select: the noise picks the engine's experts only, their gates come from the
+                  noise-free logits; replaying the choice removes the injected mismatch by construction (a test pins
+                  it: tests/test_moe_routing_replay.py), so this pair's KL is no verdict
+  (logit noise)   --router-noise-on logits: the engine's router logits are noisy, experts and gate weights both
+  (no noise)      --router-noise 0: bf16 numerics only (also PR2's setting: replayed routes go stale through router
+                  drift alone)
+Plan, fixed before the runs (3 seeds per arm; the verdict rule of benchmarks/report.py): KL(mu || pi_old), r3 < none,
+under logit noise and under bf16 only; PR2's routes at the batch's last step, pr2 < r3 stale share (no noise); PR2's
+forecast, its top-k route agreement with the router after the updates > R3's (no change) (no noise); held-out
+accuracy, pr2 > r3 (default noise).
 Figures per run (means over the run's rollout batches): KL(mu || pi_old) by the k3 estimator, the variance of the
 importance ratio pi_old / mu, the share of (token, layer) routes where the rollout's expert set differs from the
 trainer router's own before the update (disagree) and at the batch's last optimiser step (stale), PR2's forecast
-quality (1 - forecast MSE / MSE of forecasting no change), held-out greedy accuracy (500 prompts) before and after.
+quality out of sample (explained: 1 - forecast MSE / MSE of forecasting no change; agree: share of routes whose top-k
+under the forecast equals the top-k after the updates, against agree_r3 for the unchanged logits), held-out greedy
+accuracy (500 prompts) before and after.
 
 Writes benchmarks/results/moe_routing_replay.csv (rows through benchmarks/_results.py), moe_routing_replay.md and
 moe_routing_replay.png (accuracy and KL over training, mean over seeds).
@@ -42,7 +53,11 @@ from benchmarks._results import RESULTS, append_rows, mean_std, read_rows  # noq
 CSV, NAME, SCRIPT = "moe_routing_replay.csv", "moe_routing_replay", "algos/moe_routing_replay.py"
 ARMS = {"none": dict(replay="none"), "r3": dict(replay="r3"), "pr2": dict(replay="pr2"),
         "tis": dict(replay="none", sampler_is_cap=2.0),
+        "none (logit noise)": dict(replay="none", router_noise_on="logits"),
+        "r3 (logit noise)": dict(replay="r3", router_noise_on="logits"),
+        "none (no noise)": dict(replay="none", router_noise=0.0),
         "r3 (no noise)": dict(replay="r3", router_noise=0.0), "pr2 (no noise)": dict(replay="pr2", router_noise=0.0)}
+RUN_NAME = {" (no noise)": "_n0", " (logit noise)": "_logit"}
 FLAGS = dict(eval_every=20, pass_k=0, eval_hard=False, threads=1)
 QUARTERS = 4
 
@@ -58,7 +73,9 @@ def run(seeds, arms) -> None:
         for label in arms:
             kw = ARMS[label]
             out = Path("runs/bench_moe") / f"s{seed}"
-            name = label.replace(" (no noise)", "_n0")
+            name = label
+            for suffix, short in RUN_NAME.items():
+                name = name.replace(suffix, short)
             s = mrr.main(mrr.Args(seed=seed, out_dir=str(out), exp_name=name, **kw, **FLAGS))
             history = [json.loads(line) for line in open(out / name / "metrics.jsonl")]
             train = [h for h in history if "mismatch/kl_k3" in h]
@@ -69,8 +86,6 @@ def run(seeds, arms) -> None:
             for h in history:
                 if "eval/acc" in h:
                     s[f"acc_step{h['step']}"] = h["eval/acc"]
-            if "pr2" in label:
-                s["pr2_explained"] = sum(h["pr2/explained"] for h in train) / len(train)
             cmd = f"python {SCRIPT} {flags({**kw, 'eval_every': 20, 'pass_k': 0})} --no-eval-hard --seed {seed}"
             append_rows(CSV, NAME, SCRIPT, label, seed, s, cmd)
 
@@ -82,8 +97,9 @@ def report() -> None:
     if not by:
         raise SystemExit(f"no rows in benchmarks/results/{CSV}; run without --report-only first")
     lines = ["| arm | held-out acc start | end | best | KL(mu \\|\\| pi_old) per token (1e-4) | ratio variance (1e-4) | "
-             "routes differ (%) | stale at the last step (%) | PR2 forecast explained | seeds |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "routes differ (%) | stale at the last step (%) | PR2 forecast explained | PR2 routes right (%): "
+             "forecast / no change | seeds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label in ARMS:
         runs = by.get(label, {})
         if not runs:
@@ -92,13 +108,18 @@ def report() -> None:
         lines.append(f"| {label} | {mean_std(get('eval_acc_start'), 100)} | {mean_std(get('eval_acc_end'), 100)} | "
                      f"{mean_std(get('eval_acc_best'), 100)} | {mean_std(get('kl_k3'), 1e4, 2)} | "
                      f"{mean_std(get('ratio_var'), 1e4, 2)} | {mean_std(get('disagree'), 100)} | "
-                     f"{mean_std(get('stale'), 100)} | {mean_std(get('pr2_explained'), 1, 2)} | {len(runs)} |")
+                     f"{mean_std(get('stale'), 100)} | {mean_std(get('pr2_explained'), 1, 2)} | "
+                     f"{mean_std(get('pr2_agree'), 100, 2)} / {mean_std(get('pr2_agree_r3'), 100, 2)} | {len(runs)} |")
     text = "\n".join(lines) + "\n\n" + (
         "`python benchmarks/moe_routing_replay_table.py`: tiny-moe on 2-digit addition, 100 rollout batches of "
-        "32 x 8, 4 optimiser steps each; rollout engine in bf16 with router noise 0.5 (\"no noise\": 0); mean ± std "
-        "over seeds. KL by the k3 estimator on the sampled tokens, pi_old scored by the trainer before the update. "
-        "\"PR2 forecast explained\" is 1 - MSE(forecast) / MSE(no change) of the router-logit change over one rollout "
-        "batch: below 0, the forecast is worse than R3's implicit one.\n\n"
+        "32 x 8, 4 optimiser steps each; rollout engine in bf16 with router noise 0.5 on the choice of experts only "
+        "(the default: replaying the choice removes that injected mismatch by construction), on the router logits "
+        "(\"logit noise\": experts and gate weights both), or none (\"no noise\": bf16 numerics only); mean ± std over "
+        "seeds. KL by the k3 estimator on the sampled tokens, pi_old scored by the trainer before the update. \"PR2 "
+        "forecast explained\" is 1 - MSE(forecast) / MSE(no change) of the router-logit change over one rollout batch, "
+        "out of sample (below 0: worse than R3's implicit forecast of no change); \"routes right\" is the share of "
+        "(token, layer) routes whose top-k under the forecast (and under the unchanged logits) equals the top-k after "
+        "the batch's updates.\n\n"
         "![accuracy and mismatch over training](benchmarks/results/moe_routing_replay.png)\n")
     (RESULTS / f"{NAME}.md").write_text(text)
     plot(by)

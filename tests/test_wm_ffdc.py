@@ -33,9 +33,9 @@ def world(n=64, rate=0.0, kind="both", seed=5):
     return ffdc.PerturbedWorld(CFG, n, seed, rate, kind)
 
 
-def run(chunk, verify=None, rate=0.0, kind="both", slack=2, n=64, wam=None):
+def run(chunk, verify=None, rate=0.0, kind="both", slack=2, n=64, wam=None, predict=None):
     env = world(n, rate, kind)
-    return ffdc.execute(wam or Oracle(), env, chunk, ffdc.budgets(env, slack), verify)
+    return ffdc.execute(wam or Oracle(), env, chunk, ffdc.budgets(env, slack), verify, predict=predict)
 
 
 NEVER = lambda p, o: np.zeros(len(p), bool)  # noqa: E731
@@ -175,6 +175,121 @@ def test_perturbation_inside_a_chunk_is_detected_at_once(kind):
         assert blind["success"][0] == 0
 
 
+# ---- what execution costs: calls, imagined steps, verifier evaluations, multiply-accumulates ----
+def test_counts_of_model_calls_imagined_steps_and_verifier_evaluations():
+    """Against a per-episode count: a verifier that never fires is asked at every executed step that leaves actions
+    to throw away (not at a chunk's last position, not on the step that reaches the goal); one that always fires is
+    asked exactly where it replans; each call imagines `predict` steps, whether or not they are executed.
+    Planted on a copy: the verifier evaluations counted at every active step -> the first check fails."""
+    for rate in (0.0, 0.3):
+        out = run(8, NEVER, rate)
+        naive = [sum(1 for t in range(s) if t % 8 != 7) - int(ok and (s - 1) % 8 != 7)
+                 for s, ok in zip(out["steps"], out["success"])]
+        np.testing.assert_array_equal(out["verifier_evals"], naive)
+        np.testing.assert_array_equal(out["evals"], 8 * out["calls"])
+        always = run(8, ALWAYS, rate)
+        np.testing.assert_array_equal(always["verifier_evals"], always["early"])
+        assert (run(8, None, rate)["verifier_evals"] == 0).all()
+
+
+def test_short_of_long_is_short_chunks_at_the_cost_of_long_ones():
+    """The same-cost baseline: each call predicts 8 steps (what a gated call costs) and executes 2. Its actions are
+    the first 2 of an 8-step rollout, so calls, steps and success equal the 2-step arm's, at 4x the imagined steps."""
+    for rate in (0.0, 0.3):
+        short, same_cost = run(2, None, rate), run(2, None, rate, predict=8)
+        for k in ("calls", "steps", "success"):
+            np.testing.assert_array_equal(short[k], same_cost[k])
+        np.testing.assert_array_equal(same_cost["evals"], 8 * same_cost["calls"])
+        np.testing.assert_array_equal(short["evals"], 2 * short["calls"])
+
+
+def test_forward_macs_against_a_hand_count():
+    """Verifier(4) on 10x10 frames: four 3x3 convolutions 9 -> 4 -> 4 -> 4 -> 1 channels over 100 cells; the WAM's
+    imagined step, its policy (conv stack, spatial softmax, two linear layers) and its dynamics; RolloutVerifier(4)
+    on a chunk's 7 remaining transitions."""
+    v = ffdc.Verifier(4)
+    x = torch.zeros(1, 3, 10, 10)
+    assert ffdc.forward_macs(v, lambda: v(x, x)) == 100 * 9 * (9 * 4 + 4 * 4 + 4 * 4 + 4 * 1)
+    wam = ffdc.WorldActionModel(4)
+    step = ffdc.forward_macs(wam, lambda: (wam.policy(x), wam.dynamics(x, torch.zeros(1, dtype=torch.long))))
+    policy = 100 * 9 * (3 * 4 + 4 * 4 + 4 * 4 + 4 * 16) + 32 * 8 + 8 * 5
+    dynamics = 100 * 9 * ((3 + 5 + 15) * 4 + 4 * 4 + 4 * 4 + 4 * 3)
+    assert step == policy + dynamics
+    rv = ffdc.RolloutVerifier(4)  # one transition net, 3 C + 5 C -> 4 -> 4 -> 4 -> 1, on each of the 7 transitions
+    rest = (torch.zeros(1, 7, 3, 10, 10), torch.zeros(1, 7, dtype=torch.long), torch.ones(1, 7, dtype=torch.bool))
+    assert ffdc.forward_macs(rv, lambda: rv(x, *rest)) == 7 * 100 * 9 * ((9 + 15) * 4 + 4 * 4 + 4 * 4 + 4 * 1)
+
+
+# ---- the rollout verifier's label, eq. (3b) ----
+class Drifting(Oracle):
+    """The exact world action model, except that its imagined frame at chunk position `at` shows the agent one cell
+    off: its own prediction drifts there, with no perturbation of the world."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def chunk(self, x, h):
+        a, frames = super().chunk(x, h)
+        if h > self.at:
+            frames[:, self.at, 2] = torch.roll(frames[:, self.at, 2], 1, dims=-1)
+        return a, frames
+
+
+def labels(wam, env, chunk=8):
+    rec = []
+    ffdc.execute(wam, env, chunk, np.array([9]), record=rec)
+    return [bool(r[2][0]) for r in rec], [bool(r[6][0]) for r in rec], rec
+
+
+def test_rest_deviated_judges_the_rest_of_the_chunk():
+    """A slip at step 3: the frame label fires at steps 3-7 (the chunk is not replanned), the rest-of-chunk label
+    at steps 3-6 (step 7 ends the chunk: nothing rests), and neither after the next call. A prediction that drifts
+    at chunk position 5 in an unperturbed world: the frame label fires at step 5 only, the rest label already at
+    steps 0-4, while the frames still agree: what a frame check cannot see.
+    Planted on a copy: the simulated remaining steps compared with the current predicted frame instead of theirs ->
+    the slip case's rest label fires from step 0 (the simulated world has moved on from the current frame) and this
+    test fails."""
+    frame, rest, rec = labels(Oracle(), hand_made("slip"))
+    assert frame[:8] == [False] * 3 + [True] * 5 and rest[:8] == [False] * 3 + [True] * 4 + [False]
+    assert rec[0][3].shape == (1, 7, 3, 10, 10) and rec[0][5].tolist() == [[True] * 7]  # the rest of the chunk
+    assert rec[6][5].tolist() == [[True] + [False] * 6]
+    world = hand_made("slip")
+    world.u[:] = 1.0  # no perturbation
+    frame, rest, _ = labels(Drifting(5), world)  # 7 steps to the goal
+    assert frame == [False] * 5 + [True, False] and rest == [True] * 5 + [False, False]
+
+
+# ---- the learned verifiers, trained fast on exact predictions ----
+class Log:
+    def log(self, *a, **k):
+        pass
+
+
+@pytest.fixture(scope="module")
+def oracle_verifiers():
+    torch.manual_seed(0)
+    args = ffdc.Args(channels=8, verifier_steps=150, verifier_episodes=96, batch_size=64, log_every=10_000)
+    return ffdc.train_verifier(args, CFG, Oracle(), torch.Generator().manual_seed(0), Log())
+
+
+def test_learned_verifiers_fire_on_deviations_and_gate_execution(oracle_verifiers):
+    """Both learned verifiers, trained for a few seconds on perturbed 8-step chunks of the exact model: on held-out
+    steps they find the deviations (recall > 0.8) with few false alarms (< 0.1), and gating 8-step chunks with them
+    replans early under perturbation, beating open-loop 8-step chunks, and never replans without perturbation.
+    Planted on a copy: learned_verifier (or rollout_verifier) accepting every step -> recall 0, no early replan:
+    this test fails in seconds (the script's slow tests caught it only after a full training run)."""
+    v, rv, tau, figs = oracle_verifiers
+    for name in ("verifier_learned", "verifier_rollout_rest"):
+        assert figs[f"{name}_recall"] > 0.8 and figs[f"{name}_false_alarm"] < 0.1, (name, figs)
+    assert 0.05 < figs["verifier_deviated_frac"] < 0.95 and 0.05 < figs["rest_deviated_frac"] < 0.95
+    long = run(8, None, 0.3, n=128)
+    for verify in (ffdc.learned_verifier(v, 0.5), ffdc.rollout_verifier(rv, 0.5)):
+        gated = run(8, verify, 0.3, n=128)
+        assert gated["early"].mean() > 0.3 and gated["success"].mean() > long["success"].mean() + 0.1
+        assert (gated["verifier_evals"] >= gated["early"]).all()
+        assert (run(8, verify, 0.0)["early"] == 0).all()
+
+
 # ---- the script ----
 # the default WAM and verifier training; fewer test episodes and two perturbation rates
 SMALL = dict(episodes=120, rates=(0.0, 0.3), verifier_episodes=128, save_png=False)
@@ -187,7 +302,7 @@ def small_run(tmp_path_factory):
     return summary, out
 
 
-@pytest.mark.slow  # the default training, about 50 s of one CPU core
+@pytest.mark.slow  # the default training and both verifiers, about 2-3 min of one shared CPU core
 def test_script_runs_and_gated_beats_short_chunks_on_model_calls(small_run):
     s, _ = small_run
     for r in (0.0, 0.3):
@@ -202,7 +317,7 @@ def test_learned_verifier_detects_the_hand_made_slip(small_run):
     """The trained WAM and learned verifier: never a replan on agreeing frames, and the slip of the hand-made
     episode detected within 1 step."""
     _, out = small_run
-    wam, v = ffdc.load_models(out, 16)
+    wam, v, _ = ffdc.load_models(out, 16)
     learned = ffdc.learned_verifier(v, 0.5)
     env = world(64)
     exact = ffdc.execute(Oracle(), env, 8, ffdc.budgets(env, 2), learned)
