@@ -187,6 +187,7 @@ def rg_task():
 def test_reasoning_gym_split_answers_and_errors(rg_task):
     """A fixed held-out split (its own seed; no question in both), the generator's scorer on the one boxed answer,
     the format instruction in every prompt, and unknown names listed."""
+    assert isinstance(rg_task, llm.ReasoningGymTask)
     assert not {e.prompt for e in rg_task.train} & {e.prompt for e in rg_task.test}
     assert len(rg_task.test) == 1000 and len(rg_task.train) > 2000
     again = llm.make_task("rg:basic_arithmetic,gsm_symbolic")  # the same split every time
@@ -370,3 +371,30 @@ def test_lora_grpo_learns(tmp_path):
                             eval_hard=False, out_dir=str(tmp_path), exp_name="t", lora_rank=8, threads=1))
     assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.08, s
     assert s["logprob_mismatch"] < 1e-3  # on CPU the sampler is the trainer: it decodes through the adapters
+
+
+def test_builtin_rewards_and_number_comparison():
+    task = llm.WordProblemTask()
+    done = dict(task=task, completion_lengths=[2, 8], max_new_tokens=8)
+    assert llm.reward_correct(["p", "q"], ["so 4", "5"], ["4", "4"], **done) == [1.0, 0.0]
+    assert llm.reward_format(["p", "q"], ["so 4", "four"], ["4", "4"], **done) == [1.0, 0.0]
+    assert llm.reward_length(["p", "q"], ["a", "b"], ["4", "4"], **done) == [-0.25, -1.0]
+    assert llm._same_number("4.0", "4") and llm._same_number("1,000", "1000") and not llm._same_number("x", "4")
+
+
+def test_run_seeds_each_step_and_saves_its_counters(tmp_path):
+    """llm.Run: the task and held-out sets, the step-0 evaluation, per-step draws that depend on (seed, step, rank)
+    only (a second Run draws the same), and a script's counters saved in the checkpoint."""
+    args = grpo.Args(steps=2, eval_examples=4, pass_k=0, eval_hard=False, threads=1, out_dir=str(tmp_path))
+    run = llm.Run(args)
+    assert run.task.name == "add2" and len(run.eval_sets["main"]) == 4 and run.hard_task is None
+    model, tok, _, sampler = llm.load_policy(args, run.accel)
+    run.start(model, tok, llm.make_optimizer(model.parameters(), args), sampler, counters={"seen": 0})
+    assert run.history[0]["step"] == 0 and "eval/acc" in run.history[0] and run.counters == {"seen": 0}
+    draws = [(step, int(rng.integers(1000)), torch.rand(1).item()) for step, rng in run.steps()]
+    again = [(step, int(rng.integers(1000)), torch.rand(1).item()) for step, rng in llm.Run(args).steps()]
+    assert draws == again and [d[0] for d in draws] == [1, 2]
+    run.counters["seen"] = 5
+    run.save(2)
+    state = json.loads((tmp_path / "grpo" / "checkpoint" / "trainer_state.json").read_text())
+    assert state["seen"] == 5 and state["step"] == 2
