@@ -150,12 +150,14 @@ def rollout_of(tiny, **kw):
 
 def test_quantisation_off_rollout_logprobs_equal_the_trainers(tiny):
     model = tiny[0]
-    for dtype, bound in (("fp32", 1e-5), ("fp8", None)):
+    for dtype, bound in (("fp32", 1e-4), ("fp8", None)):
         _, _, b = rollout_of(tiny, rollout_dtype=dtype)
         lp = common.token_logprobs(model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"], b["completion_mask"])
         gap = ((lp - b["logprobs"]).abs() * b["completion_mask"]).max().item()
-        if bound:
-            assert gap < bound, gap  # recorded while sampling, never recomputed: the sampler is the trainer's forward
+        if bound:  # recorded while sampling, never recomputed: the sampler is the trainer's forward, up to the
+            # ordering of fp32 SDPA over one query (decode) or all (prefill): a few ulps of log-probs near -10, up to
+            # 1.5e-5 measured on PyTorch's AVX2 kernels (0 on AVX-512)
+            assert gap < bound, gap
         else:
             assert gap > 1e-2, gap  # W8A8 moves them (so the check above can fail)
         # the recorded log-probs are the recorded full distribution at the sampled tokens
@@ -331,20 +333,31 @@ def test_trainer_stats_in_chunks_equal_the_full_tensor_and_hold_one_chunk(tiny):
 
 def test_one_precision_path_under_bf16():
     """--dtype bf16: mu samples under the trainer's autocast, so the fp32-rollout arm's behaviour log-probs equal the
-    trainer's (mean |d logp| <= 1e-5; 1e-2 when the sampler ran outside the autocast), and unified FP8 gives exactly
-    the trainer's log-probs (the fp8 simulation inside runs without autocast, as on the GPU kernel)."""
+    trainer's (mean |d logp| <= 1e-5, against 1e-3 and more when the sampler runs outside the autocast), and unified
+    FP8 gives exactly the trainer's log-probs (the fp8 simulation inside runs without autocast, as on the GPU kernel).
+
+    Attention runs on SDPA's math backend here: PyTorch's fused CPU kernel for bf16 rounds a one-query decode step
+    differently from a prefill on its AVX2 path (8e-3 mean |d logp| on the bare model, 0 on AVX-512), which is
+    bf16 noise of the size of the effect tested, not a second precision path."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     model, tok = common.load_model("tiny-0.6m", dtype="bf16")
     task = llm.make_task("add", 2)
-    for kw in ({"rollout_dtype": "fp32"}, {"unified": True}):
+    for kw, amp in (({"rollout_dtype": "fp32"}, True), ({"unified": True}, True), ({"rollout_dtype": "fp32"}, False)):
         args = f.Args(prompts_per_step=8, group_size=4, **kw)
         engine = f.FP8Engine(model, args.rollout_dtype, args.kv_fp8, args.kv_scale)
+        if not amp:  # the planted bug: mu in fp32 while the trainer computes in bf16
+            engine.model.amp_dtype = None
         torch.manual_seed(1)
-        b = f.rollout(model, tok, task, args, np.random.default_rng(0), "cpu", engine)
-        with f.precision(model, "ste" if args.unified else "off", engine.kv if args.unified else None):
-            lp = common.token_logprobs(model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"],
-                                       b["completion_mask"])
+        with sdpa_kernel([SDPBackend.MATH]):
+            b = f.rollout(model, tok, task, args, np.random.default_rng(0), "cpu", engine)
+            with f.precision(model, "ste" if args.unified else "off", engine.kv if args.unified else None):
+                lp = common.token_logprobs(model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"],
+                                           b["completion_mask"])
         gap = common.masked_mean((lp - b["logprobs"]).abs(), b["completion_mask"].float()).item()
-        if args.unified:
+        if not amp:
+            assert gap > 1e-3, gap
+        elif args.unified:
             assert gap == 0.0, gap
         else:
             assert gap <= 1e-5, gap
