@@ -1,0 +1,436 @@
+"""TTRL and DARE: test-time RL without labels, GRPO trained on rewards that the group of completions votes for itself.
+
+Papers: Zuo et al., "TTRL: Test-Time Reinforcement Learning", arXiv:2504.16084 (majority-vote pseudo-labels), and
+Du, Huang and Li, "Distribution-Aware Reward Estimation for Test-Time Reinforcement Learning" (DARE),
+arXiv:2601.21804 (a reward from the group's whole answer distribution, an exploration bonus, distribution pruning).
+The policy trains on unlabelled prompts: each group of G completions votes on its own answers, and the reference
+answer never enters the reward. grpo.py's advantage, clipped loss and update are kept as they are.
+
+Equations (each implemented by the function named on the right), for one prompt and its G completions o_1..o_G,
+a_i = the final answer o_i commits to (the task's parser, no reference; None when it gives none):
+  answer            a_i = parse(o_i)                                                    answer_of
+  majority vote     y^ = argmax_a n(a),  n(a) = #{i: a_i = a}; ties go to the answer sampled first   majority_vote
+  TTRL reward       r_i = 1[a_i = y^]  (all 0 when no completion gives an answer)      majority_rewards
+  DARE, pruning     K = {a : n(a) / G >= tau}: answers rarer than tau are dropped as noise (reward 0)
+  DARE, reward      p~(a) = n(a) / sum_{b in K} n(b)  for a in K (the pruned, renormalised distribution)
+                    r_i = p~(a_i) + beta c_i 1[a_i in K, n(a_i) < max_b n(b)]  (a_i in K; else 0)
+                    c_i = exp(mean_t log pi_sampler(o_it)): the completion's confidence     dare_rewards
+  either arm        --reward-mode majority | dare                                      pseudo_rewards
+  group advantage   A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)              group_advantages
+  clipped surrogate, aggregation, sampler correction: grpo.py's (grpo_loss, truncated_is_weight, update)
+  logged only       label accuracy 1[y^ = y*] and wrong-majority rate 1[y^ != None, y^ != y*] per prompt, with
+                    y* the reference answer, which is read only here (never by the reward)   label_stats
+
+Parent: algos/grpo.py; changed: Args, Args.model, Args.lr, Args.steps, check_args, rollout, main.
+
+Deviations from the papers (DARE's abstract gives no formulas and its code was not found; every rule below is this
+file's choice, kept simple and stated):
+- Training prompts are the task's held-out split (--train-split test), the papers' setting: test-time RL adapts on
+  the unlabelled problems it is then scored on, so held-out accuracy here is transductive (the fixed evaluation set
+  is drawn from the same split the policy trains on, without its answers). --train-split train trains on the
+  training split instead and makes held-out accuracy a generalisation figure. eval/acc_hard (one digit more) stays
+  out of distribution either way.
+- The vote and the reward use the same G completions; TTRL's released recipe votes over 64 samples and trains on 32.
+- Answers are compared as the parser's strings (exact match: what the arithmetic verifier does); on real data two
+  forms of one number ("1/2", "0.5") vote apart, where a math-equivalence grouping would merge them.
+- Ties in the vote go to the answer sampled first in the group (collections.Counter.most_common keeps first-seen
+  order among equal counts); sampling order is random, so this is a random tie-break. A group in which no completion gives an answer has no pseudo-label: all rewards 0 (no gradient).
+- DARE's distribution reward is the answer's share among the kept answers, p~(a_i); its pruning drops answers whose
+  share of the group is below tau = --prune-threshold = 0.2 (with G = 8, the answers seen once), which then get
+  reward 0 like completions without an answer; its exploration bonus goes to kept answers below the top count (every
+  answer tied for the top is "majority" and gets none: DARE's reward does not depend on the sampling order) and is
+  beta = --explore-bonus = 0.5 times the completion's confidence c_i, the geometric-mean probability of its tokens under
+  the sampler. The paper's figure says the bonus favours low-uncertainty non-majority rollouts; the exact weighting,
+  tau and beta are not in the abstract. --prune-threshold 0 --explore-bonus 0 leaves the bare distribution reward.
+- ECHO ("Entropy Confidence Hybrid Group Relative Policy Optimization": entropy- and confidence-controlled tree
+  branching with pruning, confidence-adaptive clipping and hybrid advantage shaping for test-time RL) is not
+  implemented here: the rollouts are grpo.py's independent samples.
+- The reference answer is read once per batch, after the rewards are made, for the logged ttrl/ figures only:
+  ttrl/label_acc (pseudo-label accuracy), ttrl/wrong_majority (prompts whose vote is a wrong answer), ttrl/locked_wrong
+  (a wrong vote held by at least 3/4 of the group: the group has converged on it), ttrl/true_reward (the fraction of
+  completions that are right). tests/test_ttrl.py plants a wrong answer key and checks that rewards and advantages
+  do not change.
+- Everything else is grpo.py's (unbiased std, seq-mean loss, the truncated importance weight when the sampler is not
+  the trainer, FSDP2 sharding). grpo.py's --reward (verifier terms) is not a flag here: the reward is the vote.
+
+Commands:
+  python algos/ttrl.py                                          # TTRL, tiny default, 2-core CPU
+  python algos/ttrl.py --reward-mode dare                       # DARE
+  python algos/ttrl.py --train-split train                      # unlabelled training prompts, held-out eval
+  python algos/ttrl.py --model Qwen/Qwen2.5-Math-1.5B --task gsm8k --engine vllm --device cuda \
+      --max-new-tokens 512 --prompts-per-step 32 --group-size 16 --lr 1e-6 --reward-mode dare   # one GPU
+  accelerate launch --multi_gpu --num_processes 2 algos/ttrl.py --device cpu --threads 1   # 2 CPU processes
+Expected: EXPECTED_PLACEHOLDER
+"""
+from __future__ import annotations
+
+import math
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import tyro
+
+import common
+from algos import _llm as llm
+from algos._llm import LLMArgs
+
+
+@dataclass
+class Args(LLMArgs):
+    """GRPO's flags less --reward (the reward is the group's vote) and test-time RL's own: the arm, the prompts it
+    trains on, DARE's pruning threshold and exploration bonus."""
+    # rollout
+    prompts_per_step: int = 32
+    """distinct prompts per rollout batch (per process)"""
+    group_size: int = 8
+    """completions per prompt (G)"""
+    # objective
+    adv_std_norm: bool = True
+    """divide the group-centred reward by the group std (GRPO); off = Dr. GRPO"""
+    clip_eps_low: float = 0.2
+    """lower clip range: ratio >= 1 - eps_low"""
+    clip_eps_high: float = 0.2
+    """upper clip range: ratio <= 1 + eps_high (DAPO's clip-higher uses 0.28)"""
+    kl_coef: float = 0.0
+    """weight of the k3 KL to the frozen initial policy (0 = no reference model)"""
+    loss_agg: Literal["seq-mean", "token-mean", "const"] = "seq-mean"
+    """seq-mean (GRPO), token-mean (DAPO), const (Dr. GRPO / AsyncWebRL: divide by --agg-const per sequence)"""
+    agg_const: int = 0
+    """the constant k of --loss-agg const (0 = max_new_tokens)"""
+    sampler_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_old / pi_sampler, C) per token, applied when the sampler is
+    not the trainer's computation (the bf16 sampler copy on CUDA, vLLM); 0 = off"""
+    # optimisation
+    ppo_epochs: int = 1
+    """passes over each rollout batch"""
+    minibatches: int = 1
+    """optimiser steps per pass; the rollout batch is split into this many"""
+    kernels: bool = False
+    """use the Triton kernels (fused log-prob, fused clipped loss) when a GPU is present"""
+    model: str = "tiny-5m"
+    """tiny-5m (its group vote is right on about 75% of held-out prompts; tiny-0.6m's on about 40%, and a vote that is
+    mostly wrong teaches wrong answers), tiny-0.6m, tiny-sums, smollm2-135m, a Hugging Face id or a local path"""
+    lr: float = 1e-5
+    """peak learning rate (AdamW); the vote's errors are reinforced too: tiny-5m loses accuracy at 3e-5 and above"""
+    steps: int = 100
+    """rollout batches"""
+    # test-time RL
+    reward_mode: Literal["majority", "dare"] = "majority"
+    """majority: TTRL's 0/1 reward for agreeing with the group's majority answer; dare: DARE's reward from the
+    group's pruned answer distribution plus an exploration bonus"""
+    train_split: Literal["test", "train"] = "test"
+    """the unlabelled prompts trained on: test = the held-out split itself (test-time RL), train = the training split"""
+    prune_threshold: float = 0.2
+    """DARE's distribution pruning: answers whose share of the group is below this get reward 0 (0 = keep all)"""
+    explore_bonus: float = 0.5
+    """DARE's exploration bonus: beta times the completion's confidence, for kept answers below the top count"""
+
+
+def check_args(args: Args) -> None:
+    """Fail early, naming the flag, instead of deep inside torch."""
+    if args.group_size < 2:
+        raise SystemExit(f"--group-size must be at least 2 for a group baseline, got {args.group_size}")
+    if args.prompts_per_step < 1 or args.steps < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--prompts-per-step, --steps and --max-new-tokens must be positive")
+    batch = args.prompts_per_step * args.group_size
+    if batch % args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} must divide the rollout batch "
+                         f"(prompts_per_step * group_size = {batch})")
+    if args.micro_batch_size < 1:
+        raise SystemExit("--micro-batch-size must be positive")
+    if not (0 <= args.clip_eps_low < 1 and args.clip_eps_high >= 0):
+        raise SystemExit("clip ranges need 0 <= eps_low < 1 and eps_high >= 0")
+    if args.temperature <= 0:
+        raise SystemExit("--temperature must be > 0 (greedy decoding is used for eval only)")
+    if args.engine == "vllm" and not torch.cuda.is_available():
+        raise SystemExit("--engine vllm needs a CUDA GPU; use --engine hf on CPU")
+    if args.reward_mode not in ("majority", "dare"):
+        raise SystemExit(f"--reward-mode must be majority or dare, got {args.reward_mode!r}")
+    if args.train_split not in ("test", "train"):
+        raise SystemExit(f"--train-split must be test or train, got {args.train_split!r}")
+    if not 0.0 <= args.prune_threshold <= 1.0:
+        raise SystemExit(f"--prune-threshold is a share of the group, in [0, 1]; got {args.prune_threshold}")
+    if not (args.explore_bonus >= 0 and math.isfinite(args.explore_bonus)):
+        raise SystemExit(f"--explore-bonus must be a finite number >= 0, got {args.explore_bonus}")
+
+
+# ---- the idea: advantage, clipped surrogate, KL, aggregation ----
+def group_advantages(rewards: torch.Tensor, group_size: int, std_norm: bool = True, eps: float = 1e-6):
+    """A_i = (r_i - mean_g r) / (std_g r + eps); rewards [B] group-major -> advantages [B]."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(1, keepdim=True)
+    if std_norm:
+        adv = adv / (r.std(1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def clipped_pg_loss(logp, old_logp, adv, eps_low: float, eps_high: float):
+    """Per-token PPO-clip loss -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A); logp [B, C], adv [B].
+
+    Returns (loss [B, C], clipped [B, C] as float: where the clipped branch was the active one).
+    """
+    ratio = torch.exp(logp - old_logp)
+    a = adv.unsqueeze(1)
+    unclipped, clipped = ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def k3_kl(logp, ref_logp):
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def aggregate_loss(token_loss, mask, mode: str, n_seqs: int, n_tokens: int, const: int):
+    """This micro-batch's share of the step loss; summing the shares over micro-batches gives J.
+
+    token_loss, mask: [b, C]; n_seqs, n_tokens: counted over the whole optimiser step (all ranks).
+    """
+    per_seq_sum = (token_loss * mask).sum(1)
+    if mode == "seq-mean":
+        return (per_seq_sum / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if mode == "token-mean":
+        return per_seq_sum.sum() / max(n_tokens, 1)
+    if mode == "const":
+        return per_seq_sum.sum() / (n_seqs * const)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def agg_const(args: Args) -> int:
+    """The constant k of --loss-agg const (default: the generation budget, as Dr. GRPO)."""
+    return args.agg_const or args.max_new_tokens
+
+
+def grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """This micro-batch's share of J: clipped surrogate + kl_coef * k3 KL, aggregated over the step.
+
+    logp [b, C] (with grad); mb holds old, ref (or None), adv [b], mask [b, C]. Returns (loss, per-token stats).
+    """
+    tok_loss, clipped = clipped_pg_loss(logp, mb["old"], mb["adv"], args.clip_eps_low, args.clip_eps_high)
+    if mb.get("is_weight") is not None:  # the sampler is not the trainer: truncated importance weight per token
+        tok_loss = tok_loss * mb["is_weight"]
+    stats = {"clipfrac": clipped}
+    if mb["ref"] is not None:
+        kl = k3_kl(logp, mb["ref"])
+        tok_loss, stats["kl"] = tok_loss + args.kl_coef * kl, kl
+    return aggregate_loss(tok_loss, mb["mask"], args.loss_agg, n_seqs, n_tokens, agg_const(args)), stats
+
+
+def truncated_is_weight(old_logp, sampler_logp, cap: float):
+    """w_t = min(pi_old(o_t) / pi_sampler(o_t), C): corrects the update for samples drawn by another computation
+    than the trainer's (truncated importance sampling, as verl's rollout correction); no gradient."""
+    return torch.exp(old_logp - sampler_logp).clamp(max=cap).detach()
+
+
+def kernel_grpo_loss(logp, mb: dict, n_seqs: int, n_tokens: int, args: Args):
+    """grpo_loss from the fused Triton kernel (--kernels on a GPU): the same value and gradient.
+
+    The kernel normalises inside the micro-batch (token or sequence mean); rescaling by this micro-batch's
+    share of the step's sequences or tokens gives aggregate_loss's step-level normaliser.
+    """
+    from kernels.clipped_pg_loss import clipped_pg_loss as fused
+
+    if mb.get("is_weight") is not None:  # the kernel has no per-token weight: the reference path takes it
+        return grpo_loss(logp, mb, n_seqs, n_tokens, args)
+    mask = mb["mask"]
+    loss, kst = fused(logp, mb["old"], mb["adv"], mask, args.clip_eps_low, args.clip_eps_high, ref_logp=mb["ref"],
+                      beta=args.kl_coef, reduction="seq_mean" if args.loss_agg == "seq-mean" else "token_mean")
+    mb_tokens = float(mask.sum())
+    scale = {"seq-mean": mask.shape[0] / n_seqs, "token-mean": mb_tokens / max(n_tokens, 1),
+             "const": mb_tokens / (n_seqs * agg_const(args))}[args.loss_agg]
+    return loss * scale, {"clipfrac": torch.full_like(mask, float(kst["clip_frac"]))}  # micro-batch mean
+
+
+# ---- the idea: rewards voted by the group, no labels ----
+LOCKED_SHARE = 0.75  # ttrl/locked_wrong: a wrong vote held by at least this share of the group
+
+
+def answer_of(task, response: str) -> str | None:
+    """a_i: the final answer a completion commits to, read by the task's own parser without any reference answer
+    (stripped); None when it gives none."""
+    a = task.parse(response)
+    a = a.strip() if isinstance(a, str) else None
+    return a or None
+
+
+def majority_vote(answers: list) -> str | None:
+    """y^ = the most frequent answer among those given (None ignored); a tie goes to the one sampled first
+    (Counter.most_common keeps first-seen order among equal counts); None when no completion gives an answer."""
+    counts = Counter(a for a in answers if a is not None)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def majority_rewards(answers: list) -> list[float]:
+    """TTRL: r_i = 1 when a_i is the group's majority answer, else 0 (all 0 when there is no majority answer)."""
+    y = majority_vote(answers)
+    return [float(y is not None and a == y) for a in answers]
+
+
+def dare_rewards(answers: list, confidence: list[float], prune: float, bonus: float) -> list[float]:
+    """DARE, one group: answers with share n(a) / G below `prune` are dropped (reward 0, as no answer); a kept answer
+    gets its share of the kept ones, p~(a) = n(a) / sum_{b kept} n(b), plus bonus * c_i when its count is below the
+    top count (a non-majority answer; answers tied at the top all count as majority). c_i in [0, 1]: the confidence."""
+    g, counts = len(answers), Counter(a for a in answers if a is not None)
+    kept = {a: n for a, n in counts.items() if n / g >= prune}
+    if not kept:
+        return [0.0] * g
+    total, top = sum(kept.values()), max(kept.values())
+    return [kept[a] / total + (bonus * c if kept[a] < top else 0.0) if a in kept else 0.0
+            for a, c in zip(answers, confidence)]
+
+
+def pseudo_rewards(answers: list, confidence: list[float], group_size: int, args: Args) -> list[float]:
+    """The training reward of every completion, group by group (group-major lists), from the answers the completions
+    give and their confidences only: the reference answer is not an argument."""
+    out = []
+    for s in range(0, len(answers), group_size):
+        a, c = answers[s:s + group_size], confidence[s:s + group_size]
+        out += majority_rewards(a) if args.reward_mode == "majority" else \
+            dare_rewards(a, c, args.prune_threshold, args.explore_bonus)
+    return out
+
+
+def label_stats(answers: list, texts: list[str], truths: list[str], group_size: int, task) -> dict:
+    """The logged ttrl/ figures, the only place the reference answers y* are read. Per prompt: the group's vote y^ is
+    right (label_acc; judged by the task's verifier on the first completion that voted for it), a wrong answer
+    (wrong_majority), a wrong answer held by at least LOCKED_SHARE of the group (locked_wrong); per completion: it is
+    right (true_reward, what the verifier would have paid)."""
+    right, wrong, locked, true = [], [], [], []
+    for s, y_star in zip(range(0, len(answers), group_size), truths):
+        a, t = answers[s:s + group_size], texts[s:s + group_size]
+        true += [task.verify(x, y_star)[0] for x in t]
+        y = majority_vote(a)
+        ok = y is not None and true[s + a.index(y)] == 1.0
+        right.append(ok)
+        wrong.append(y is not None and not ok)
+        locked.append(wrong[-1] and a.count(y) >= LOCKED_SHARE * group_size)
+    return {"ttrl/label_acc": float(np.mean(right)), "ttrl/wrong_majority": float(np.mean(wrong)),
+            "ttrl/locked_wrong": float(np.mean(locked)), "ttrl/true_reward": float(np.mean(true))}
+
+
+# ---- rollout and update ----
+def rollout(sampler, tok, task, args: Args, rng, device) -> dict:
+    """Sample G completions for each of prompts_per_step unlabelled prompts (--train-split); reward each by its
+    group's vote (pseudo_rewards, from the answers and confidences alone); A_i per group. The reference answers are
+    read afterwards, only for the logged ttrl/ figures (label_stats)."""
+    examples = task.sample(args.train_split, args.prompts_per_step, rng)
+    ro = common.generate(sampler, tok, common.encode_prompts(tok, [e.prompt for e in examples]), args.group_size,
+                         args.max_new_tokens, args.temperature, args.top_p)
+    answers = [answer_of(task, t) for t in ro.texts]
+    mask = ro.completion_mask.bool()  # c_i: the geometric-mean probability of the completion's tokens
+    confidence = torch.exp(torch.where(mask, ro.logprobs.float(), 0.0).sum(1) / mask.sum(1).clamp(min=1)).tolist()
+    rewards = torch.tensor(pseudo_rewards(answers, confidence, args.group_size, args), device=device)
+    batch = {k: getattr(ro, k).to(device) for k in
+             ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logprobs")}
+    groups = [answers[s:s + args.group_size] for s in range(0, len(answers), args.group_size)]
+    batch.update(rewards=rewards, adv=group_advantages(rewards, args.group_size, args.adv_std_norm),
+                 finish_reasons=ro.finish_reasons, reward_terms={
+                     **label_stats(answers, ro.texts, [e.answer for e in examples], args.group_size, task),
+                     "ttrl/answered": float(np.mean([a is not None for a in answers])),
+                     "ttrl/distinct_answers": float(np.mean([len({a for a in g if a is not None}) for g in groups]))})
+    return batch
+
+
+def sampler_gap(old_logp, sampler_logp, is_weight, mask, cap: float) -> dict:
+    """This micro-batch's sums for rollout/logprob_mismatch (|log pi_old - log pi_sampler| per token, on the sampler's
+    weights) and, when the correction is on, the mean importance weight and the fraction truncated at C."""
+    out = {"gap/sum": common.masked_sum((old_logp - sampler_logp).abs(), mask).item(), "gap/tokens": mask.sum().item()}
+    if is_weight is not None:
+        out.update({"gap/is_w": common.masked_sum(is_weight, mask).item(),
+                    "gap/is_cut": common.masked_sum((is_weight >= cap).float(), mask).item()})
+    return out
+
+
+def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampler, ref_model=None,
+           fused_logprob=None) -> dict:
+    """ppo_epochs x minibatches optimiser steps on one rollout batch (micro-batches accumulate gradients).
+
+    pi_old (and pi_ref) are scored before any update; the loss of each micro-batch is normalised by counts
+    over its whole mini-batch on all ranks, so accumulation and data parallelism leave J unchanged. The logged
+    statistics are sums over all ranks divided by global counts: every rank returns the same values.
+    """
+    B, mask = batch["completion_ids"].shape[0], batch["completion_mask"]
+    micro = lambda idx: idx.split(args.micro_batch_size)  # noqa: E731
+    logprobs_of = lambda m, idx, ent=False: common.token_logprobs(  # noqa: E731
+        m, batch["prompt_ids"][idx], batch["prompt_mask"][idx], batch["completion_ids"][idx], mask[idx],
+        args.temperature, with_entropy=ent, fused_fn=fused_logprob)
+    on_policy = args.ppo_epochs == 1 and args.minibatches == 1  # then pi_old = pi_theta.detach()
+    with torch.no_grad():
+        old = None if on_policy else torch.cat([logprobs_of(model, i) for i in micro(torch.arange(B))])
+        ref = torch.cat([logprobs_of(ref_model, i) for i in micro(torch.arange(B))]) if ref_model else None
+    correct = args.sampler_is_cap > 0 and not sampler.is_trainer  # the sampler is another computation
+    sums, n_opt, grad_norm = {}, 0, 0.0  # sums: this rank's share of each logged mean, summed over ranks below
+    total = args.steps * args.ppo_epochs * args.minibatches
+    for epoch in range(args.ppo_epochs):
+        for mb_idx in (torch.randperm(B) if args.minibatches > 1 else torch.arange(B)).chunk(args.minibatches):
+            n_seqs, n_tokens = llm.step_counts(mask[mb_idx], accel)
+            opt.zero_grad(set_to_none=True)
+            for idx in micro(mb_idx):
+                logp, ent = logprobs_of(model, idx, True)
+                mb = {"adv": batch["adv"][idx], "mask": mask[idx].float(),
+                      "old": logp.detach() if old is None else old[idx], "ref": None if ref is None else ref[idx]}
+                mb["is_weight"] = truncated_is_weight(mb["old"], batch["logprobs"][idx], args.sampler_is_cap) \
+                    if correct else None
+                loss, token_stats = loss_fn(logp, mb, n_seqs, n_tokens, args)
+                loss.backward()  # a NaN here reaches every rank's gradient: optimizer_step stops them all
+                for k, v in {"pg": loss.item(), **{k: common.masked_sum(v.detach(), mb["mask"]).item() / max(
+                        n_tokens, 1) for k, v in {**token_stats, "entropy": ent}.items()}}.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                if epoch == 0:  # every token once, on the sampler's weights (pi_old)
+                    for k, v in sampler_gap(mb["old"], batch["logprobs"][idx], mb["is_weight"], mb["mask"],
+                                            args.sampler_is_cap).items():
+                        sums[k] = sums.get(k, 0.0) + v
+            opt_step = (step - 1) * args.ppo_epochs * args.minibatches + n_opt  # derived: resume-safe
+            grad_norm += llm.optimizer_step(model, opt, args, opt_step, total, sampler)
+            n_opt += 1
+    tot = llm.all_ranks_sum(sums, accel, mask.device)
+    out = {**{f"loss/{k}": v / n_opt for k, v in tot.items() if not k.startswith("gap/")},
+           "loss/grad_norm": grad_norm / n_opt, "rollout/logprob_mismatch": tot["gap/sum"] / max(tot["gap/tokens"], 1)}
+    if correct:
+        out.update({"rollout/is_weight_mean": tot["gap/is_w"] / max(tot["gap/tokens"], 1),
+                    "rollout/is_truncated_frac": tot["gap/is_cut"] / max(tot["gap/tokens"], 1)})
+    return out
+
+
+# ---- main ----
+def lock_in_summary(history: list[dict], window: int = 10) -> dict:
+    """The ttrl/ figures of the first and of the last `window` rollout batches (means), for summary.json."""
+    rows = [h for h in history if "ttrl/wrong_majority" in h]
+    out = {}
+    for key in ("wrong_majority", "locked_wrong", "label_acc", "true_reward", "distinct_answers"):
+        vals = [h[f"ttrl/{key}"] for h in rows]
+        if vals:
+            out[f"{key}_first"], out[f"{key}_last"] = float(np.mean(vals[:window])), float(np.mean(vals[-window:]))
+    return out
+
+
+def main(args: Args) -> dict:
+    check_args(args)
+    run = llm.Run(args)  # accelerator, threads, seed, the task and its held-out sets, the run folder
+    # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
+    model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
+    use_kernels = args.kernels and run.accel.device.type == "cuda"
+    fused_logprob = None
+    if use_kernels:  # Triton: the fused lm_head + log-softmax (the loss kernel is in kernel_grpo_loss)
+        from kernels.fused_logprob import fused_linear_logprob as fused_logprob
+    loss_fn = kernel_grpo_loss if use_kernels else grpo_loss
+    opt = llm.make_optimizer(model.parameters(), args)
+    run.start(model, tok, opt, sampler)  # resume from --resume, then the step-0 held-out evaluation
+    for step, rng in run.steps():  # every random draw of a step depends on (seed, step, rank) only
+        with run.timer("gen"):  # the rewards are the group's vote: no reference answer reaches them
+            batch = rollout(sampler, tok, run.task, args, rng, run.accel.device)
+        with run.timer("train"):  # includes the sampler's refresh after each optimiser step
+            stats = update(model, opt, batch, loss_fn, args, step, run.accel, sampler, ref_model, fused_logprob)
+        run.log_step(step, batch, stats)  # rollout metrics, evaluation every --eval-every, checkpoints
+    return run.finish("TTRL" if args.reward_mode == "majority" else "DARE", lock_in_summary(run.history))
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
