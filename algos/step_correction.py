@@ -141,8 +141,8 @@ class Args(LLMArgs):
     corrections: int = 2
     """failed rollouts corrected per group, those with the longest correct prefix first (0 = grpo.py exactly)"""
     beta: float = 0.0
-    """Positive Amplification: advantages of successful trajectories (A > 0) times beta >= 1; 0 = the mode's own (r3l: 2,
-    scope: 1, none)"""
+    """Positive Amplification: advantages of successful trajectories (A > 0) times beta >= 1; 0 = the mode's own
+    (r3l: 2, scope: 1, none)"""
     pivotal: bool = True
     """--mode r3l: Pivotal Credit Assignment, the prefix a retry shares with its failure is kept out of the gradient of
     both (off: both train on every token)"""
@@ -284,7 +284,7 @@ def reference_steps(task, prompt: str) -> list[str]:
 
 
 def split_steps(response: str) -> list[str]:
-    """'7+2=9;9+9=18;=18' -> ['7+2=9;', '9+9=18;', '=18']: each step keeps its ';' (the pieces join back to the text)."""
+    """'7+2=9;9+9=18;=18' -> ['7+2=9;', '9+9=18;', '=18']: each step keeps its ';' (the pieces join back)."""
     return re.findall(r"[^;]*;|[^;]+", response)
 
 
@@ -342,9 +342,10 @@ def regenerate(sampler, tok, task, batch: dict, picks: list, args: Args) -> dict
     0 = log 1 for the guided ones (the checker writes them with certainty). new_tokens counts guided + continuation."""
     C = args.max_new_tokens
     out = {"rows": [i for i, _, _ in picks], "shared": [n for _, n, _ in picks], "new_tokens": 0,
-           "completion_ids": torch.zeros(0, C, dtype=torch.long), "completion_mask": torch.zeros(0, C, dtype=torch.long),
+           "completion_ids": torch.zeros(0, C, dtype=torch.long),
+           "completion_mask": torch.zeros(0, C, dtype=torch.long),
            "logprobs": torch.zeros(0, C), "guided": torch.zeros(0, C, dtype=torch.bool), "rewards": torch.zeros(0),
-           "ok": [], "finish_reasons": [], "texts": [], "guided_tokens": 0}
+           "ok": [], "texts": [], "guided_tokens": 0}
     if not picks:
         return out
     prompts, budgets = [], []
@@ -360,10 +361,8 @@ def regenerate(sampler, tok, task, batch: dict, picks: list, args: Args) -> dict
         ids.append(torch.cat([batch["completion_ids"][i, :n], cont.new_tensor(guided), cont]))
         lps.append(torch.cat([batch["logprobs"][i, :n], cont.new_zeros(len(guided), dtype=torch.float),
                               ro.logprobs[j, :length].to(cont.device)]))
-        guides.append(torch.arange(len(ids[-1]), device=cont.device).ge(n) &
-                      torch.arange(len(ids[-1]), device=cont.device).lt(n + len(guided)))
-        out["finish_reasons"].append("stop" if ro.finish_reasons[j] == "stop" and int(ro.completion_mask[j].sum())
-                                     <= budgets[j] else "length")
+        pos = torch.arange(len(ids[-1]), device=cont.device)
+        guides.append((pos >= n) & (pos < n + len(guided)))
         out["new_tokens"] += len(guided) + length
         out["guided_tokens"] += len(guided)
     pad = lambda xs, v: torch.stack([torch.nn.functional.pad(x, (0, C - len(x)), value=v) for x in xs])  # noqa: E731
@@ -425,13 +424,14 @@ def training_batch(batch: dict, fix: dict, args: Args, pad_id: int) -> dict:
            "logprobs": cat(batch["logprobs"], fix["logprobs"], 0.0),
            "guided": cat(torch.zeros_like(batch["completion_mask"], dtype=torch.bool), fix["guided"], False),
            "rewards": torch.cat([batch["rewards"], fix["rewards"]])}
-    groups = torch.cat([torch.arange(B, device=dev), torch.tensor(rows, dtype=torch.long, device=dev)]) // args.group_size
+    rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+    groups = torch.cat([torch.arange(B, device=dev), rows_t]) // args.group_size  # each row's prompt
     adv = ragged_group_advantages(out["rewards"], groups, args.adv_std_norm) if rows else batch["adv"]
     beta = args.beta or (2.0 if args.mode == "r3l" else 1.0)
     out["adv"] = positive_amplification(adv, beta) if beta != 1.0 else adv
     shared = torch.zeros(B + len(rows), dtype=torch.long, device=dev)
     if args.mode == "r3l" and args.pivotal and rows:
-        shared[torch.tensor(rows, device=dev)] = torch.tensor(fix["shared"], device=dev)
+        shared[rows_t] = torch.tensor(fix["shared"], device=dev)
         shared[B:] = torch.tensor(fix["shared"], device=dev)
     out["loss_mask"] = pivotal_mask(out["completion_mask"], shared)
     return out

@@ -1,4 +1,5 @@
 """Unit tests for every function in common.py."""
+import copy
 import json
 
 import numpy as np
@@ -567,6 +568,19 @@ def test_eos_ids_union_of_tokenizer_and_generation_config(tiny):
     assert common.eos_ids(tok, chat) == sorted({tok.eos_token_id, 7})
     ids = torch.tensor([[5, 7, 9, 2]])  # the mask ends at the first id of the set, whichever it is
     assert common._completion_mask(ids, [2, 7]).tolist() == [[1, 1, 0, 0]]
+
+
+def test_eos_ids_include_the_chat_templates_end_of_turn(tiny):
+    """A template that closes turns with a special token other than EOS (as Llama 3's <|eot_id|>): the sampler stops
+    on it too; without a template, or when the template closes turns with EOS itself, nothing is added."""
+    tok = copy.deepcopy(tiny[1])
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot|>"]})
+    tok.chat_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}<|eot|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    eot = tok.convert_tokens_to_ids("<|eot|>")
+    assert eot != tok.eos_token_id and common.eos_ids(tok) == sorted({tok.eos_token_id, eot})
+    tok.chat_template = tok.chat_template.replace("<|eot|>", tok.eos_token)
+    assert common.eos_ids(tok) == [tok.eos_token_id]
 
 
 def test_prompt_longer_than_the_context_is_a_clear_error(tiny):
