@@ -364,6 +364,24 @@ TASKS = ("add, addsteps, sums (= sums5), sums<N> (N operands, 2..16), sumsmix, w
 
 
 
+def drop_long_prompts(task, tok, limit: int) -> dict[str, int]:
+    """Remove from a task's fixed pools (a dataset's train and test records) every prompt whose chat-encoded length
+    exceeds `limit` tokens (the context less the completion budget), so no batch fails half-way through a run.
+    Returns how many left each pool; refuses when a pool is left empty. Generated tasks have no pools: {}."""
+    dropped = {}
+    for split in ("train", "test"):
+        pool = getattr(task, split, None)
+        if not isinstance(pool, list):
+            continue
+        lengths = [len(ids) for ids in common.encode_prompts(tok, [e.prompt for e in pool])]
+        setattr(task, split, [e for e, n in zip(pool, lengths) if n <= limit])
+        dropped[split] = len(pool) - len(getattr(task, split))
+        if pool and not getattr(task, split):
+            raise SystemExit(f"every {split} prompt of task {task.name!r} is longer than {limit} tokens (the context "
+                             f"less --max-new-tokens): raise the context or lower --max-new-tokens")
+    return dropped
+
+
 # ---- rewards: built-in or your own, combined by weight ----
 def reward_correct(prompts, completions, answers, task, **kw) -> list[float]:
     """1 for the task's verified final answer, else 0 (the task's own verifier)."""
@@ -698,6 +716,12 @@ class Run:
         tracker and log the step-0 evaluation. `evaluate()` -> eval/ metrics (default: common.run_eval); `counters`:
         the script's own running totals (run.counters), saved in and restored from each checkpoint."""
         self.model, self.tok, self.opt, self.sampler, self.extra = model, tok, opt, sampler, extra
+        context = getattr(model.config, "max_position_embeddings", None) if hasattr(model, "config") else None
+        if self.task is not None and context:
+            dropped = drop_long_prompts(self.task, tok, context - self.args.max_new_tokens)
+            if any(dropped.values()):
+                print(f"dropped prompts longer than {context - self.args.max_new_tokens} tokens: {dropped}")
+                self.eval_sets = common.held_out_sets(self.task, self.args.eval_examples, self.hard_task)
         self.evaluate = evaluate or (lambda: common.run_eval(
             sampler, tok, self.task, self.eval_sets, self.args.max_new_tokens, self.args.pass_k, self.args.temperature,
             self.hard_task))

@@ -34,7 +34,8 @@ file's choice, kept simple and stated):
 - Answers are compared as the parser's strings (exact match: what the arithmetic verifier does); on real data two
   forms of one number ("1/2", "0.5") vote apart, where a math-equivalence grouping would merge them.
 - Ties in the vote go to the answer sampled first in the group (collections.Counter.most_common keeps first-seen
-  order among equal counts); sampling order is random, so this is a random tie-break. A group in which no completion gives an answer has no pseudo-label: all rewards 0 (no gradient).
+  order among equal counts); sampling order is random, so this is a random tie-break. A group in which no completion
+  gives an answer has no pseudo-label: all rewards 0 (no gradient).
 - DARE's distribution reward is the answer's share among the kept answers, p~(a_i); its pruning drops answers whose
   share of the group is below tau = --prune-threshold = 0.2 (with G = 8, the answers seen once), which then get
   reward 0 like completions without an answer; its exploration bonus goes to kept answers below the top count (every

@@ -398,3 +398,17 @@ def test_run_seeds_each_step_and_saves_its_counters(tmp_path):
     run.save(2)
     state = json.loads((tmp_path / "grpo" / "checkpoint" / "trainer_state.json").read_text())
     assert state["seen"] == 5 and state["step"] == 2
+
+
+def test_drop_long_prompts_counts_what_it_removes_and_refuses_an_empty_pool():
+    """A dataset's over-long prompts leave its pools when the run starts (with the count), generated tasks are
+    untouched, and a pool left empty is a clear error instead of a failure half-way through a run."""
+    _, tok = common.load_model("tiny-0.6m")
+    short, long_ = llm.Example("1+2=", "3"), llm.Example("1+2=" * 40, "3")
+    task = llm.DatasetTask("mine", [short, long_, short], [long_, short])
+    limit = len(common.encode_prompts(tok, [short.prompt])[0])
+    assert llm.drop_long_prompts(task, tok, limit) == {"train": 1, "test": 1}
+    assert task.train == [short, short] and task.test == [short]
+    assert llm.drop_long_prompts(llm.make_task("add"), tok, 3) == {}
+    with pytest.raises(SystemExit, match="every train prompt of task 'mine' is longer than 2 tokens"):
+        llm.drop_long_prompts(task, tok, 2)
