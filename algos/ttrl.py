@@ -120,7 +120,7 @@ class Args(LLMArgs):
     mostly wrong teaches wrong answers), tiny-0.6m, tiny-sums, smollm2-135m, a Hugging Face id or a local path"""
     lr: float = 1e-5
     """peak learning rate (AdamW); the vote's errors are reinforced too: tiny-5m loses accuracy at 3e-5 and above"""
-    steps: int = 100
+    steps: int = 60
     """rollout batches"""
     # test-time RL
     reward_mode: Literal["majority", "dare"] = "majority"
