@@ -36,6 +36,10 @@ Parent: algos/grpo.py; changed: Args, Args.model, Args.task, Args.digits, Args.m
 Deviations from the papers (the abstracts leave these rules open; each choice is ours and is listed here):
 - The process reward model is an exact step checker (the reference solution rebuilt from the prompt), not a learned
   PRM; it only runs on tasks with checkable steps (addsteps, sums), and others are refused.
+- The default task is sums with tiny-sums (49% greedy, errors mostly a wrong operand mid-way: failures with a right
+  prefix to keep). The carry scratchpad (addsteps) runs too, but no shipped model leaves room there: tiny-0.6m
+  solves 2 digits (99.7%) and fails 3 digits (0.5% held-out; few failures keep a right step, and none of the 63
+  corrections of 15 SCOPE batches of 16 prompts succeeded).
 - SCOPE's off-policy guidance (a stronger model in the paper) is the checker itself: it writes the first wrong step
   correctly (g_k), then the policy continues. Those tokens were not sampled by pi, so each one's loss is weighted by
   the truncated importance weight pi_old(g_t) / mu(g_t) with mu = 1 (the guide is deterministic), capped at 1; the
@@ -65,10 +69,16 @@ Commands:
   python algos/step_correction.py                               # SCOPE, tiny-sums on sums, 2-core CPU
   python algos/step_correction.py --mode r3l                    # R^3L
   python algos/grpo.py --model tiny-sums --task sums --digits 1 --max-new-tokens 48 --steps 60   # the control
-  python algos/step_correction.py --model tiny-0.6m --task addsteps --digits 3   # carry scratchpad, 3 digits
+  python algos/step_correction.py --model tiny-0.6m --task addsteps --digits 2 --max-new-tokens 24   # carry steps
   python algos/step_correction.py --model Qwen/Qwen2.5-0.5B-Instruct --task sums --digits 2 --device cuda \
       --max-new-tokens 256 --lr 1e-6                           # one GPU (the checker needs a checkable task)
-Expected: RESULT_PLACEHOLDER
+Expected: the default (SCOPE, 60 rollout batches of 32 prompts x 8 on tiny-sums, 5 one-digit operands) takes
+held-out greedy accuracy from 49.4% to 72.4% (seed 0) and 70.0% (seed 1), one thread, 10-14 minutes on a 2-core
+machine shared with other jobs (about 1.5x grpo.py's time per batch); 87% of the ~55 corrections per batch end
+correct, and the checker's tokens carry a mean weight pi_old of 0.93. --mode r3l: 49.4% -> 73.6% (seed 0), 69.6%
+(seed 1); 47% of its retries succeed. The comparison with GRPO at an equal number of rollout batches (3 seeds per
+arm; accuracy, tokens per success, salvage rate) is benchmarks/results/step_correction.md (rows in
+benchmarks/results/step_correction.csv).
 """
 from __future__ import annotations
 
@@ -139,7 +149,7 @@ class Args(LLMArgs):
     """scope: keep a failure's correct prefix, the checker writes the first wrong step right (off-policy guidance), the
     policy writes the rest; r3l: keep the prefix and let the policy retry from the first wrong step"""
     corrections: int = 2
-    """failed rollouts corrected per group, those with the longest correct prefix first (0 = grpo.py exactly)"""
+    """failed rollouts corrected per group, those with the longest correct prefix first (0 under scope = grpo.py)"""
     beta: float = 0.0
     """Positive Amplification: advantages of successful trajectories (A > 0) times beta >= 1; 0 = the mode's own
     (r3l: 2, scope: 1, none)"""
