@@ -71,7 +71,7 @@ Commands:
   python algos/grpo.py --model tiny-sums --task sums --digits 1 --max-new-tokens 48 --steps 60   # the control
   python algos/step_correction.py --model tiny-0.6m --task addsteps --digits 2 --max-new-tokens 24   # carry steps
   python algos/step_correction.py --model Qwen/Qwen2.5-0.5B-Instruct --task sums --digits 2 --device cuda \
-      --max-new-tokens 256 --lr 1e-6                           # one GPU (the checker needs a checkable task)
+      --max-new-tokens 256 --lr 1e-6      # one GPU; the checker keeps prefixes only where the model writes the steps
 Expected: the default (SCOPE, 60 rollout batches of 32 prompts x 8 on tiny-sums, 5 one-digit operands) takes
 held-out greedy accuracy from 49.4% to 72.4% (seed 0) and 70.0% (seed 1), one thread, 10-14 minutes on a 2-core
 machine shared with other jobs (about 1.5x grpo.py's time per batch); 87% of the ~55 corrections per batch end

@@ -300,9 +300,9 @@ def test_no_corrections_equals_grpo(tmp_path):
 
 
 def test_updates_on_a_corrected_batch_learn_the_right_step_over_the_wrong_one():
-    """A short learning check: two gradient steps (SGD, lr 0.1, clipped at norm 1) on one SCOPE batch raise the policy's log-probability of the
-    checker's token where each failure first went wrong, and lower that of the token the failure wrote there. A
-    flipped advantage sign fails it (the two move the other way)."""
+    """A short learning check: two gradient steps (SGD, lr 0.1, clipped at norm 1) on one SCOPE batch raise the
+    policy's log-probability of the checker's token where each failure first went wrong, and lower that of the token
+    the failure wrote there. A flipped advantage sign fails it (the two move the other way)."""
     from accelerate import Accelerator
 
     model, tok, args, batch, ok, picks, fix = corrected_batch("scope")
