@@ -43,6 +43,9 @@ file's choice, kept simple and stated):
   beta = --explore-bonus = 0.5 times the completion's confidence c_i, the geometric-mean probability of its tokens under
   the sampler. The paper's figure says the bonus favours low-uncertainty non-majority rollouts; the exact weighting,
   tau and beta are not in the abstract. --prune-threshold 0 --explore-bonus 0 leaves the bare distribution reward.
+- The defaults are tiny-5m and lr 1e-5, not grpo.py's tiny-0.6m and 1e-4: tiny-0.6m's group vote is right on only
+  about 40% of held-out prompts, so the vote teaches wrong answers (held-out accuracy 39% -> 14% in 20 batches at
+  1e-4, seed 0), and tiny-5m (vote right on about 73%) also locks in at 3e-5 and above.
 - ECHO ("Entropy Confidence Hybrid Group Relative Policy Optimization": entropy- and confidence-controlled tree
   branching with pruning, confidence-adaptive clipping and hybrid advantage shaping for test-time RL) is not
   implemented here: the rollouts are grpo.py's independent samples.
@@ -61,7 +64,15 @@ Commands:
   python algos/ttrl.py --model Qwen/Qwen2.5-Math-1.5B --task gsm8k --engine vllm --device cuda \
       --max-new-tokens 512 --prompts-per-step 32 --group-size 16 --lr 1e-6 --reward-mode dare   # one GPU
   accelerate launch --multi_gpu --num_processes 2 algos/ttrl.py --device cpu --threads 1   # 2 CPU processes
-Expected: EXPECTED_PLACEHOLDER
+Expected: the default (TTRL, tiny-5m, lr 1e-5, 60 rollout batches; about 5 minutes on one shared core) takes held-out
+greedy accuracy on 2-digit addition from 70.3% to 72.7 +- 1.2% without a label (seeds 0, 1, 2: 73.0, 71.3, 73.7;
+measured on 300 held-out prompts with the benchmark's flags, the default evaluates 500), a small gain against the
+vote's own ceiling (the group vote is right on about 73% of prompts at the start); the vote is wrong on 27.3 +- 1.7% of
+the prompts of the first 10 batches and 31.5 +- 1.0% of the last 10. DARE at the same lr ends at 67.8 +- 6.7%. At
+lr 3e-5 both lock onto wrong answers: TTRL ends at 45.8 +- 14.1% with a wrong vote on 54.0 +- 9.4% of prompts, DARE
+at 52.0 +- 7.1% and 46.2 +- 8.0%: DARE's way, but 3 seeds decide neither accuracy nor lock-in (the claims rows are
+underpowered: 27 to 259 seeds per arm would give 80% power). benchmarks/results/ttrl.md, rows in
+benchmarks/results/ttrl.csv.
 """
 from __future__ import annotations
 
@@ -116,7 +127,7 @@ class Args(LLMArgs):
     kernels: bool = False
     """use the Triton kernels (fused log-prob, fused clipped loss) when a GPU is present"""
     model: str = "tiny-5m"
-    """tiny-5m (its group vote is right on about 75% of held-out prompts; tiny-0.6m's on about 40%, and a vote that is
+    """tiny-5m (its group vote is right on about 73% of held-out prompts; tiny-0.6m's on about 40%, and a vote that is
     mostly wrong teaches wrong answers), tiny-0.6m, tiny-sums, smollm2-135m, a Hugging Face id or a local path"""
     lr: float = 1e-5
     """peak learning rate (AdamW); the vote's errors are reinforced too: tiny-5m loses accuracy at 3e-5 and above"""

@@ -90,20 +90,21 @@ def report() -> None:
                      f"{mean_std(get('eval_acc_best'), 100)} | {mean_std(get('wrong_majority_first'), 100)} | "
                      f"{mean_std(get('wrong_majority_last'), 100)} | {mean_std(get('locked_wrong_last'), 100)} | "
                      f"{mean_std(get('label_acc_last'), 100)} | {mean_std(get('true_reward_last'), 100)} | "
-                     f"{mean_std(get('distinct_answers_last'), 1, 2)} | {mean_std(get('wall_s'), 1, 0)} | {len(runs)} |")
+                     f"{mean_std(get('distinct_answers_last'), 1, 2)} | {mean_std(get('wall_s'), 1, 0)} | "
+                     f"{len(runs)} |")
     row = next(iter(meta.values()))
-    lines += ["", f"Figures in %, mean ± std over seeds (distinct answers: a count). tiny-5m on 2-digit `add`, trained "
-              f"on the held-out split without its answers (test-time RL: the 300 evaluation prompts are drawn from "
-              f"the same split), {STEPS} rollout batches of 32 prompts x 8 completions, lr 1e-5; held-out greedy "
-              f"accuracy every {EVAL_EVERY} batches. The rollout figures are means over the first or last 10 rollout "
-              f"batches (320 prompts, 2,560 completions at temperature 1): the wrong-majority rate is the fraction of "
-              f"prompts whose group vote is a wrong answer, pseudo-label accuracy the fraction whose vote is right, "
-              f"sampled accuracy the fraction of completions that are right (what a verifier would have paid; the "
-              f"reference answers are read for these figures only). TTRL: reward 1 for the majority answer. DARE: "
-              f"the answer's share after pruning answers below 1/5 of the group, plus 0.5 x confidence for kept "
-              f"non-majority answers (algos/ttrl.py's header gives every rule). Hardware: {row['hardware']} "
-              f"(shared); {row['versions']}; commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; command: "
-              f"`python benchmarks/ttrl_table.py`.", "",
+    lines += ["", f"Figures in %, mean ± std over seeds (distinct answers: a count). tiny-5m on 2-digit `add`, "
+              f"trained on the held-out split without its answers (test-time RL: the 300 evaluation prompts are drawn "
+              f"from the same split), {STEPS} rollout batches of 32 prompts x 8 completions, lr 1e-5 (the default) or "
+              f"3e-5 where the arm says so; held-out greedy accuracy every {EVAL_EVERY} batches. The rollout figures "
+              f"are means over the first or last 10 rollout batches (320 prompts, 2,560 completions at temperature 1): "
+              f"the wrong-majority rate is the fraction of prompts whose group vote is a wrong answer, pseudo-label "
+              f"accuracy the fraction whose vote is right, sampled accuracy the fraction of completions that are right "
+              f"(what a verifier would have paid; the reference answers are read for these figures only). TTRL: "
+              f"reward 1 for the majority answer. DARE: the answer's share after pruning answers below 1/5 of the "
+              f"group, plus 0.5 x confidence for kept non-majority answers (algos/ttrl.py's header gives every rule). "
+              f"Hardware: {row['hardware']} (shared); {row['versions']}; commit {row['commit']}. Rows: "
+              f"`benchmarks/results/{CSV}`; command: `python benchmarks/ttrl_table.py`.", "",
               "![TTRL and DARE: held-out accuracy against rollout batches](results/ttrl.png)"]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -123,7 +124,8 @@ def plot(by: dict) -> None:
             continue
         xs = sorted(set.intersection(*(set(r) for r in runs)))
         ax.plot(xs, [100 * statistics.mean(r[x] for r in runs) for x in xs], "o-", ms=3, label=f"{label} ({len(runs)})")
-    ax.set(xlabel="rollout batch", ylabel="held-out greedy accuracy, %", title="Test-time RL without labels, mean of seeds")
+    ax.set(xlabel="rollout batch", ylabel="held-out greedy accuracy, %",
+           title="Test-time RL without labels, mean of seeds")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(RESULTS / f"{NAME}.png", dpi=100)
