@@ -2,6 +2,7 @@
 
     python benchmarks/memory_plan.py                  # writes benchmarks/results/memory_plan.{csv,md}
     python benchmarks/memory_plan.py --model benchmarks/configs/Qwen2.5-7B --gpus 8 --micro 4 --ckpt   # one line
+    python benchmarks/memory_plan.py --measure-step 8     # measure one GRPO step of SmolLM2-135M on CPU (LoRA rank 8)
 
 For every model in benchmarks/configs/ (config.json only, no weights) x 1, 2 and 8 GPUs x gradient checkpointing
 off / on, it finds the largest --micro-batch-size whose step fits in an 80 GB and in a 141 GB GPU and prints the
@@ -99,7 +100,11 @@ casts it back: a copy SDPA's saved output no longer shares), and once - (2 r h +
 copy, the embedding output, which needs no gradient, one rsqrt and the input ids). The frozen lm_head keeps its
 bf16 cast for the backward but gets no gradient (2 V h per chunk instead of 8 V h under autocast; none in fp32),
 and FSDP2 reduces no base gradient. Autocast caches the casts of weights that require a gradient only: the frozen
-weights are cast at each use, so under checkpointing the forward holds one cast at a time, not all of them. Measured: one GRPO step of SmolLM2-135M on CPU, tests/test_llm.py and
+weights are cast at each use, so under checkpointing the forward holds one cast at a time, not all of them.
+Against the CPU allocator (the shapes of tests/test_memory_plan.py's peak test, rank 16) the LoRA plan's forward +
+backward peak was 0.89-1.09x the measured one (fp32 and autocast, SDPA and eager, checkpointing off and on).
+Measured (--measure-step 0 / 8, benchmarks/results/lora_memory.csv): one GRPO update step of SmolLM2-135M on CPU in
+fp32 with a KL term, full fine-tuning against LoRA rank 8, with the plan beside it in
 benchmarks/results/memory_plan.md.
 
 Deviations, assumptions: the KV cache and logits of vLLM are not modelled (--engine hf); prompts are all of the
@@ -460,14 +465,15 @@ def render(rs: list[dict], base: Setup) -> str:
                              f"checkpointing {'on' if u.ckpt else 'off'}"
                              f" ({gb(f['plan']['peak'])} GiB): `{command(r['hub'], u)}`")
         lines.append("")
-    lines += [*lora_table(base), "", *breakdown(rs), "", *checks()]
+    lines += [*lora_table(base), "", *measured_table(), "", *breakdown(rs), "", *checks()]
     return "\n".join(lines) + "\n"
 
 
 def lora_table(base: Setup, rank: int = 16) -> list[str]:
-    """Full fine-tuning against LoRA of rank `rank`, checkpointing on, with a KL term (--kl-coef > 0)."""
+    """Full fine-tuning against LoRA of rank `rank`, checkpointing on, with a KL term (--kl-coef > 0), no pass@k."""
     out = [f"LoRA (`--lora-rank {rank}`, adapters on every attention and MLP projection) against full fine-tuning, "
-           "checkpointing on, with a KL term (`--kl-coef > 0`): the reference is an fp32 copy of the policy (sharded "
+           "checkpointing on, with a KL term (`--kl-coef > 0`), the pass@k eval off (`--pass-k 0`): the reference is "
+           "an fp32 copy of the policy (sharded "
            "like it) under full fine-tuning, and the policy itself with its adapters disabled under LoRA (no copy). "
            "Gradients and AdamW state exist for the adapters only; the bf16 sampler copy (the adapters merged) and "
            "the activations stay about the same, so the gain is in the persistent state.", "",
@@ -476,7 +482,7 @@ def lora_table(base: Setup, rank: int = 16) -> list[str]:
     for name in MODELS:
         s = Shape.load(CONFIGS / name)
         for n in (1, 8):
-            u = replace(base, gpus=n, ckpt=True, kl=True, micro=8)
+            u = replace(base, gpus=n, ckpt=True, kl=True, micro=8, pass_k=0)
             full, lora = plan(s, u), plan(s, replace(u, lora=rank))
             state = lambda p: gb(p["weights"] + p["grads"] + p["adamw"] + p["ref_model"])  # noqa: E731
             micro = [max_micro(s, v, "80GB") or "-" for v in (u, replace(u, lora=rank))]
@@ -538,6 +544,91 @@ def checks() -> list[str]:
     return out
 
 
+MEASURED = dict(model="smollm2-135m", task="words", max_new_tokens=32, prompts_per_step=2, group_size=4,
+                micro_batch_size=4, kl_coef=0.05, temperature=0.7, lr=1e-5, threads=2)  # one small CPU step
+
+
+def measure_step(rank: int) -> dict:
+    """One steady-state GRPO update step of algos/grpo.py (the second: gradients and AdamW state exist) on
+    SmolLM2-135M on CPU (fp32), full fine-tuning (rank 0) or LoRA: the bytes of weights, gradients, AdamW state and
+    reference, and the CPU allocator's peak during the update above what it held before (torch's profiler: every
+    allocation and free, summed in time order). Appends them to benchmarks/results/lora_memory.csv."""
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import common
+    from algos import _llm as llm
+    from algos import grpo
+    from benchmarks._results import append_rows
+
+    args = grpo.Args(**MEASURED, lora_rank=rank)
+    accel = type("OneProcess", (), {"num_processes": 1, "process_index": 0, "device": torch.device("cpu")})()
+    torch.set_num_threads(args.threads)
+    common.set_seed(0)
+    model, tok, ref, sampler = llm.load_policy(args, accel, with_ref=True)
+    opt, task, events = llm.make_optimizer(model.parameters(), args), llm.make_task(args.task), []
+    for step in (1, 2):
+        torch.manual_seed(step)
+        batch = grpo.rollout(sampler, tok, task, args, np.random.default_rng(step), "cpu")
+        if step == 1:  # allocates the gradients and AdamW state
+            grpo.update(model, opt, batch, grpo.grpo_loss, args, step, accel, sampler, ref)
+            continue
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            grpo.update(model, opt, batch, grpo.grpo_loss, args, step, accel, sampler, ref)
+
+    def walk(nodes):
+        for n in nodes:
+            if n.tag == torch._C._profiler._EventType.Allocation:
+                events.append((n.start_time_ns, n.extra_fields.alloc_size))
+            walk(n.children)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree())
+    cur = peak = 0
+    for _, size in sorted(events):
+        cur += size
+        peak = max(peak, cur)
+    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    out = {"weights": size(model.parameters()), "grads": size(p.grad for p in model.parameters() if p.grad is not None),
+           "adamw": size(t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)),
+           "ref_model": 0 if isinstance(ref, common.AdaptersOff) else size(ref.parameters()), "update_peak": peak,
+           "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+           "prompt": batch["prompt_ids"].shape[1]}
+    out["state"] = out["weights"] + out["grads"] + out["adamw"] + out["ref_model"]
+    append_rows("lora_memory.csv", "lora_memory", "benchmarks/memory_plan.py", f"smollm2-135m lora_rank={rank}", 0,
+                out, f"{COMMAND} --measure-step {rank}")
+    return out
+
+
+def measured_table() -> list[str]:
+    """The measured steps (--measure-step) beside the plan's training and optimiser phases for the same setup."""
+    from benchmarks._results import by_config_seed
+
+    by, _ = by_config_seed("lora_memory.csv")
+    if not by:
+        return []
+    s = Shape.load(ROOT / ".cache" / "smollm2-135m") if (ROOT / ".cache" / "smollm2-135m").exists() else None
+    out = ["Measured on CPU (`--measure-step 0` and `--measure-step 8`): one steady-state GRPO update step of "
+           f"SmolLM2-135M in fp32, {MEASURED['prompts_per_step']} prompts x {MEASURED['group_size']} completions of "
+           f"{MEASURED['max_new_tokens']} new tokens, micro-batch {MEASURED['micro_batch_size']}, with a KL term. "
+           "State: weights, gradients, AdamW state and reference, counted tensor by tensor; the update's peak: the CPU "
+           "allocator's, above the state (torch's profiler). Plan: the same setup's training and optimiser phases.",
+           "", "| run | trainable params | state MiB | update peak above state MiB | total MiB | plan MiB |",
+           "|---|---|---|---|---|---|"]
+    for config, seeds in sorted(by.items()):
+        m, rank = seeds["0"], int(config.split("=")[1])
+        planned = "-"
+        if s is not None:
+            p = plan(s, Setup(micro=MEASURED["micro_batch_size"], prompt=int(m["prompt"]),
+                              new=MEASURED["max_new_tokens"], prompts_per_step=MEASURED["prompts_per_step"],
+                              group=MEASURED["group_size"], bf16=False, kl=True, pass_k=0, lora=rank))
+            planned = f"{max(p['phase_training'], p['phase_optimiser']) / 2 ** 20:.0f}"
+        out.append(f"| {'LoRA rank ' + str(rank) if rank else 'full fine-tuning'} | {m['trainable'] / 1e6:.2f}M | "
+                   f"{m['state'] / 2 ** 20:.0f} | {m['update_peak'] / 2 ** 20:.0f} | "
+                   f"{(m['state'] + m['update_peak']) / 2 ** 20:.0f} | {planned} |")
+    return out
+
+
 def write_csv(rs: list[dict]) -> None:
     """One row per (model, GPUs, checkpointing, metric), in the long format of benchmarks/_results.py; deterministic
     figures, so the file is rewritten, not appended to."""
@@ -576,7 +667,12 @@ def main() -> int:
     ap.add_argument("--pass-k", type=int, default=8)
     ap.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (0 = full fine-tuning)")
     ap.add_argument("--kl", action="store_true", help="a reference model (--kl-coef > 0)")
+    ap.add_argument("--measure-step", type=int, metavar="RANK", help="measure one GRPO step of SmolLM2-135M on CPU "
+                    "(full fine-tuning for 0, else LoRA of this rank) into results/lora_memory.csv, and exit")
     args = ap.parse_args()
+    if args.measure_step is not None:
+        print(json.dumps(measure_step(args.measure_step)))
+        return 0
     base = Setup(gpus=args.gpus, micro=args.micro, prompt=args.prompt_tokens, new=args.new_tokens,
                  prompts_per_step=args.prompts_per_step, group=args.group_size, ckpt=args.ckpt, attn=args.attn,
                  chunk_mb=args.logprob_chunk_mb, fsdp_gather=args.fsdp_gather, pass_k=args.pass_k, lora=args.lora_rank,

@@ -3,9 +3,13 @@ of a two-process launch where common.shard wraps the policy (and reference / cri
 
     python tests/_sharded_update.py grpo OUT                                   # one process, the whole batch
     accelerate launch --multi_gpu --num_processes 2 ... tests/_sharded_update.py grpo OUT   # each rank half of it
+    python tests/_sharded_update.py grpo OUT lora                              # LoRA adapters (peft before FSDP2)
 
 Rank 0 writes OUT/stats.json (the logged statistics of every step) and OUT/params.safetensors (the full
-parameters after the steps). tests/test_sharding.py compares the two: same losses, same parameters.
+parameters after the steps); every rank writes its part of OUT/checkpoint (common.save_checkpoint: shards when
+sharded). tests/test_sharding.py compares the two: same losses, same parameters, and exports both checkpoints.
+With LoRA the reference is the policy with its adapters disabled (common.AdaptersOff) and the adapters' B starts
+non-zero (seeded), so that policy and reference differ from the first step.
 """
 import copy
 import importlib
@@ -23,7 +27,7 @@ import common  # noqa: E402
 from algos import _llm as llm  # noqa: E402
 
 
-def main(script: str, out: str, steps: int = 3) -> None:
+def main(script: str, out: str, lora: bool = False, steps: int = 3) -> None:
     from accelerate import Accelerator
     from safetensors.torch import save_file
 
@@ -31,18 +35,25 @@ def main(script: str, out: str, steps: int = 3) -> None:
     accel = Accelerator(cpu=True)
     torch.set_num_threads(1)
     args = replace(mod.Args(), device="cpu", prompts_per_step=4, group_size=4, max_new_tokens=8, micro_batch_size=3,
-                   kl_coef=0.05, lr=1e-4)
+                   kl_coef=0.05, lr=1e-4, lora_rank=4 if lora else 0)
     common.set_seed(0)
     model, tok = common.load_model("tiny-0.6m", "cpu")
     model.train()
+    if lora:
+        model = llm.add_lora(model, args)
+        with torch.no_grad():  # B = 0 would make the policy the reference at the first step
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
     # the global batch: sampled once from the initial weights, the same on every rank
     torch.manual_seed(0)
     batch = mod.rollout(common.Sampler(model), tok, llm.make_task("add", 2), args, np.random.default_rng(0), "cpu")
     per_rank = batch["completion_ids"].shape[0] // accel.num_processes  # whole groups: B / ranks is a multiple of G
     rows = slice(accel.process_index * per_rank, (accel.process_index + 1) * per_rank)
     batch = {k: v if isinstance(v, dict) else v[rows] for k, v in batch.items()}  # reward_terms: logged means
-    ref = copy.deepcopy(model).eval().requires_grad_(False)
-    extra, sampler = {}, common.Sampler(model, sharded=accel.num_processes > 1)  # built before sharding
+    ref = common.AdaptersOff(model) if lora else copy.deepcopy(model).eval().requires_grad_(False)
+    sampler = (llm.LoRASampler if lora else common.Sampler)(model, sharded=accel.num_processes > 1)  # before sharding
+    extra = {}
     if script == "ppo":
         extra["critic"] = common.shard(mod.Critic(model).train(), accel)
         groups = [{"params": list(common.shard(model, accel).parameters())},
@@ -51,12 +62,13 @@ def main(script: str, out: str, steps: int = 3) -> None:
     else:
         model = common.shard(model, accel)
         opt, loss_fn = torch.optim.AdamW(model.parameters(), lr=args.lr), mod.grpo_loss
-    ref = common.shard(ref, accel)
+    ref = ref if lora else common.shard(ref, accel)  # AdaptersOff: the policy itself, sharded above
     history = [mod.update(model, opt, batch, loss_fn, args, step, accel, sampler, ref, **extra)
                for step in range(1, steps + 1)]
     full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for n, p in [*model.named_parameters(), *((f"critic.{n}", p) for n, p in
                                                       (extra["critic"].named_parameters() if extra else []))]}
+    common.save_checkpoint(Path(out) / "checkpoint", model, tok, opt, {"step": steps}, extra or None)  # every rank
     if accel.is_main_process:
         Path(out).mkdir(parents=True, exist_ok=True)
         Path(out, "stats.json").write_text(json.dumps(history))
@@ -64,4 +76,4 @@ def main(script: str, out: str, steps: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], lora=sys.argv[3:] == ["lora"])

@@ -1,6 +1,7 @@
 """Several processes through FSDP2 (common.shard), on CPU over gloo: the sharded step equals one process's on the
-same global batch, a sharded checkpoint resumes exactly, and the logged statistics are those of the whole batch.
-Also the single-process pieces of scaling up: gradient checkpointing and the sampler-trainer correction."""
+same global batch (full fine-tuning and LoRA), a sharded checkpoint resumes exactly and exports to a folder that
+from_pretrained loads, and the logged statistics are those of the whole batch. Also the single-process pieces of
+scaling up: gradient checkpointing and the sampler-trainer correction."""
 import copy
 import json
 import os
@@ -41,10 +42,62 @@ def run(cmd: list, timeout: int = 400) -> str:
 def test_sharded_update_equals_one_process(tmp_path, script):
     """3 optimiser steps on one global batch of 16 sequences (micro-batches of 3, a reference model; PPO: a critic
     and advantages whitened over the whole batch): two ranks of 8 each under FSDP2 against one process of 16.
-    Tolerance: fp32 summation order only (measured: losses equal to 1e-6 relative, parameters to 7e-7)."""
+    Tolerance: fp32 summation order only (measured: losses equal to 1e-6 relative, parameters to 7e-7).
+    The sharded checkpoint (torch.distributed.checkpoint; PPO's policy beside its critic) exports with
+    `python common.py export` to a folder whose from_pretrained logits are the trained policy's."""
     harness = os.path.join("tests", "_sharded_update.py")
     run([sys.executable, harness, script, str(tmp_path / "one")])
     run([*LAUNCH, harness, script, str(tmp_path / "two")])
+    assert_same_update(tmp_path)
+    assert (tmp_path / "two" / "checkpoint" / ".metadata").exists()
+    run([sys.executable, "common.py", "export", str(tmp_path / "two" / "checkpoint"), str(tmp_path / "hf")])
+    assert_exported_logits(tmp_path / "hf", load_file(str(tmp_path / "two" / "params.safetensors")))
+
+
+def test_sharded_lora_update_equals_one_process(tmp_path):
+    """LoRA under FSDP2 (peft wraps the layers, then common.shard): the same 3 GRPO steps in two ranks and in one
+    process, the reference being the policy with its adapters disabled (no second copy). Only the adapters move; the
+    sharded checkpoint (the adapters' shards and their gathered peft file) exports with --merge-lora to a plain folder
+    whose logits are the trained policy's (merged: W + alpha / r B A)."""
+    harness = os.path.join("tests", "_sharded_update.py")
+    run([sys.executable, harness, "grpo", str(tmp_path / "one"), "lora"])
+    run([*LAUNCH, harness, "grpo", str(tmp_path / "two"), "lora"])
+    assert_same_update(tmp_path)
+    params = load_file(str(tmp_path / "two" / "params.safetensors"))
+    base = dict(common.load_model("tiny-0.6m")[0].named_parameters())
+    for name, p in params.items():  # the frozen base weights are untouched
+        if "lora_" not in name:
+            assert torch.equal(p, base[name.replace("base_model.model.", "").replace(".base_layer", "")]), name
+    ckpt = tmp_path / "two" / "checkpoint"
+    assert (ckpt / ".metadata").exists() and (ckpt / "adapter_model.safetensors").exists()
+    out = subprocess.run([sys.executable, "common.py", "export", str(ckpt), str(tmp_path / "x")], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "--merge-lora" in out.stderr and "Traceback" not in out.stderr
+    run([sys.executable, "common.py", "export", str(ckpt), str(tmp_path / "hf"), "--merge-lora"])
+    assert_exported_logits(tmp_path / "hf", params, lora=True)
+
+
+def assert_exported_logits(folder, params: dict, lora: bool = False) -> None:
+    """from_pretrained(folder) gives the logits of the tiny model holding `params` (the policy's, a critic's dropped;
+    with LoRA, the peft model's, adapters active) on a few prompts; the folder has weights, tokenizer and generation
+    config."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    exported = AutoModelForCausalLM.from_pretrained(folder)
+    assert AutoTokenizer.from_pretrained(folder) is not None and (folder / "generation_config.json").exists()
+    model = common.load_model("tiny-0.6m")[0]
+    if lora:
+        model = llm.add_lora(model, grpo.Args(lora_rank=4))
+    missing, unexpected = model.load_state_dict({k: v for k, v in params.items() if not k.startswith("critic.")},
+                                                strict=False)
+    assert not unexpected and all(k.endswith("lm_head.weight") for k in missing)  # tied to the embedding
+    ids = torch.tensor([[1, 12, 40, 13, 7], [1, 9, 9, 14, 30]])
+    with torch.no_grad():
+        assert torch.allclose(exported(ids).logits, model(ids).logits, atol=1e-5)
+
+
+def assert_same_update(tmp_path) -> None:
+    """tmp_path/one and tmp_path/two logged the same statistics and hold the same parameters (fp32 tolerance)."""
     one, two = (json.loads((tmp_path / d / "stats.json").read_text()) for d in ("one", "two"))
     assert len(one) == len(two) == 3
     for a, b in zip(one, two):  # the logged statistics of the whole batch, not rank 0's half
