@@ -157,6 +157,28 @@ def test_planted_wrong_answer_key_leaves_training_batch_unchanged(mode):
     assert planted["reward_terms"]["ttrl/label_acc"] == 0.0 < true["reward_terms"]["ttrl/label_acc"]
 
 
+def test_rollout_rewards_match_dare_with_the_sampler_confidence():
+    """In a real rollout, DARE's bonus uses c_i = exp(mean log pi_sampler) over the completion's own tokens: rewards
+    recomputed from the decoded answers and the batch's behaviour log-probs agree; a sum instead of a mean, or padding
+    counted, would change every bonus."""
+    model, tok = common.load_model("tiny-0.6m", "cpu")
+    args = replace(SMALL, prompts_per_step=16, group_size=8, reward_mode="dare", explore_bonus=1.0)
+    task = llm.make_task("add", 2)
+    torch.manual_seed(1)
+    batch = ttrl.rollout(common.Sampler(model), tok, task, args, np.random.default_rng(1), "cpu")
+    texts = tok.batch_decode(batch["completion_ids"], skip_special_tokens=True)
+    answers = [ttrl.answer_of(task, t) for t in texts]
+    conf = []
+    for lp, m in zip(batch["logprobs"].tolist(), batch["completion_mask"].tolist()):
+        toks = [x for x, keep in zip(lp, m) if keep]
+        conf.append(float(np.exp(sum(toks) / len(toks))))
+    want = ttrl.pseudo_rewards(answers, conf, args.group_size, args)
+    assert torch.allclose(batch["rewards"], torch.tensor(want, dtype=batch["rewards"].dtype), atol=1e-5)
+    n = batch["completion_mask"].sum(1).tolist()
+    assert len(set(n)) > 1  # completions of different lengths: the padding matters
+    assert want != ttrl.pseudo_rewards(answers, conf, args.group_size, replace(args, explore_bonus=0.0))  # bonus paid
+
+
 @pytest.mark.parametrize("split", ["test", "train"])
 def test_rollout_prompts_come_from_the_split_asked_for(split):
     """--train-split test draws held-out prompts (test-time RL), train draws training prompts."""
