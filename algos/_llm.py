@@ -480,6 +480,8 @@ class LLMArgs:
     """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
     vllm_gpu_memory: float = 0.3
     """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
+    vllm_max_model_len: int = 2048
+    """vLLM's context (prompt + completion tokens); longer dataset prompts are dropped when the run starts"""
     max_new_tokens: int = 8
     """generation budget per completion"""
     temperature: float = 1.0
@@ -548,7 +550,7 @@ def load_policy(args: LLMArgs, accel, with_ref: bool = False):
     if args.engine == "vllm":
         from algos._vllm import VLLMEngine
 
-        engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory,
+        engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, args.vllm_max_model_len,
                             seed=args.seed + accel.process_index)
     sampler = (LoRASampler if args.lora_rank else common.Sampler)(model, engine, sharded=accel.num_processes > 1)
     ref_model = ref_model if args.lora_rank else common.shard(ref_model, accel)  # AdaptersOff: sharded with the policy
@@ -717,6 +719,8 @@ class Run:
         the script's own running totals (run.counters), saved in and restored from each checkpoint."""
         self.model, self.tok, self.opt, self.sampler, self.extra = model, tok, opt, sampler, extra
         context = getattr(model.config, "max_position_embeddings", None) if hasattr(model, "config") else None
+        if self.args.engine == "vllm":  # the engine's own context is the limit then
+            context = min(context or self.args.vllm_max_model_len, self.args.vllm_max_model_len)
         if self.task is not None and context:
             dropped = drop_long_prompts(self.task, tok, context - self.args.max_new_tokens)
             if any(dropped.values()):

@@ -99,9 +99,11 @@ def test_grpo_pushes_weights_after_every_step(fake_vllm, monkeypatch, tmp_path):
     # the fake's completions are never right: reward their length parity instead, so the update moves the weights
     monkeypatch.setattr(llm.ArithmeticTask, "verify", lambda self, text, answer: (float(len(text) % 2), {}))
     args = grpo.Args(engine="vllm", device="cpu", steps=2, prompts_per_step=4, group_size=2, eval_every=100,
-                     eval_examples=8, pass_k=0, eval_hard=False, out_dir=str(tmp_path), threads=1)
+                     eval_examples=8, pass_k=0, eval_hard=False, out_dir=str(tmp_path), threads=1,
+                     vllm_max_model_len=96)
     grpo.main(args)
     fake = fake_vllm.instances[0]
+    assert fake.kw["max_model_len"] == 96  # --vllm-max-model-len reaches the engine
     assert len(fake.loaded) == 2 and fake.resets == 2  # one push per step
     model, _ = common.load_model("tiny-0.6m")
     names = {n for n, _ in model.named_parameters()}
