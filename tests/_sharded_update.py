@@ -4,6 +4,7 @@ of a two-process launch where common.shard wraps the policy (and reference / cri
     python tests/_sharded_update.py grpo OUT                                   # one process, the whole batch
     accelerate launch --multi_gpu --num_processes 2 ... tests/_sharded_update.py grpo OUT   # each rank half of it
     python tests/_sharded_update.py grpo OUT lora                              # LoRA adapters (peft before FSDP2)
+    python tests/_sharded_update.py grpo OUT variant [average]   # token-mean, 2 epochs, checkpointing [the bug]
 
 Rank 0 writes OUT/stats.json (the logged statistics of every step) and OUT/params.safetensors (the full
 parameters after the steps); every rank writes its part of OUT/checkpoint (common.save_checkpoint: shards when
@@ -27,7 +28,7 @@ import common  # noqa: E402
 from algos import _llm as llm  # noqa: E402
 
 
-def main(script: str, out: str, lora: bool = False, steps: int = 3) -> None:
+def main(script: str, out: str, lora: bool = False, steps: int = 3, variant: bool = False, average: bool = False) -> None:
     from accelerate import Accelerator
     from safetensors.torch import save_file
 
@@ -36,9 +37,16 @@ def main(script: str, out: str, lora: bool = False, steps: int = 3) -> None:
     torch.set_num_threads(1)
     args = replace(mod.Args(), device="cpu", prompts_per_step=4, group_size=4, max_new_tokens=8, micro_batch_size=3,
                    kl_coef=0.05, lr=1e-4, lora_rank=4 if lora else 0)
+    if variant:  # token-mean, two optimiser steps per rollout batch (pi_old scored apart), gradient checkpointing
+        args = replace(args, loss_agg="token-mean", ppo_epochs=2, grad_checkpointing=True)
+    if average:  # the planted bug: FSDP2's default, gradients averaged over ranks instead of summed
+        from torch.distributed.fsdp import FSDPModule
+        FSDPModule.set_gradient_divide_factor = lambda self, factor: None
     common.set_seed(0)
     model, tok = common.load_model("tiny-0.6m", "cpu")
     model.train()
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora:
         model = llm.add_lora(model, args)
         with torch.no_grad():  # B = 0 would make the policy the reference at the first step
@@ -76,4 +84,5 @@ def main(script: str, out: str, lora: bool = False, steps: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], lora=sys.argv[3:] == ["lora"])
+    main(sys.argv[1], sys.argv[2], lora="lora" in sys.argv[3:], variant="variant" in sys.argv[3:],
+         average="average" in sys.argv[3:])

@@ -54,6 +54,23 @@ def test_sharded_update_equals_one_process(tmp_path, script):
     assert_exported_logits(tmp_path / "hf", load_file(str(tmp_path / "two" / "params.safetensors")))
 
 
+def test_sharded_update_equals_one_process_token_mean_epochs_checkpointing_and_fails_averaged(tmp_path):
+    """grpo.py's update with token-mean aggregation, two optimiser steps per rollout batch (pi_old scored before the
+    first) and gradient checkpointing: two ranks equal one process. With FSDP2's default of averaging the gradients
+    over ranks (planted: the divide factor left alone) the same comparison fails: the logged gradient norm halves and
+    the parameters move elsewhere. AdamW alone would hide a factor of 2 in the gradient, the norm does not.
+    (Shuffled mini-batches are left out: each rank draws its own, so two ranks and one process see other splits.)"""
+    harness = os.path.join("tests", "_sharded_update.py")
+    run([sys.executable, harness, "grpo", str(tmp_path / "one"), "variant"])
+    run([*LAUNCH, harness, "grpo", str(tmp_path / "two"), "variant"])
+    assert_same_update(tmp_path)
+    run([*LAUNCH, harness, "grpo", str(tmp_path / "avg"), "variant", "average"])
+    (tmp_path / "two").rename(tmp_path / "summed")
+    (tmp_path / "avg").rename(tmp_path / "two")
+    with pytest.raises(AssertionError, match="loss/grad_norm"):
+        assert_same_update(tmp_path)
+
+
 def test_sharded_lora_update_equals_one_process(tmp_path):
     """LoRA under FSDP2 (peft wraps the layers, then common.shard): the same 3 GRPO steps in two ranks and in one
     process, the reference being the policy with its adapters disabled (no second copy). Only the adapters move; the
