@@ -404,6 +404,8 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
                                                        use_reentrant=False) if grad else
                      chunk_logprobs(h[s:s + step], targets[s:s + step]) for s in range(0, B * C, step)]
             lp, ent = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if with_entropy else None
+    if is_sharded(model) and not torch.is_grad_enabled():  # no backward reshards the gathered root: do it now
+        model.reshard()
     lp = lp.view(B, C) * completion_mask
     return (lp, ent.view(B, C) * completion_mask) if with_entropy else lp
 
@@ -555,7 +557,6 @@ def save_curve(history: list[dict], path: str | Path, title: str, hlines: dict |
 # ---- several processes: FSDP2 ----
 def is_sharded(model) -> bool:
     from torch.distributed.fsdp import FSDPModule
-
     return isinstance(model, FSDPModule)
 
 

@@ -71,6 +71,12 @@ def test_sharded_update_equals_one_process_token_mean_epochs_checkpointing_and_f
         assert_same_update(tmp_path)
 
 
+def test_sharded_reference_is_resharded_after_scoring(tmp_path):
+    """A sharded reference scored under no_grad gives its gathered root weights back (each rank keeps its shard)."""
+    run([*LAUNCH, os.path.join("tests", "_sharded_reshard.py"), str(tmp_path / "out.txt")])
+    assert (tmp_path / "out.txt").read_text() == "sharded"
+
+
 def test_sharded_lora_update_equals_one_process(tmp_path):
     """LoRA under FSDP2 (peft wraps the layers, then common.shard): the same 3 GRPO steps in two ranks and in one
     process, the reference being the policy with its adapters disabled (no second copy). Only the adapters move; the
