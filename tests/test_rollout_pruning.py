@@ -141,7 +141,9 @@ def test_prefix_features_match_the_models_hidden_state():
         c = ro.completion_ids[i][ro.completion_mask[i].bool()]
         with torch.no_grad():
             out = model(input_ids=torch.cat([p, c])[None], output_hidden_states=True)
-        assert torch.allclose(got[i], out.hidden_states[-1][0, -1], atol=1e-5)
+        # padded batch against one unpadded sequence: fp32 attention over other shapes, measured up to 1e-5 on
+        # PyTorch's AVX2 kernels (hidden states of size ~2.5); the wrong position would be off by ~1
+        assert torch.allclose(got[i], out.hidden_states[-1][0, -1], atol=1e-4)
 
 
 class FixedHead(torch.nn.Module):
