@@ -82,7 +82,8 @@ def _shared_equals_replicated(model, tok, agg, per_token, kl, is_w=False):
     dlp = (gather(lp_shared) - lp_rep).abs().max()
     g_rep = torch.autograd.grad(rep, list(model.parameters()), retain_graph=True)
     g_shared = torch.autograd.grad(shared, list(model.parameters()))
-    assert abs(float(shared - rep)) <= float(slope * (dlp + 1e-6)), (float(shared), float(rep), float(slope * dlp))
+    gap = float((shared - rep).detach())
+    assert abs(gap) <= float(slope * (dlp + 1e-6)), (gap, float(slope * dlp))
     for a, b in zip(g_rep, g_shared):
         assert (a - b).norm() <= 1e-4 * a.norm(), float((a - b).norm() / a.norm())
     assert float((st["clipfrac"] * pk["mask"]).sum()) > 0  # the clipped branch was active somewhere
