@@ -56,6 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common  # noqa: E402
+from kernels import tree_verify_attention as tree_kernel  # noqa: E402
 
 
 # ---- processed distributions ----
@@ -161,6 +162,7 @@ class CachedLM:
         self.mask = torch.zeros(n_rows, 0, dtype=torch.long)
         self.cols: list[list[tuple[int, int]]] = [[] for _ in range(n_rows)]  # (column, token) of valid entries
         self.calls = 0
+        self.pending: list = [None] * n_rows  # tree rounds: (column, token, parent, position) of uncommitted nodes
 
     def sync(self, seqs: list[list[int]]) -> None:
         for j, s in enumerate(seqs):
@@ -197,6 +199,91 @@ class CachedLM:
         self.calls += 1
         return out.logits.float().cpu()
 
+    def _tree_feeds(self, seqs, nodes):
+        """Per row the tokens and positions of a tree round's chunk: on the round's first call the row is synced and
+        its uncached tail goes first; then the new nodes, each one position past its parent."""
+        open_ = {j for j, s in enumerate(seqs) if s is not None and self.pending[j] is None}
+        self.sync([s if j in open_ else None for j, s in enumerate(seqs)])
+        feeds = []
+        for j, s in enumerate(seqs):
+            if s is None:
+                feeds.append(([], [], 0))
+                continue
+            tail = s[len(self.cols[j]):] if j in open_ else []
+            if j in open_:
+                self.pending[j] = []
+            toks, pos = list(tail), list(range(len(self.cols[j]), len(self.cols[j]) + len(tail)))
+            par_pos = [q for _, _, _, q in self.pending[j]]
+            for t, par in nodes[j]:
+                par_pos.append((len(s) - 1 if par < 0 else par_pos[par]) + 1)
+                toks.append(t)
+                pos.append(par_pos[-1])
+            feeds.append((toks, pos, len(tail)))
+        return feeds
+
+    def _tree_mask(self, feeds, m):
+        """The [B, 1, m, width + m] additive mask of a tree chunk (slot s at column width + s): a tail token sees the
+        committed cache causally; a node sees the committed cache, the row's tail, its ancestors
+        (kernels/tree_verify_attention.ancestor_mask over the round's nodes) and itself; an unused slot itself only."""
+        B, W = len(feeds), self.width
+        vis = torch.zeros(B, m, W + m, dtype=torch.bool)
+        for j, (toks, _, n_tail) in enumerate(feeds):
+            s0 = m - len(toks)
+            vis[j, torch.arange(s0), torch.arange(W, W + s0)] = True
+            committed, pend = self.mask[j].bool().clone(), self.pending[j] or []
+            if pend:
+                committed[[c for c, _, _, _ in pend]] = False
+            for s in range(s0, s0 + n_tail):
+                vis[j, s, :W + s + 1] = committed[:W + s + 1]
+            n_new = len(toks) - n_tail
+            if n_new:
+                anc = tree_kernel.ancestor_mask(torch.tensor([[par for _, _, par, _ in pend]]))[0]
+                cols = torch.tensor([c for c, _, _, _ in pend])
+                for k in range(n_new):
+                    vis[j, s0 + n_tail + k] = committed
+                    vis[j, s0 + n_tail + k, cols[anc[len(pend) - n_new + k]]] = True
+        dtype = next(self.model.parameters()).dtype
+        return torch.zeros(B, 1, m, W + m, dtype=dtype).masked_fill(~vis[:, None], torch.finfo(dtype).min)
+
+    @torch.no_grad()
+    def tree_step(self, seqs: list, nodes: list) -> list:
+        """Feed tree nodes in one forward with a 4-D tree mask. seqs[j]: row j's committed sequence (None: the row
+        sits this call out); nodes[j]: new (token, parent) pairs, parent -1 for a child of seqs[j]'s last token or
+        the index of a node of this round (fed by an earlier tree_step, or earlier in this list). The round's first
+        call syncs the row and feeds its uncached tail first. Returns per row the logits [fed, V] of its fed slots
+        in order (tail, then nodes); commit_tree closes the round."""
+        feeds = self._tree_feeds(seqs, nodes)
+        m = max(1, max(len(t) for t, _, _ in feeds))
+        ids = torch.full((len(seqs), m), self.pad_id, dtype=torch.long)
+        pos = torch.zeros(len(seqs), m, dtype=torch.long)
+        chunk_mask = torch.zeros(len(seqs), m, dtype=torch.long)
+        for j, (toks, ps, n_tail) in enumerate(feeds):
+            if toks:
+                c0 = m - len(toks)
+                ids[j, c0:], pos[j, c0:], chunk_mask[j, c0:] = torch.tensor(toks), torch.tensor(ps), 1
+                self.cols[j] += [(self.width + c0 + t, tok) for t, tok in enumerate(toks[:n_tail])]
+                self.pending[j] += [(self.width + c0 + n_tail + i, tok, par, ps[n_tail + i])
+                                    for i, (tok, par) in enumerate(nodes[j])]
+        self.mask = torch.cat([self.mask, chunk_mask], 1)
+        mask4 = self._tree_mask(feeds, m)
+        self.width += m
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask4.to(self.device),
+                         position_ids=pos.to(self.device), use_cache=True, **{self.cache_kw: self.cache})
+        self.cache = getattr(out, self.cache_kw)
+        self.calls += 1
+        logits = out.logits.float().cpu()
+        return [logits[j, m - len(t):] for j, (t, _, _) in enumerate(feeds)]
+
+    def commit_tree(self, j: int, path: list[int]) -> None:
+        """Close row j's tree round: the nodes on `path` (root to leaf, indices of the round's nodes) join the cached
+        sequence, every other node becomes a masked hole."""
+        pend, keep = self.pending[j] or [], set(path)
+        self.cols[j] += [(pend[i][0], pend[i][1]) for i in path]
+        for i, (c, _, _, _) in enumerate(pend):
+            if i not in keep:
+                self.mask[j, c] = 0
+        self.pending[j] = None
+
 
 # ---- drafters ----
 class ModelDrafter:
@@ -231,6 +318,54 @@ class ModelDrafter:
         if k == 0:
             return torch.zeros(len(rows), 0, dtype=torch.long), None, n
         return torch.stack(toks, 1), torch.stack(qs, 1), n
+
+    def _children(self, logits: torch.Tensor, width: int) -> list[list[int]]:
+        """The top-`width` tokens of each row of logits [n, V] under the processed q (greedy: by logit), dropping
+        tokens q gives no mass (the nucleus); the first is always kept. Deterministic given the context."""
+        if self.greedy:
+            return logits.topk(width, -1).indices.tolist()
+        q = process_logits(logits, self.temperature, self.top_p, False)
+        val, idx = q.topk(width, -1)
+        return [[t for i, (v, t) in enumerate(zip(vs, ts)) if i == 0 or v > 0] for vs, ts in zip(val.tolist(),
+                                                                                                  idx.tolist())]
+
+    @torch.no_grad()
+    def propose_tree(self, all_seqs: list[list[int]], rows: list[int], depth: list[int], branch: int,
+                     branch_depth: int) -> list[tuple[list[int], list[int]]]:
+        """A token tree per row of `rows`, depth[j] levels deep: the draft's top-`branch` tokens under every node of
+        the first `branch_depth` levels, then its top token under every leaf; one tree-masked draft forward per level
+        but the last (as many draft calls as a chain of the same depth). Returns per row (tokens, parents) in level
+        order (parents[i] < i, -1 for a child of the row's last token)."""
+        cur: list = [None] * len(all_seqs)
+        for r in rows:
+            cur[r] = list(all_seqs[r])
+        trees = {r: ([], []) for r in rows}
+        frontier = {r: [-1] for r in rows}  # the nodes whose children the next level adds
+        logits = self.lm.tree_step(cur, [[] for _ in all_seqs])  # the tails: the last slot predicts the roots
+        self.calls += 1
+        dist = {r: logits[r][-1:] for r in rows}
+        for level in range(max(depth, default=0)):
+            new: list = [[] for _ in all_seqs]
+            for j, r in enumerate(rows):
+                if depth[j] <= level:
+                    continue
+                toks, pars = trees[r]
+                kids = self._children(dist[r], branch if level < branch_depth else 1)
+                nxt = []
+                for parent, ks in zip(frontier[r], kids):
+                    for t in ks:
+                        nxt.append(len(toks))
+                        toks.append(t)
+                        pars.append(parent)
+                        new[r].append((t, parent))
+                frontier[r] = nxt
+            if level + 1 < max(depth):
+                logits = self.lm.tree_step([c if new[i] else None for i, c in enumerate(cur)], new)
+                self.calls += 1
+                dist = {r: logits[r] for r in rows if new[r]}
+        for r in rows:
+            self.lm.commit_tree(r, [])  # the draft keeps the committed sequence only
+        return [trees[r] for r in rows]
 
 
 def ngram_draft(ctx: list[int], corpus: list[list[int]], k: int, n_max: int) -> list[int]:
@@ -413,6 +548,87 @@ def spec_generate(target, prompts: list[list[int]], group_size: int, max_new_tok
                         break
     comp = [s[n:] for s, n in zip(seqs, plen)]
     return comp, lps, st, ([torch.stack(x) if x else torch.zeros(0) for x in probs] if keep_probs else None)
+
+
+def tree_accept(tokens: list[int], parents: list[int], p: torch.Tensor, u: torch.Tensor):
+    """The longest accepted root-to-leaf path of one row's tree, and the token emitted after it.
+
+    p [n + 1, V]: the target's processed distributions at the row's last token (row 0) and at every node (row i + 1
+    for node i); u [n + 1] uniforms. From the root: draw y ~ p at the current node (inverse CDF with the next
+    uniform); if a child of that node carries y, descend to it and repeat; otherwise emit y and stop (at a leaf this
+    is the bonus token). Returns (path: node indices root to leaf, y, the log p of each kept token).
+    """
+    children: dict[int, dict[int, int]] = {}
+    for i, (t, par) in enumerate(zip(tokens, parents)):
+        children.setdefault(par, {}).setdefault(t, i)
+    node, path, lps = -1, [], []
+    for step in range(len(tokens) + 1):
+        w = p[node + 1]
+        y = int((w.cumsum(-1) <= u[step] * w.sum()).sum().clamp(max=w.shape[-1] - 1))
+        lps.append(float(torch.log(w[y].clamp(min=1e-30))))
+        nxt = children.get(node, {}).get(y)
+        if nxt is None:
+            return path, y, lps
+        path.append(nxt)
+        node = nxt
+    raise AssertionError("a tree path cannot be longer than the tree")
+
+
+@torch.no_grad()
+def spec_generate_tree(target, prompts: list[list[int]], group_size: int, max_new_tokens: int, pad_id: int,
+                       eos_id: int, drafter: ModelDrafter, gamma: int = 4, branch: int = 2, branch_depth: int = 2,
+                       temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False):
+    """spec_generate with token TREES: the draft proposes a tree gamma levels deep (ModelDrafter.propose_tree), the
+    target scores every node in one tree-masked forward (CachedLM.tree_step) and tree_accept keeps the longest
+    accepted path. Lossless at any temperature: the tree is a deterministic function of the context, so drawing from
+    the target and descending while a child matches is plain sampling from p (greedy: exact greedy match).
+    Returns (completions, logprobs, SpecStats) as spec_generate (without the kept probabilities).
+    """
+    seqs = [list(p) for p in prompts for _ in range(group_size)]
+    B = len(seqs)
+    plen = [len(s) for s in seqs]
+    lps: list[list[float]] = [[] for _ in range(B)]
+    done = [False] * B
+    st = SpecStats()
+    lm = CachedLM(target, B, pad_id)
+    drafter.reset(B)
+    while True:
+        rows = [r for r in range(B) if not done[r]]
+        if not rows:
+            break
+        depth = [min(gamma, max_new_tokens - (len(seqs[r]) - plen[r]) - 1) for r in rows]
+        t0 = time.perf_counter()
+        calls0 = drafter.calls
+        trees = drafter.propose_tree(seqs, rows, depth, branch, branch_depth) if max(depth) > 0 else \
+            [([], []) for _ in rows]
+        st.draft_calls += drafter.calls - calls0
+        t1 = time.perf_counter()
+        cur: list = [None] * B
+        nodes: list = [[] for _ in range(B)]
+        for j, r in enumerate(rows):
+            cur[r], nodes[r] = seqs[r], list(zip(*trees[j]))
+        logits = lm.tree_step(cur, nodes)
+        st.target_s += time.perf_counter() - t1
+        st.draft_s += t1 - t0
+        st.target_calls += 1
+        st.row_calls += len(rows)
+        for j, r in enumerate(rows):
+            toks, pars = trees[j]
+            p = process_logits(logits[r][-(len(toks) + 1):], temperature, top_p, greedy)
+            path, y, lp = tree_accept(toks, pars, p, torch.rand(len(toks) + 1))
+            lm.commit_tree(r, path)
+            st.drafted += len(toks)
+            st.accepted += len(path)
+            st.rounds_with_draft += int(len(toks) > 0)
+            for pos, t in enumerate([toks[i] for i in path] + [y]):
+                seqs[r].append(t)
+                lps[r].append(lp[pos])
+                st.emitted += 1
+                st.reused += int(pos < len(path))
+                if t == eos_id or len(seqs[r]) - plen[r] >= max_new_tokens:
+                    done[r] = True
+                    break
+    return [s[n:] for s, n in zip(seqs, plen)], lps, st
 
 
 def to_rollout(tok, prompts, group_size, comp, lps, eos_id) -> common.Rollout:
