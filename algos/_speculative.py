@@ -30,6 +30,19 @@ q [n, k, V] or None, n_draft [n]; all give the same output distribution, they di
                  extra texts of the same prompt (ngram_draft; "Seer: Online Context Learning for Fast
                  Synchronous LLM Reinforcement Learning", arXiv:2511.14617); deterministic, so q is one-hot
 
+Token trees (spec_generate_tree; the chain path above is untouched): the draft proposes a tree gamma levels deep,
+its top-b tokens under every node of the first d levels and its top token under every leaf after that
+(ModelDrafter.propose_tree: one tree-masked draft forward per level, gamma per round as for a chain); the target
+scores every node in ONE forward whose 4-D attention mask lets node i see the committed cache and its own ancestors
+(CachedLM.tree_step, the mask built from kernels/tree_verify_attention.ancestor_mask; on a GPU the kernel of that
+file computes the same attention); tree_accept keeps the longest accepted root-to-leaf path: at each node draw
+y ~ p and descend while a child carries y, then emit y. The tree is a deterministic function of the context (a
+one-hot q at each node), so this is exactly sampling from p at any temperature; greedy, it is exact greedy match.
+(The multi-draft rule for SAMPLED sibling drafts, SpecInfer's "multi-step speculative sampling", is not implemented.)
+"SpecInfer: Accelerating Large Language Model Serving with Tree-based Speculative Inference and Verification",
+arXiv:2305.09781; DART, a parallel drafter, builds such draft-token trees for its target to verify. The non-kept
+nodes become masked holes in the cache, as rejected chain drafts do (commit_tree).
+
 KV cache with rollback by masking (CachedLM): the target, and the draft model, each keep one HF KV cache over
 all rows. A round feeds each row only the tokens missing from its cache (last round's resampled or bonus token,
 since accepted drafts are cached already, plus the new drafts; a row whose whole sequence is cached feeds its

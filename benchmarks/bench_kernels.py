@@ -58,10 +58,11 @@ from kernels import dualkv_attention as DK  # noqa: E402
 from kernels import fp8_blockwise as F8  # noqa: E402
 from kernels import fused_logprob as FL  # noqa: E402
 from kernels import spec_rejection as SR  # noqa: E402
+from kernels import tree_verify_attention as TV  # noqa: E402
 
 COMMAND = "python benchmarks/bench_kernels.py"
 KERNEL_ORDER = ["fused_logprob", "grpo_loss", "dualkv_attention", "clipped_pg_loss", "fp8_blockwise",
-                "spec_rejection"]
+                "spec_rejection", "tree_verify_attention"]
 SWEEP = "dualkv_sweep"
 # the GRPO loss settings of every grpo_loss impl (DAPO-style token mean, asymmetric clip, k3 KL)
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.05
@@ -428,9 +429,39 @@ def spec_cases(device, g, smoke):
                0, 16 * Bs * Vs, "mm_bf16")
 
 
+def _sdpa_tree(q, k, v, parents):
+    """SDPA with the dense [B, 1, T, P + T] tree mask (no FlashAttention backend takes an arbitrary mask)."""
+    mask = TV.tree_attention_mask(parents, k.shape[2] - q.shape[2])[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def tree_verify_cases(device, g, smoke):
+    """Verifying a 64-node draft tree over a 2K prefix (forward), and training on a prefix-shared rollout tree
+    (fwd+bwd); random trees (parents[i] uniform below i)."""
+    shapes = [("fwd", 8, 32, 2048, 64, 128), ("fwd+bwd", 1, 32, 1024, 4096, 128)]
+    if smoke:
+        shapes = [("fwd", 2, 2, 20, 9, 16), ("fwd+bwd", 1, 2, 7, 40, 16)]
+    randn = _rand(device, g, smoke)
+    for kind, B, H, P, T, D in shapes:
+        q, k, v = randn(B, H, T, D), randn(B, H, P + T, D), randn(B, H, P + T, D)
+        parents = (torch.rand(B, T, device=device, generator=g) * torch.arange(T, device=device)).long() - 1
+        parents[:, 0] = -1
+        impls = {"ours": TV.tree_verify_attention, "eager": TV.tree_verify_attention_ref, "sdpa_mask": _sdpa_tree}
+        if kind == "fwd":
+            run = {name: (lambda f=f: f(q, k, v, parents)) for name, f in impls.items()}
+        else:
+            run = {name: fwd_bwd(lambda q_, k_, v_, f=f: f(q_, k_, v_, parents),
+                                 lambda: [x.detach().requires_grad_() for x in (q, k, v)]) for name, f in impls.items()}
+        b = 2 if not smoke else 4
+        flops = 4 * D * H * B * T * (P + T / 2) * (1 if kind == "fwd" else 3.5)
+        yield Case("tree_verify_attention", f"B={B} H={H} P={P} T={T} D={D}", kind, run, flops,
+                   (2 * T + 2 * (P + T)) * B * H * D * b * (1 if kind == "fwd" else 2), "mm_bf16")
+
+
 BUILDERS: dict[str, Callable] = {"fused_logprob": fused_logprob_cases, "grpo_loss": grpo_loss_cases,
                                  "dualkv_attention": dualkv_cases, "clipped_pg_loss": clipped_pg_cases,
-                                 "fp8_blockwise": fp8_cases, "spec_rejection": spec_cases}
+                                 "fp8_blockwise": fp8_cases, "spec_rejection": spec_cases,
+                                 "tree_verify_attention": tree_verify_cases}
 
 
 def best_baseline(res: dict):

@@ -9,11 +9,12 @@ and backward, for training on tree rollouts.
 
 Public functions:
 
-    tree_verify_attention(q, k, v, parents, scale=None) -> out [B, H, T, D]
+    tree_verify_attention(q, k, v, parents, scale=None, bits=None) -> out [B, H, T, D]
         q        [B, H, T, D]       the tree nodes' queries
         k, v     [B, H, P + T, D]   keys/values of the committed prefix (P positions, all visible) then the T nodes
         parents  [B, T] int         parents[b, i] < i is node i's parent, -1 for a root (a child of the prefix's
                                     last token); nodes are in topological order
+        bits     optional: ancestor_bits(ancestor_mask(parents)), built once and shared by every layer
         differentiable in q, k and v
     tree_verify_attention_ref(q, k, v, parents, scale=None)   dense mask + softmax (eager, fp32 softmax)
     ancestor_mask(parents) -> bool [B, T, T]    anc[b, i, j] = node j is node i or one of its ancestors
@@ -268,15 +269,17 @@ def check_parents(parents: torch.Tensor) -> None:
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    """anc [B, T, T] bool: anc[b, i, j] = node j is node i or an ancestor of it (row i = row parent(i) + i)."""
+    """anc [B, T, T] bool: anc[b, i, j] = node j is node i or an ancestor of it. One pass per tree level: every
+    node marks its ancestor at the current height, then steps one level up (max depth passes, not T)."""
     check_parents(parents)
     B, T = parents.shape
-    anc = torch.zeros(B, T, T, dtype=torch.bool, device=parents.device)
-    ar = torch.arange(B, device=parents.device)
-    for i in range(T):  # parents come first, so row parent(i) is complete when row i is built
-        par = parents[:, i]
-        anc[:, i] = torch.where((par >= 0)[:, None], anc[ar, par.clamp(min=0)], anc[:, i])
-        anc[:, i, i] = True
+    anc = torch.eye(T, dtype=torch.bool, device=parents.device).repeat(B, 1, 1)
+    parents = parents.long()
+    up = parents.clone()
+    while bool((up >= 0).any()):
+        b, i = (up >= 0).nonzero(as_tuple=True)
+        anc[b, i, up[b, i]] = True
+        up = torch.where(up >= 0, parents.gather(1, up.clamp(min=0)), up)
     return anc
 
 
@@ -319,13 +322,20 @@ def _check(q, k, v, parents):
     check_parents(parents)
 
 
-def tree_verify_attention(q, k, v, parents, scale: float | None = None):
-    """Tree-masked attention of T nodes over a P-token prefix and their ancestors. Returns out [B, H, T, D]."""
+def tree_verify_attention(q, k, v, parents, scale: float | None = None, bits: torch.Tensor | None = None):
+    """Tree-masked attention of T nodes over a P-token prefix and their ancestors. Returns out [B, H, T, D].
+
+    bits: ancestor_bits(ancestor_mask(parents)) computed once and passed to every layer of a model (the tree is the
+    same in all of them); built here when None."""
     _check(q, k, v, parents)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not _use_triton(q, k, v):
         return tree_verify_attention_ref(q, k, v, parents, scale)
-    bits = ancestor_bits(ancestor_mask(parents.to(q.device)))
+    if bits is None:
+        bits = ancestor_bits(ancestor_mask(parents.to(q.device)))
+    if tuple(bits.shape) != (q.shape[0], q.shape[2], max(1, -(-q.shape[2] // 32))) or bits.dtype != torch.int32:
+        raise ValueError(f"bits must be int32 [B, T, ceil(T / 32)] from ancestor_bits; got {bits.dtype} "
+                         f"{tuple(bits.shape)}")
     return _TreeVerifyAttention.apply(*(x.contiguous() for x in (q, k, v)), bits, scale)
 
 

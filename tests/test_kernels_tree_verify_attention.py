@@ -55,6 +55,14 @@ def test_bitmask_packs_every_bit():
     j = torch.arange(70)
     unpacked = (bits.long()[..., j // 32] >> (j % 32)) & 1
     assert torch.equal(unpacked.bool(), anc)
+    slow = torch.zeros_like(anc)  # row i = row parent(i) plus i, node by node
+    parents = _random_parents(2, 70, torch.Generator().manual_seed(3))
+    for b in range(2):
+        for i in range(70):
+            if parents[b, i] >= 0:
+                slow[b, i] = slow[b, parents[b, i]]
+            slow[b, i, i] = True
+    assert torch.equal(slow, anc)
 
 
 def test_reference_equals_dense_masked_sdpa():
@@ -117,6 +125,14 @@ def test_bad_shapes_raise():
         K.tree_verify_attention(q, k[..., :4], v[..., :4], parents)
     with pytest.raises(ValueError, match="integer"):
         K.tree_verify_attention(q, k, v, parents.float())
+
+
+def test_precomputed_bits_are_used(interpret):
+    xs, parents, _ = _inputs(1, 2, 5, 9, 16, torch.float32, DEV)
+    bits = K.ancestor_bits(K.ancestor_mask(parents))
+    torch.testing.assert_close(K.tree_verify_attention(*xs, parents, bits=bits), K.tree_verify_attention(*xs, parents))
+    with pytest.raises(ValueError, match="bits must be int32"):
+        K.tree_verify_attention(*xs, parents, bits=bits.long())
 
 
 @pytest.mark.gpu
