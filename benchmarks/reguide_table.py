@@ -88,8 +88,10 @@ def report() -> None:
     fmt = lambda vals, scale=100.0, digits=1: mean_std(vals, scale, digits, bare_single=False)  # noqa: E731
     lines = ["| arm (success in %, 500 episodes) | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
     lines += [f"| {name} | " + " | ".join(fmt(get(c, k)) for c in labels) + " |" for name, k in ROWS]
-    lines += [f"| difference {name}, round {ROUNDS} (Welch 95%) | " +
+    lines += [f"| difference {name} (ReGuide after round {ROUNDS}; points, Welch 95%) | " +
               " | ".join(welch(get(c, a), get(c, b)) for c in labels) + " |" for name, a, b in COMPARE]
+    lines += [f"| the same difference seed by seed, {name} (points) | " + " | ".join(", ".join(
+        f"{100 * (r[x] - r[y]):+.1f}" for r in by[c].values()) for c in labels) + " |" for name, x, y in COMPARE]
     lines += ["", "| figure | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
     for name, k, scale, digits in (
             ("guided episodes absorbed per round", "absorbed_episodes_r1", 1, 0),
@@ -110,7 +112,7 @@ def report() -> None:
                   "`worldmodels/reguide.py` with `--rounds 2`. Every arm of a seed runs on the same starts, noise and "
                   "pushes. ReGuide and the matched-data control absorb the same number of successful episodes per "
                   "round (guided and unguided) through the same update (fine-tuning for FT, retraining from scratch "
-                  "for FS); guided recoveries are longer, hence more transitions. Differences are in points, with "
+                  "for FS); the transitions each absorbs are given beside. Differences are in points, with "
                   "Welch's interval over seeds (unpaired, so conservative for these paired arms). "
                   f"Hardware: {row['hardware']} (shared); {row['versions']}; commit {row['commit']}. Rows: "
                   f"`benchmarks/results/{CSV}`; command: `python benchmarks/reguide_table.py`.",
