@@ -1,6 +1,7 @@
 """SAC Flow: the gradient through K flow steps (plain, gated, decoded velocity) and SAC's score per actor.
 
-    python benchmarks/flow_sac_table.py                  # the gradient table (16 init seeds) + 3 seeds x 7 SAC arms
+    python benchmarks/flow_sac_table.py                  # the gradient table (16 init seeds) + 3 seeds x 6 SAC arms
+    python benchmarks/flow_sac_table.py --part sac --jobs 2   # only the SAC runs, two processes at a time
     python benchmarks/flow_sac_table.py --report-only    # rebuilds the table and the plot from the CSV
 
 The claims ("SAC Flow: Sample-Efficient Reinforcement Learning of Flow-Based Policies via Velocity-Reparameterized
@@ -13,12 +14,12 @@ end from scratch, at state-of-the-art returns. The abstract gives no figures. Tw
    for freshly initialised velocities (`grad_norm_table`, hidden 64, 64 states) at K = 1, 2, 4, 8, 16, 32 and weight
    gain 1 (the default init) and 6 (a steep velocity, standing in for one that training has made steep); 16 init
    seeds per cell, each cell's figure the mean over seeds of log10 of the norm.
-2. SAC: each arm's flags on the script defaults (2-D point-mass reaching, 24k environment steps, 8 environments,
-   K = 8), seeds 0, 1, 2, one thread:
-     Flow-G, plain flow, Flow-T, Gaussian SAC         --policy gated / plain / decoded / gaussian
-     Flow-G, plain flow, Flow-T at a steep init        + --velocity-gain 6 --total-steps 12000
+2. SAC: each arm's flags on the script defaults (2-D point-mass reaching, 8 environments, K = 8), 12k environment
+   steps (half the default, for the benchmark's time budget), seeds 0, 1, 2, one thread per run:
+     Flow-G, plain flow, Flow-T, Gaussian SAC         --policy gated / plain / decoded / gaussian --total-steps 12000
+     Flow-G, plain flow at a steep init               + --velocity-gain 6
    Score: the deterministic evaluation return on 32 seeded episodes, 0 = uniform random, 100 = a PD controller;
-   score_auc is the mean over the evaluations (every 4k steps) after step 0.
+   score_auc is the mean over the evaluations (every 4k steps: 4k, 8k, 12k) after step 0.
 
 Writes benchmarks/results/flow_sac.csv (rows through benchmarks/_results.py), flow_sac.md and flow_sac.png.
 """
@@ -40,10 +41,10 @@ CSV, NAME = "flow_sac.csv", "flow_sac"
 RUNS = ROOT / "runs" / "bench_flow_sac"
 KINDS = {"plain": "plain flow", "gated": "Flow-G", "decoded": "Flow-T"}
 KS, GAINS, GRAD_SEEDS = (1, 2, 4, 8, 16, 32), (1.0, 6.0), tuple(range(16))
-STEEP = {"velocity_gain": 6.0, "total_steps": 12000}
-ARMS = {"Flow-G": {"policy": "gated"}, "plain flow": {"policy": "plain"}, "Flow-T": {"policy": "decoded"},
-        "Gaussian SAC": {"policy": "gaussian"}, "Flow-G, gain 6": {"policy": "gated", **STEEP},
-        "plain flow, gain 6": {"policy": "plain", **STEEP}, "Flow-T, gain 6": {"policy": "decoded", **STEEP}}
+STEPS, STEEP = {"total_steps": 12000}, {"velocity_gain": 6.0}
+ARMS = {"Flow-G": {"policy": "gated", **STEPS}, "plain flow": {"policy": "plain", **STEPS},
+        "Flow-T": {"policy": "decoded", **STEPS}, "Gaussian SAC": {"policy": "gaussian", **STEPS},
+        "Flow-G, gain 6": {"policy": "gated", **STEPS, **STEEP}, "plain flow, gain 6": {"policy": "plain", **STEPS, **STEEP}}
 SEEDS = (0, 1, 2)
 
 
@@ -68,16 +69,29 @@ def run_grads(seeds) -> None:
                             f"python benchmarks/flow_sac_table.py (grad_norm_table gain {gain:g}, seed {seed})")
 
 
-def run_sac(seeds) -> None:
+def out_dir(label: str, seed: int) -> Path:
+    return RUNS / f"s{seed}" / label.replace(" ", "_").replace(",", "")
+
+
+def one_run(job: tuple[str, int]) -> dict:
+    """One SAC run (a worker process of the pool): the arm's flags on the script defaults, one thread."""
     from algos import flow_sac as fs
 
-    for seed in seeds:
-        for label, kw in ARMS.items():
-            out = RUNS / f"s{seed}" / label.replace(" ", "_").replace(",", "")
-            shutil.rmtree(out, ignore_errors=True)  # the tracker appends to metrics.jsonl
-            s = fs.main(fs.Args(seed=seed, threads=1, out_dir=str(out), **kw))
-            cmd = f"python algos/flow_sac.py {flags_of(kw)} --threads 1 --seed {seed}"
+    label, seed = job
+    shutil.rmtree(out_dir(label, seed), ignore_errors=True)  # the tracker appends to metrics.jsonl
+    return fs.main(fs.Args(seed=seed, threads=1, out_dir=str(out_dir(label, seed)), **ARMS[label]))
+
+
+def run_sac(seeds, jobs: int) -> None:
+    """Every (seed, arm) run, `jobs` at a time in separate processes; the rows are written here, in order."""
+    import multiprocessing as mp
+
+    todo = [(label, seed) for seed in seeds for label in ARMS]
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        for (label, seed), s in zip(todo, pool.imap(one_run, todo)):
+            cmd = f"python algos/flow_sac.py {flags_of(ARMS[label])} --threads 1 --seed {seed}"
             append_rows(CSV, "flow_sac_train", "algos/flow_sac.py", f"train | {label}", seed, s, cmd)
+            print(f"{label} seed {seed}: score {s['score_first']:.1f} -> {s['score_last']:.1f}", flush=True)
 
 
 def report() -> None:
@@ -86,7 +100,7 @@ def report() -> None:
         raise SystemExit(f"no rows in benchmarks/results/{CSV}; run without --report-only first")
     f = mean_std
     lines = []
-    for metric, what in (("log10_jac_a0", "log10 ||d a_K / d a_0||"), ("log10_grad_theta", "log10 ||d a_K / d theta||")):
+    for metric, what in (("log10_jac_a0", "log10 ‖d a_K / d a_0‖"), ("log10_grad_theta", "log10 ‖d a_K / d theta‖")):
         lines += [f"| {what} | gain | " + " | ".join(f"K = {K}" for K in KS) + " | seeds |",
                   "|---|---|" + "---|" * len(KS) + "---|"]
         for gain in GAINS:
@@ -97,7 +111,7 @@ def report() -> None:
                                  f" | {len(cells[0])} |")
         lines.append("")
     lines += ["| arm | score start | score, mean over evals | score end | best | return end | max actor grad norm | "
-              "trained ||d a_K / d a_0|| | trained ||d a_K / d theta|| | wall s | seeds |",
+              "trained ‖d a_K / d a_0‖ | trained ‖d a_K / d theta‖ | wall s | seeds |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label in ARMS:
         runs = list(by.get(f"train | {label}", {}).values())
@@ -114,7 +128,7 @@ def report() -> None:
               "seeds of log10 of the norm (0 is 1, 3 is 1,000). Score table: SAC on a 2-D point mass reaching a "
               "random goal (30 steps, reward -distance), 0 = uniform random actions, 100 = a PD controller, on 32 "
               "seeded evaluation episodes with the deterministic policy; each arm's flags on the script defaults "
-              "(K = 8, 24k environment steps, 8 environments, 1 update per vector step, batch 256). "
+              "(K = 8, 8 environments, 1 update per vector step, batch 256) and 12k environment steps. "
               f"Hardware: {row['hardware']} (shared with other jobs; one thread per run); {row['versions']}; commit "
               f"{row['commit']}. Rows: `benchmarks/results/{CSV}`; command: `python benchmarks/flow_sac_table.py`."]
     lines += verdicts(by)
@@ -141,7 +155,7 @@ def verdicts(by) -> list[str]:
     auc = {a: fig(f"train | {a}", "score_auc") for a in ARMS}
     end = {a: fig(f"train | {a}", "score_last") for a in ARMS}
     return ["", "Paper claims, in direction here (the claims table's rule, each comparison alone): the plain "
-            "velocity's gradient explodes where the gated one's stays bounded (log10 ||d a_K / d a_0|| at K = 32, "
+            "velocity's gradient explodes where the gated one's stays bounded (log10 ‖d a_K / d a_0‖ at K = 32, "
             f"gain 6): {says(jac['plain'], jac['gated'])} ({jac['plain'][0]:.2f} vs {jac['gated'][0]:.2f}); "
             f"and the decoded one's: {says(jac['plain'], jac['decoded'])} ({jac['decoded'][0]:.2f}); "
             f"Flow-G trains better than the plain flow (mean score over training, default init): "
@@ -178,7 +192,7 @@ def plot(by) -> bool:
     axes[0].legend(fontsize=7)
     for label in ARMS:
         per_seed = []
-        for path in sorted(RUNS.glob(f"s*/{label.replace(' ', '_').replace(',', '')}/metrics.jsonl")):
+        for path in sorted(RUNS.glob(f"s*/{out_dir(label, 0).name}/metrics.jsonl")):
             rows = [json.loads(line) for line in path.read_text().splitlines()]
             per_seed.append([(r["step"], r["eval/score"]) for r in rows if "eval/score" in r])
         if per_seed and all(len(p) == len(per_seed[0]) for p in per_seed):
@@ -199,11 +213,14 @@ def plot(by) -> bool:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
-    ap.add_argument("--grads-only", action="store_true", help="only the gradient table (seconds)")
+    ap.add_argument("--part", choices=("all", "grads", "sac"), default="all",
+                    help="grads: only the gradient table (seconds); sac: only the SAC runs")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="SAC seeds")
+    ap.add_argument("--jobs", type=int, default=1, help="SAC runs at a time (one thread each)")
     a = ap.parse_args()
     if not a.report_only:
-        run_grads(GRAD_SEEDS)
-        if not a.grads_only:
-            run_sac(a.seeds)
+        if a.part in ("all", "grads"):
+            run_grads(GRAD_SEEDS)
+        if a.part in ("all", "sac"):
+            run_sac(a.seeds, a.jobs)
     report()
