@@ -22,7 +22,8 @@ Equations (function that implements each):
                     (so a_{k+1} = (1 - dt z) a_k + dt z h: a GRU update, convex for dt z <= 1)   -> gated_velocity
 - Flow-T velocity:  x = LN(E a_k + S(s) + T(t_k)),  x = LN(x + FF(x)),  v = W x                -> decoded_velocity
 - noise-augmented rollout: a_0 ~ N(0, I),  a_{k+1} = a_k + dt v_k + sigma(s) eps_k,  y = tanh(a_K);
-  log pi = log N(a_0; 0, I) + sum_k log N(a_{k+1}; a_k + dt v_k, sigma^2) - sum log(1 - y^2)     -> noise_augmented_rollout
+  log pi = log N(a_0; 0, I) + sum_k log N(a_{k+1}; a_k + dt v_k, sigma^2) - sum log(1 - y^2)
+                                                                                   -> noise_augmented_rollout
 - soft Bellman target: y = r + gamma (1 - d) (min_i Q'_i(s', a') - alpha log pi(a'|s')),
   a' ~ pi(.|s')                                                                                  -> soft_bellman_target
 - critic: L_Q = sum_i mean (Q_i(s, a) - y)^2                                                     -> critic_loss

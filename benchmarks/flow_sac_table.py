@@ -44,7 +44,8 @@ KS, GAINS, GRAD_SEEDS = (1, 2, 4, 8, 16, 32), (1.0, 6.0), tuple(range(16))
 STEPS, STEEP = {"total_steps": 12000}, {"velocity_gain": 6.0}
 ARMS = {"Flow-G": {"policy": "gated", **STEPS}, "plain flow": {"policy": "plain", **STEPS},
         "Flow-T": {"policy": "decoded", **STEPS}, "Gaussian SAC": {"policy": "gaussian", **STEPS},
-        "Flow-G, gain 6": {"policy": "gated", **STEPS, **STEEP}, "plain flow, gain 6": {"policy": "plain", **STEPS, **STEEP}}
+        "Flow-G, gain 6": {"policy": "gated", **STEPS, **STEEP},
+        "plain flow, gain 6": {"policy": "plain", **STEPS, **STEEP}}
 SEEDS = (0, 1, 2)
 
 
@@ -100,7 +101,8 @@ def report() -> None:
         raise SystemExit(f"no rows in benchmarks/results/{CSV}; run without --report-only first")
     f = mean_std
     lines = []
-    for metric, what in (("log10_jac_a0", "log10 ‖d a_K / d a_0‖"), ("log10_grad_theta", "log10 ‖d a_K / d theta‖")):
+    norms = (("log10_jac_a0", "log10 ‖d a_K / d a_0‖"), ("log10_grad_theta", "log10 ‖d a_K / d theta‖"))
+    for metric, what in norms:
         lines += [f"| {what} | gain | " + " | ".join(f"K = {K}" for K in KS) + " | seeds |",
                   "|---|---|" + "---|" * len(KS) + "---|"]
         for gain in GAINS:

@@ -117,7 +117,8 @@ def test_random_steep_velocities_plain_explodes_gated_and_decoded_stay_bounded()
 
 
 def test_soft_bellman_target_and_sac_losses_by_hand():
-    r, q1, q2, logp = torch.tensor([1.0, 1.0]), torch.tensor([2.0, 2.0]), torch.tensor([3.0, 3.0]), torch.tensor([0.5, 0.5])
+    r, q1, q2 = torch.tensor([1.0, 1.0]), torch.tensor([2.0, 2.0]), torch.tensor([3.0, 3.0])
+    logp = torch.tensor([0.5, 0.5])
     y = F.soft_bellman_target(r, torch.tensor([0.0, 1.0]), q1, q2, logp, gamma=0.9, alpha=0.2)
     torch.testing.assert_close(y, torch.tensor([1 + 0.9 * (2 - 0.1), 1.0]))  # done: just r
     loss = F.critic_loss(torch.tensor([1.0, 2.0]), torch.tensor([0.0, 0.0]), torch.tensor([1.0, 1.0]))
