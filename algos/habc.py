@@ -58,15 +58,19 @@ Deviations:
   (`--method awbc --gamma 0.95`) a discounted-return critic, which carries some of the efficiency signal itself.
 
 Commands:
-    python algos/habc.py                         # HABC, 12 rounds, ~1 min on 1 CPU thread
+    python algos/habc.py                         # HABC, 12 rounds, ~15 s on 1 CPU thread
     python algos/habc.py --method awbc           # single-advantage AWBC: the viability (success) critic alone
     python algos/habc.py --method awbc --gamma 0.95   # single critic on a discounted success return
     python algos/habc.py --method bc             # plain BC on the demos and the intervention data
     python algos/habc.py --credit episode        # episode outcomes leak across intervention boundaries
     python benchmarks/habc_table.py
 
-Expected: see the header of benchmarks/habc_table.py and benchmarks/results/habc.md for measured numbers; the
-default command's success rate rises and its steps to goal fall over the rounds.
+Expected (seed 0, one thread, ~15 s): the policy alone succeeds in 28.5% of the evaluation episodes after SFT and
+in 100% after 12 rounds; its steps to the goal fall from 33.4 to 22.9 (shortest paths 20-22); the gate's mean
+rises from 0 to 0.8 and the expert's takeovers per episode fall from 0.88 to 0. Over 5 seeds
+(benchmarks/results/habc.md): HABC 33.0 -> 100.0% success and 22.7 steps, AWBC on the success critic 99.0% and
+26.6 steps, BC on the demos and interventions 96.4% and 28.5 steps; a single discounted-return critic matches HABC
+(22.7 steps) and episode credit makes no measurable difference at this scale.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ run's summary and its per-round evaluation (success_r<k>, steps_r<k>, takeovers_
 benchmarks/results/habc.csv (with provenance, through benchmarks/_results.append_rows) and writes
 benchmarks/results/habc.md (the block `results:habc` of benchmarks/README.md) and benchmarks/results/habc.png.
 
-    python benchmarks/habc_table.py                  # 5 arms x 5 seeds, about 12 min with --jobs 2
+    python benchmarks/habc_table.py --jobs 2         # 5 arms x 5 seeds, about 4 min on two cores
     python benchmarks/habc_table.py --only HABC AWBC # some arms
     python benchmarks/habc_table.py --report-only    # rebuild the .md and .png from the CSV
 

@@ -571,11 +571,14 @@ HEADLINE = [
       f"{_FP8} ours triton=3.6.0#median_ms#1@3", f"{_FP8} bf16_matmul triton=3.6.0#median_ms#1@3"]),
     ("Offline RL", "offline-rl",
      "halfcheetah-medium-replay (behaviour {0}): IQL {1}, TD3+BC {2}; RAVL with a learned model {3} vs no "
-     "pessimism {4}",
+     "pessimism {4}; HABC with interventions on a gridworld: success {5} -> {6}, steps to the goal {7} vs {8} "
+     "with the success critic alone",
      ["offline_rl.csv#iql#halfcheetah-medium-replay#behaviour_score#1@1",
       "offline_rl.csv#iql#halfcheetah-medium-replay#score_last#1@1",
       "offline_rl.csv#td3_bc#halfcheetah-medium-replay#score_last#1@1",
-      "offline_rl.csv#ravl#learned/ravl#score_last#1@1", "offline_rl.csv#ravl#learned/none#score_last#1@1"]),
+      "offline_rl.csv#ravl#learned/ravl#score_last#1@1", "offline_rl.csv#ravl#learned/none#score_last#1@1",
+      "habc.csv#algos/habc.py#HABC#success_first#100@1", "habc.csv#algos/habc.py#HABC#success_last#100@1",
+      "habc.csv#algos/habc.py#HABC#steps_last#1@1", "habc.csv#algos/habc.py#AWBC#steps_last#1@1"]),
     ("World models", "world-models",
      "pixel MSE at 4x the training horizon: LIVE {0}, same denoiser without the cycle loss {1}, teacher-forced "
      "predictor {2}; policy ranking in the learned model: Pearson {3} over seven eps-greedy policies, {4} with six "
