@@ -583,13 +583,17 @@ HEADLINE = [
      "pixel MSE at 4x the training horizon: LIVE {0}, same denoiser without the cycle loss {1}, teacher-forced "
      "predictor {2}; policy ranking in the learned model: Pearson {3} over seven eps-greedy policies, {4} with six "
      "that differ in kind added; verifier-gated chunks (FFDC) need {5} model calls per episode vs {6} with 2-step "
-     "chunks when the world is perturbed at 10% of steps",
+     "chunks when the world is perturbed at 10% of steps; ReGuide-FT success {7} -> {8} vs {9} absorbing as many "
+     "unguided successes",
      ["world_models.csv#live#{\"mode\": \"live\"}#err_h32#1@4", "world_models.csv#diffusion#{}#err_h32#1@4",
       "world_models.csv#ar#{}#err_h32#1@4",
       "world_models.csv#policy-eval#{}#pearson#1@2",
       "world_models.csv#policy-eval-kinds#{\"policies\": [\"0\", \"0.1\", \"0.2\", \"0.35\", \"0.5\", \"0.7\", "
       "\"1\", \"detour=6\", \"detour=9\", \"near=2\", \"near=4\", \"stall=0.5\", \"stall=0.7\"]}#pearson#1@2",
-      "ffdc.csv#ffdc#{}#gated_r0.1_calls#1@2", "ffdc.csv#ffdc#{}#short_r0.1_calls#1@2"]),
+      "ffdc.csv#ffdc#{}#gated_r0.1_calls#1@2", "ffdc.csv#ffdc#{}#short_r0.1_calls#1@2",
+      "reguide.csv#worldmodels/reguide.py#ReGuide-FT#success_base#100@1",
+      "reguide.csv#worldmodels/reguide.py#ReGuide-FT#success_reguide#100@1",
+      "reguide.csv#worldmodels/reguide.py#ReGuide-FT#success_control#100@1"]),
 ]
 
 
