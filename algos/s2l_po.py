@@ -20,7 +20,8 @@ Equations (each implemented by the function named on the right), rollout batch s
   rollout compute   F = sum over models of 2 x parameters x generated tokens            rollout_flops
   logged            s2l/explorer_reward, s2l/learner_reward: mean reward of each model's completions   group_rewards
 
-Parent: algos/grpo.py; changed: Args, Args.model, Args.lr, Args.steps, Args.eval_every, check_args, rollout, update, main.
+Parent: algos/grpo.py; changed: Args, Args.model, Args.lr, Args.steps, Args.eval_every, check_args, rollout, update,
+  main.
 
 Deviations from the paper (its abstract gives neither the off-policy correction nor the schedule; the choices below
 are this file's, stated):
@@ -49,7 +50,10 @@ Commands:
   python algos/s2l_po.py --explorer-frac 0                      # GRPO on the learner's own samples
   python algos/s2l_po.py --model Qwen/Qwen3-8B-Base --explorer Qwen/Qwen3-1.7B-Base --task gsm8k --device cuda \
       --engine vllm --max-new-tokens 1024 --prompts-per-step 64 --lr 1e-6 --anneal-steps 200 --steps 400   # one GPU
-Expected: see benchmarks/results/s2l_po.md.
+Expected: `python algos/s2l_po.py --threads 1` (40 rollout batches, the explorer's share annealed to none over the
+first 20) takes held-out greedy accuracy on 2-digit addition from 71.2% to 81.6% (seed 0) in 132 s on one shared
+thread, 2.8e11 rollout FLOPs. benchmarks/results/s2l_po.md compares it over 3 seeds with the explorer kept for the
+whole run and with GRPO on the learner's own samples, against rollout FLOPs.
 """
 from __future__ import annotations
 

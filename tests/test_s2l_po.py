@@ -74,7 +74,8 @@ def test_merge_groups_by_hand():
                         texts=["a0", "a1"])
     pb = pr.repeat_interleave(2, 0)
     b = SimpleNamespace(prompt_ids=pb, prompt_mask=torch.ones(4, 1, dtype=torch.long),
-                        completion_ids=torch.arange(10, 22).view(4, 3), completion_mask=torch.ones(4, 3, dtype=torch.long),
+                        completion_ids=torch.arange(10, 22).view(4, 3),
+                        completion_mask=torch.ones(4, 3, dtype=torch.long),
                         logprobs=-torch.ones(4, 3), finish_reasons=["length"] * 4, texts=["b0", "b1", "b2", "b3"])
     m = s2l_po.merge_groups(a, b, 1, 2, pad_id=0)
     assert m["prompt_ids"].view(-1).tolist() == [7, 7, 7, 8, 8, 8]
