@@ -48,8 +48,9 @@ Deviations:
   rollout/extra_samples (the benchmark reports the budget).
 - One process, Hugging Face sampling: --engine vllm, several processes and --kernels are refused.
 
-Parent: algos/grpo.py; changed: Args, check_args, rollout, update, main, kernel_grpo_loss (removed: the fused
-kernel has no distillation term).
+Parent: algos/grpo.py; changed: Args, Args.prompts_per_step, Args.kernels, Args.threads, Args.steps,
+  Args.max_new_tokens, Args.lr, Args.eval_every, Args.eval_examples, Args.pass_k, Args.eval_hard, check_args, rollout,
+  update, main, kernel_grpo_loss (removed: the fused kernel has no distillation term).
 
 Commands:
   python algos/nudge_rl.py                                       # NudgeRL: hints none + units, 4 rollouts each
@@ -458,6 +459,56 @@ def stack_rows(parts: list[dict], pad_id: int) -> dict:
     return out
 
 
+def p2o_search(sampler, tok, task, args: Args, rng, hard: list, d_prompts: list, d_resp: list, extra: dict) -> int:
+    """P^2O on the all-fail prompts `hard`: random_search over p2o_pool, --p2o-rollouts samples per try; every success
+    appends a distillation row (bare prompt, its answer) to d_prompts / d_resp. Returns the samples drawn."""
+    per_row = lambda xs, n: [x for x in xs for _ in range(n)]  # noqa: E731
+    n_extra = 0
+
+    def try_fn(pairs):
+        nonlocal n_extra
+        cs = [hint_context(hard[g], cols) for g, cols in pairs]
+        sro = common.generate(sampler, tok, common.encode_prompts(tok, [c[0] for c in cs]), args.p2o_rollouts,
+                              args.max_new_tokens, args.temperature, args.top_p)
+        n_extra += len(sro.texts)
+        r, tr, _ = hinted_rewards(sro.texts, per_row([c[1] for c in cs], args.p2o_rollouts),
+                                  per_row([c[0] for c in cs], args.p2o_rollouts),
+                                  per_row([hard[g].answer for g, _ in pairs], args.p2o_rollouts),
+                                  sro.completion_mask.sum(1).tolist(), task, args)
+        ok = []
+        for j, (g, _) in enumerate(pairs):
+            wins = [tr[j * args.p2o_rollouts + i] for i in range(args.p2o_rollouts)
+                    if r[j * args.p2o_rollouts + i] > 0]
+            d_prompts.extend([hard[g].prompt] * len(wins))
+            d_resp.extend(wins)
+            ok.append(bool(wins))
+        return ok
+    found, _ = random_search(len(hard), p2o_pool(args.digits), args.p2o_tries, try_fn, rng)
+    extra["rollout/p2o_recovered_frac"] = sum(f is not None for f in found) / len(hard)
+    return n_extra
+
+
+def lens_purify(sampler, tok, task, args: Args, hard: list, d_prompts: list, d_resp: list, extra: dict) -> int:
+    """LENS on the all-fail noisy prompts `hard`: remove each one's --lens-remove highest-surprisal tokens, sample
+    --lens-rollouts on the purified prompt; every success appends a row (noisy prompt, that completion). Returns the
+    samples drawn."""
+    noisy = [e.prompt for e in hard]
+    ids, surprisal, valid = prompt_surprisal(sampler.model, tok, noisy)
+    clean = purify(tok, ids, interference_tokens(surprisal, valid, args.lens_remove))
+    pro = common.generate(sampler, tok, common.encode_prompts(tok, clean), args.lens_rollouts,
+                          args.max_new_tokens, args.temperature, args.top_p)
+    answers = [e.answer for e in hard for _ in range(args.lens_rollouts)]
+    r = [task.verify(t, a)[0] for t, a in zip(pro.texts, answers)]
+    hit = [any(r[j * args.lens_rollouts:(j + 1) * args.lens_rollouts]) for j in range(len(hard))]
+    for i, (t, ri) in enumerate(zip(pro.texts, r)):
+        if ri > 0:
+            d_prompts.append(noisy[i // args.lens_rollouts])
+            d_resp.append(t)
+    extra["rollout/lens_recovered_frac"] = sum(hit) / len(hard)
+    extra["rollout/lens_clean_frac"] = float(np.mean([c == getattr(e, "clean", None) for c, e in zip(clean, hard)]))
+    return len(pro.texts)
+
+
 def rollout(sampler, tok, task, args: Args, rng, device) -> dict:
     """m = G / K completions of each prompt under each hint; rewards; A_kj (inter_intra_advantages); then the
     distillation rows: successful hinted rollouts (NudgeRL), P^2O's searched prompts and LENS's purified prompts for
@@ -487,44 +538,9 @@ def rollout(sampler, tok, task, args: Args, rng, device) -> dict:
     extra = {"rollout/all_fail_frac": len(all_fail) / len(examples)}
     n_extra = 0
     if args.p2o and all_fail:
-        def try_fn(pairs):
-            nonlocal n_extra
-            cs = [hint_context(examples[all_fail[g]], cols) for g, cols in pairs]
-            sro = common.generate(sampler, tok, common.encode_prompts(tok, [c[0] for c in cs]), args.p2o_rollouts,
-                                  args.max_new_tokens, args.temperature, args.top_p)
-            n_extra += len(sro.texts)
-            r, tr, _ = hinted_rewards(sro.texts, per_row([c[1] for c in cs], args.p2o_rollouts),
-                                      per_row([c[0] for c in cs], args.p2o_rollouts),
-                                      per_row([examples[all_fail[g]].answer for g, _ in pairs], args.p2o_rollouts),
-                                      sro.completion_mask.sum(1).tolist(), task, args)
-            ok = []
-            for j, (g, _) in enumerate(pairs):
-                wins = [tr[j * args.p2o_rollouts + i] for i in range(args.p2o_rollouts)
-                        if r[j * args.p2o_rollouts + i] > 0]
-                d_prompts.extend([examples[all_fail[g]].prompt] * len(wins))
-                d_resp.extend(wins)
-                ok.append(bool(wins))
-            return ok
-        found, _ = random_search(len(all_fail), p2o_pool(args.digits), args.p2o_tries, try_fn, rng)
-        extra["rollout/p2o_recovered_frac"] = sum(f is not None for f in found) / len(all_fail)
+        n_extra += p2o_search(sampler, tok, task, args, rng, [examples[g] for g in all_fail], d_prompts, d_resp, extra)
     if args.lens and all_fail:
-        noisy = [examples[g].prompt for g in all_fail]
-        ids, surprisal, valid = prompt_surprisal(sampler.model, tok, noisy)
-        removed = interference_tokens(surprisal, valid, args.lens_remove)
-        clean = purify(tok, ids, removed)
-        pro = common.generate(sampler, tok, common.encode_prompts(tok, clean), args.lens_rollouts,
-                              args.max_new_tokens, args.temperature, args.top_p)
-        n_extra += len(pro.texts)
-        r = [task.verify(t, a)[0] for t, a in zip(pro.texts, per_row([examples[g].answer for g in all_fail],
-                                                                      args.lens_rollouts))]
-        hit = [any(r[j * args.lens_rollouts:(j + 1) * args.lens_rollouts]) for j in range(len(all_fail))]
-        for i, (t, ri) in enumerate(zip(pro.texts, r)):
-            if ri > 0:
-                d_prompts.append(noisy[i // args.lens_rollouts])
-                d_resp.append(t)
-        extra["rollout/lens_recovered_frac"] = sum(hit) / len(all_fail)
-        extra["rollout/lens_clean_frac"] = float(np.mean([c == getattr(examples[g], "clean", None)
-                                                          for c, g in zip(clean, all_fail)]))
+        n_extra += lens_purify(sampler, tok, task, args, [examples[g] for g in all_fail], d_prompts, d_resp, extra)
     extra["rollout/extra_samples"] = n_extra
     n_pg = rewards.shape[0]
     if d_prompts and args.distill_coef:
