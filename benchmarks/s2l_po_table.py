@@ -139,9 +139,12 @@ def plot(by: dict) -> None:
         steps = sorted(set.intersection(*({int(k[5:]) for k in r if k.startswith("acc_s")} for r in runs)))
         xs = [statistics.mean(r[f"flops_s{s}"] for r in runs) / 1e9 for s in steps]
         ys = [100 * statistics.mean(r[f"acc_s{s}"] for r in runs) for s in steps]
-        ax.plot(xs, ys, "o-", ms=2.5, label=f"{label} ({len(runs)} seeds)")
+        keep = [i for i, x in enumerate(xs) if x > 0]  # a log axis: the start (0 FLOPs) is the dashed line
+        ax.plot([xs[i] for i in keep], [ys[i] for i in keep], "o-", ms=2.5, label=f"{label} ({len(runs)} seeds)")
+        start = ys[0]
+    ax.axhline(start, color="grey", lw=0.8, ls="--")
     ax.axvline(BUDGET / 1e9, color="grey", lw=0.8, ls=":")
-    ax.set(xscale="symlog", xlabel="rollout compute, GFLOPs (2 x params x generated tokens)",
+    ax.set(xscale="log", xlabel="rollout compute, GFLOPs (2 x params x generated tokens)",
            ylabel="held-out greedy accuracy, %", title="tiny-0.6m explores for tiny-5m, mean of seeds")
     ax.legend(fontsize=8)
     fig.tight_layout()
