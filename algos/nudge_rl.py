@@ -57,8 +57,11 @@ Commands:
   python algos/nudge_rl.py --hints none --distill-coef 0         # GRPO on the same settings (the reference)
   python algos/nudge_rl.py --hints none --p2o                    # P^2O: search hint prefixes for all-fail prompts
   python algos/nudge_rl.py --hints none --noise 2 --lens         # LENS on prompts with 2 distractor letters
-Expected: see benchmarks/results/nudge_rl.md (unconditioned held-out accuracy against GRPO at equal and doubled
-rollout budgets; P^2O's recovered all-fail groups; LENS's noisy-prompt accuracy).
+Expected: the default (60 batches of 16 prompts x 8 rollouts, lr 2e-4) takes the bare prompt's held-out greedy
+accuracy from 35.3% to 40.0 ± 5.2% over 3 seeds (about 30 s of training on one thread), where GRPO at the same
+settings ends at 30.7 ± 3.8% and with twice the rollouts at 34.4 ± 2.5%; P^2O's search finds a success for ~97% of
+the all-fail prompts but ends at 34.3 ± 5.7%; LENS on prompts with one distractor letter stays near 1%. Table:
+benchmarks/results/nudge_rl.md.
 """
 from __future__ import annotations
 

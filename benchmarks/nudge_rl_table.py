@@ -1,6 +1,6 @@
 """NudgeRL, P^2O and LENS against GRPO on the tiny policy (algos/nudge_rl.py, every other setting at its default).
 
-    python benchmarks/nudge_rl_table.py                  # 6 configurations x 3 seeds, about 12 minutes, one thread
+    python benchmarks/nudge_rl_table.py                  # 7 configurations x 3 seeds, about 12 minutes, one thread
     python benchmarks/nudge_rl_table.py --report-only    # rebuild the table from the committed CSV
     python benchmarks/report.py                          # paste it into the READMEs
 
@@ -34,6 +34,9 @@ CONFIGS = [  # (config name, overrides of nudge_rl.Args, label)
     ("p2o-g8", {"hints": ("none",), "p2o": True}, "P^2O: GRPO + hint-prefix search on all-fail prompts"),
     ("grpo-noise1", {**GRPO, "noise": 1}, "GRPO on prompts with 1 distractor letter"),
     ("lens-noise1", {"hints": ("none",), "noise": 1, "lens": True}, "LENS on prompts with 1 distractor letter (remove 2)"),
+    # added after the table above was read: removing 2 tokens for 1 distractor never restores the clean prompt
+    ("lens-noise1-r1", {"hints": ("none",), "noise": 1, "lens": True, "lens_remove": 1},
+     "LENS, removing 1 token (added after the first run)"),
 ]
 
 
