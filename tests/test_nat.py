@@ -216,9 +216,9 @@ def test_sampler_correction_is_grpos_when_the_sampler_is_not_the_trainer():
     assert engine.syncs == 1  # refreshed after the optimiser step
     model.zero_grad()
     g_grpo, ref = grads_after_update(grpo, model, batch, args, common.Sampler(model, engine=_Engine()))
-    # nat sorts its micro-batch rows by kept length, so rows of a group are no longer adjacent and its log-probs take
-    # the one-forward path, grpo's the prompt-shared one: the same gradient to fp32 rounding (the bound of
-    # tests/test_common.py's test_prompt_shared_hidden_equals_one_forward_of_every_row)
+    # nat cuts each micro-batch to its longest kept prefix (kept_columns), grpo scores every column: with the prompt
+    # computed once per group (common.prompt_shared_hidden) the completion forwards then run matmuls of other shapes,
+    # so the gradients agree to fp32 rounding (the bound of tests/test_common.py's prompt-shared test), not bitwise
     for a, b in zip(g_nat, g_grpo):
         assert (a - b).abs().max() <= 2e-5 * b.abs().max()
     for k in ("rollout/is_weight_mean", "rollout/is_truncated_frac", "rollout/logprob_mismatch", "loss/pg"):
