@@ -411,7 +411,7 @@ def prompt_shared_hidden(model, ids, mask, pos, P: int):
     uniq, inv = torch.unique_consecutive(torch.cat([ids[:, :P], mask[:, :P]], 1), dim=0, return_inverse=True)
     if 2 * len(uniq) > len(ids) or is_sharded(model) or getattr(model, "is_gradient_checkpointing", False):
         return None
-    rows = torch.searchsorted(inv, torch.arange(len(uniq)))  # each distinct prompt's first row (inv is sorted)
+    rows = torch.searchsorted(inv, torch.arange(len(uniq), device=inv.device))  # each prompt's first row (sorted)
     dec = model.get_decoder()
     out = dec(input_ids=ids[rows, :P], attention_mask=mask[rows, :P], position_ids=pos[rows, :P], use_cache=True)
     out.cache.batch_select_indices(inv)  # every row reads its prompt's keys and values (a gather: differentiable)

@@ -198,8 +198,8 @@ def test_full_selector_update_equals_grpo_update():
     g_nat, out = grads_after_update(nat, model, batch, args)
     model.zero_grad()
     g_grpo, ref = grads_after_update(grpo, model, batch, args)
-    for a, b in zip(g_nat, g_grpo):
-        assert torch.allclose(a, b, atol=1e-7, rtol=1e-5)
+    for a, b in zip(g_nat, g_grpo):  # to fp32 rounding: see test_sampler_correction_is_grpos_when_...
+        assert (a - b).abs().max() <= 2e-5 * b.abs().max()
     for k in ("loss/pg", "loss/entropy", "loss/clipfrac"):
         assert out[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), k
 
