@@ -504,8 +504,9 @@ class LLMArgs:
     """gradient clipping by global norm"""
     grad_checkpointing: bool = False
     """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
-    off by default: the tiny CPU default needs no memory and its update takes 1.4x as long with it (0.87 vs 0.62 s
-    for 256 sequences on one thread); on for real models on a GPU (benchmarks/results/memory_plan.md)"""
+    off by default: the tiny CPU default needs no memory and its update takes 2.2x as long with it (0.20 vs 0.09 s
+    for 256 sequences on one thread; recomputed layers also run every row's prompt, see common.prompt_shared_hidden);
+    on for real models on a GPU (benchmarks/results/memory_plan.md)"""
     eval_every: int = 25
     """rollout batches between held-out evaluations"""
     eval_examples: int = 500
