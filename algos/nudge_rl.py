@@ -399,9 +399,9 @@ def prompt_surprisal(model, tok, prompts: list[str]) -> tuple[list[list[int]], t
     L = max(map(len, ids))
     x = torch.tensor([s + [tok.pad_token_id] * (L - len(s)) for s in ids], device=next(model.parameters()).device)
     mask = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in ids], device=x.device)
-    with common.autocast(model):
-        logits = model(input_ids=x, attention_mask=mask).logits.float()
-    lp = torch.log_softmax(logits[:, :-1], -1).gather(2, x[:, 1:, None]).squeeze(2)
+    # the first token as the "prompt", the rest as a right-padded "completion": log-probs by chunks of positions,
+    # never the [N x L x vocab] logits
+    lp = common.token_logprobs(model, x[:, :1], mask[:, :1], x[:, 1:], mask[:, 1:])
     surprisal = torch.nn.functional.pad(-lp, (1, 0))
     valid = mask.clone()
     valid[:, 0] = 0
