@@ -1,7 +1,7 @@
 """ECHO's tree rollouts for test-time RL: entropy-confidence hybrid branching with confidence pruning against
 entropy-only branching, at equal sampled tokens, on effective branches and true held-out accuracy.
 
-    python benchmarks/ttrl_echo_table.py                  # 3 arms x 3 seeds (about 17 minutes on one thread)
+    python benchmarks/ttrl_echo_table.py                  # 3 arms x 3 seeds (about 25 minutes on 2 shared cores)
     python benchmarks/ttrl_echo_table.py --arms "ECHO trees" --seeds 0   # some runs
     python benchmarks/ttrl_echo_table.py --report-only    # rebuilds the table and the plot from the CSV
 
@@ -16,7 +16,7 @@ Arms, all algos/ttrl.py at its defaults (TTRL's majority vote, tiny-5m on 2-digi
 split without its answers, 32 prompts x 8 completions per rollout batch, lr 1e-5), each stopped once it has sampled
 BUDGET tokens (a tree's shared prefixes count once), held-out greedy accuracy on 300 prompts every EVAL_EVERY batches
 and at the end:
-  ECHO trees      --rollout tree-echo: 2 chains per prompt grown to 8 leaves; width from entropy and group
+  ECHO trees      --rollout tree-echo: 2 chains per prompt grown to 8 unpruned leaves; width from entropy and group
                   confidence, confidence pruning, adaptive clip, hybrid advantage shaping
   entropy trees   --rollout tree-entropy: the same trees with the width from entropy alone, no pruning, GRPO's update
   TTRL (group)    --rollout group: 8 independent completions per prompt (reference)
@@ -46,7 +46,7 @@ from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  
 
 CSV, NAME = "ttrl_echo.csv", "ttrl_echo"
 SEEDS = (0, 1, 2)
-BUDGET, STEPS, EVAL_EVERY = 16000, 100, 10
+BUDGET, STEPS, EVAL_EVERY = 12000, 100, 10
 COMMON = dict(token_budget=BUDGET, steps=STEPS, eval_every=EVAL_EVERY, eval_examples=300, pass_k=0, eval_hard=False,
               threads=1)
 FLAGS = (f"--token-budget {BUDGET} --steps {STEPS} --eval-every {EVAL_EVERY} --eval-examples 300 --pass-k 0 "
@@ -97,10 +97,12 @@ def report() -> None:
     lines += ["", f"Mean ± std over seeds; shares in %. TTRL's majority-vote reward throughout; tiny-5m on 2-digit "
               f"`add`, trained on the held-out split without its answers, 32 prompts x 8 leaves (or completions) per "
               f"rollout batch, lr 1e-5, each run stopped once it had sampled {BUDGET:,} tokens (a tree's shared "
-              f"prefixes counted once, a pruned leaf up to its cut). Effective branches: distinct unpruned leaf "
+              f"prefixes counted once, a pruned leaf up to its cut; it then leaves its group). Effective branches: "
+              f"distinct unpruned leaf "
               f"sequences per tree of 8, the run's mean (first and last 10 rollout batches beside it); leaves under "
               f"the most branched chain: the share of a tree's leaves that descend from the chain with most "
-              f"(50% when the branching is spread over the 2 chains evenly, 100% when it all goes to one). "
+              f"(50% when the branching is spread over the 2 chains evenly, 100% when it all goes to one); pruned "
+              f"leaves: their share of all leaves grown. "
               f"Held-out greedy accuracy on 300 prompts every {EVAL_EVERY} batches and at the end; wrong-majority "
               f"rate and sampled accuracy as in the TTRL table (the reference answers are read for these figures "
               f"only). algos/ttrl.py's header gives every rule and constant. Hardware: {row['hardware']} (shared); "
