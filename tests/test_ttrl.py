@@ -298,8 +298,9 @@ def test_prune_point_ends_only_persistently_low_branches():
     rng = random.Random(3)
     for _ in range(500):
         conf = [rng.choice([0.2, 0.5, 0.65, 0.75, 0.95, 1.0]) for _ in range(rng.randint(1, 9))]
-        start, w, thr, pat = rng.randint(0, len(conf) - 1), rng.randint(1, 3), rng.choice([0.6, 0.7, 0.8]), rng.randint(1, 3)
-        assert ttrl.prune_point(conf, start, w, thr, pat) == naive_prune(conf, start, w, thr, pat), (conf, start, w, pat)
+        start, w, pat = rng.randint(0, len(conf) - 1), rng.randint(1, 3), rng.randint(1, 3)
+        thr = rng.choice([0.6, 0.7, 0.8])
+        assert ttrl.prune_point(conf, start, w, thr, pat) == naive_prune(conf, start, w, thr, pat), (conf, start, pat)
 
 
 def hand_leaf(tokens, entropy, conf, pos=0, pruned=False, root=0):
@@ -385,8 +386,9 @@ def test_effective_branches_count_distinct_unpruned_trajectories():
     assert m["rollout/pruned_frac"] == 1 / 8 and m["rollout/branch_points"] == 1.5 and m["rollout/leaf_tokens"] == 10
 
 
-@pytest.mark.parametrize("args", [replace(ENTROPY, chains=8), replace(ECHO, chains=8, prune_conf=0.0, adaptive_clip=False,
-                                                                     shape_coef=0.0)], ids=["entropy", "echo"])
+@pytest.mark.parametrize("args", [replace(ENTROPY, chains=8),
+                                  replace(ECHO, chains=8, prune_conf=0.0, adaptive_clip=False, shape_coef=0.0)],
+                         ids=["entropy", "echo"])
 def test_tree_without_branching_is_the_group_rollout(args):
     """--chains G: no branching round (and no pruning): the tree rollout draws exactly the group rollout's completions
     (one generate call over the same rows), so tokens, behaviour log-probs, rewards and advantages are identical."""
@@ -470,7 +472,8 @@ def test_short_echo_run_does_not_collapse(tmp_path):
     than 80% of a tree's leaves (0.55 to 0.64 measured); the losses stay finite and pruning happens."""
     args = replace(ECHO, steps=3, prompts_per_step=8, eval_every=3, eval_examples=10, lr=1e-4, out_dir=str(tmp_path))
     s = ttrl.main(args)
-    rows = [json.loads(line) for line in open(tmp_path / args.exp_name / "metrics.jsonl") if "rollout/root_share" in line]
+    rows = [json.loads(line) for line in open(tmp_path / args.exp_name / "metrics.jsonl")
+            if "rollout/root_share" in line]
     assert len(rows) == 3
     assert all(r["rollout/effective_branches"] >= 2 for r in rows), [r["rollout/effective_branches"] for r in rows]
     assert all(r["rollout/root_share"] <= 0.8 for r in rows)
