@@ -23,10 +23,14 @@ Where the mismatch comes from decides what a replay can remove, so R3 is measure
   (logit noise)   --router-noise-on logits: the engine's router logits are noisy, experts and gate weights both
   (no noise)      --router-noise 0: bf16 numerics only (also PR2's setting: replayed routes go stale through router
                   drift alone)
-Plan, fixed before the runs (3 seeds per arm; the verdict rule of benchmarks/report.py): KL(mu || pi_old), r3 < none,
-under logit noise and under bf16 only; PR2's routes at the batch's last step, pr2 < r3 stale share (no noise); PR2's
-forecast, its top-k route agreement with the router after the updates > R3's (no change) (no noise); held-out
-accuracy, pr2 > r3 (default noise).
+Plan, fixed before the runs (the verdict rule of benchmarks/report.py; each claim's line in benchmarks/claims_plan.csv,
+3 seeds per arm unless said): KL(mu || pi_old), r3 < none, by default (4 seeds), under logit noise (4 seeds) and under
+bf16 only (8 seeds); the last two are decided by fresh runs only, their earlier 3 seeds per arm the pilot:
+  --arms "r3 (logit noise)" "none (logit noise)" --seeds 0 1 2 3
+  --arms "r3 (no noise)" "none (no noise)" --seeds 0 1 2 3 4 5 6 7
+PR2's routes at the batch's last step, pr2 < r3 stale share (no noise; 4 seeds), and PR2's forecast, its top-k
+route agreement with the router after the updates > R3's (no change) (no noise); held-out accuracy, r3 > tis, r3 > none
+and pr2 > r3 (default noise).
 Figures per run (means over the run's rollout batches): KL(mu || pi_old) by the k3 estimator, the variance of the
 importance ratio pi_old / mu, the share of (token, layer) routes where the rollout's expert set differs from the
 trainer router's own before the update (disagree) and at the batch's last optimiser step (stale), PR2's forecast
