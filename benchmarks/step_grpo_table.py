@@ -4,6 +4,7 @@ semantic steps, held-out accuracy.
     python benchmarks/step_grpo_table.py                   # warm start once, then 3 arms x 3 seeds (one thread)
     python benchmarks/step_grpo_table.py --arms Step-GRPO --seeds 0   # some runs (the warm start is reused)
     python benchmarks/step_grpo_table.py --report-only     # rebuilds the table from the CSV
+    python benchmarks/step_grpo_table.py --probe-only      # accuracy by number of checks of the starting policy
 
 The claims ("Step-GRPO: Internalizing Dynamic Early Exit for Efficient Reasoning", arXiv:2604.16890): a step-aware
 relative reward over semantic steps (cut at linguistic markers) penalises redundant checks against a group baseline;
@@ -84,6 +85,30 @@ def warm_policy() -> str:
     return str(path)
 
 
+def probe_checks(model_path: str, prompts: int = 64, seed: int = 0) -> dict:
+    """How right the starting policy's sampled responses are by their number of checks: G = 8 samples at temperature
+    1 for `prompts` training prompts (what the first rollout batch sees), acc_checks<k> the share of responses with k
+    checks that are right, n_checks<k> how many there are."""
+    import numpy as np
+    import torch
+
+    import common
+    from algos import step_grpo as sg
+
+    torch.set_num_threads(WARM["threads"])
+    torch.manual_seed(seed)
+    model, tok = common.load_model(model_path)
+    task = sg.make_check_task(COMMON["task"], COMMON["digits"], WARM["check_prob"])
+    exs = task.sample("train", prompts, np.random.default_rng(seed))
+    ro = common.generate(model, tok, common.encode_prompts(tok, [e.prompt for e in exs]), 8, COMMON["max_new_tokens"])
+    graded = [task.verify(t, exs[i // 8].answer) for i, t in enumerate(ro.texts)]
+    out = {}
+    for k in sorted({int(c["checks"]) for _, c in graded}):
+        hits = [r for r, c in graded if int(c["checks"]) == k]
+        out.update({f"n_checks{k}": len(hits), f"acc_checks{k}": float(np.mean(hits))})
+    return out
+
+
 def run_figures(run_dir: Path) -> dict:
     """The run's eval curves: accuracy (acc_s<step>) and tokens per response (len_s<step>)."""
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
@@ -95,6 +120,9 @@ def run(seeds, arms) -> None:
     from algos import step_grpo as sg
 
     model = warm_policy()
+    if not by_config_seed(CSV)[0].get("warm-start probe"):
+        append_rows(CSV, NAME, "algos/step_grpo.py", "warm-start probe", 0, probe_checks(model),
+                    "python benchmarks/step_grpo_table.py --probe-only")
     for seed in seeds:
         for label in arms:
             extra, flag = ARMS[label]
@@ -126,7 +154,14 @@ def report() -> None:
                      f"{mean_std(get('eval_steps_start'), 1, 2)} | {mean_std(get('eval_steps_end'), 1, 2)} | "
                      f"{mean_std(get('train_steps_last'), 1, 2)} | {mean_std(get('gen_tokens'), 1, 0)} | "
                      f"{mean_std(get('wall_s'), 1, 0)} | {len(runs)} |")
-    row = next(iter(meta.values()))
+    probe = by.get("warm-start probe", {}).get("0", {})
+    if probe:
+        ks = sorted(int(k[len("n_checks"):]) for k in probe if k.startswith("n_checks"))
+        lines += ["", "The starting policy's sampled responses (temperature 1, 64 training prompts x 8) by their number "
+                  "of checks: " + ", ".join(f"{k} checks: {100 * probe[f'acc_checks{k}']:.0f}% right "
+                                            f"(n = {probe[f'n_checks{k}']:.0f})" for k in ks) + "."]
+    row = meta[next(label for label in ARMS if label in meta)] if any(label in meta for label in ARMS) else \
+        next(iter(meta.values()))
     lines += ["", f"Held-out greedy accuracy in %, tokens per response and semantic steps (split_steps: ';' and the "
               f"marker 'check') of the greedy held-out responses, mean ± std over seeds. tiny-sums warm-started once on "
               f"checksums4 references with a redundant check after each running total with probability 0.5 (250 steps "
@@ -146,7 +181,11 @@ if __name__ == "__main__":
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--probe-only", action="store_true", help="only measure accuracy by number of checks of the "
+                    "warm-started policy (made if missing) and add its rows")
     a = ap.parse_args()
-    if not a.report_only:
+    if a.probe_only:
+        append_rows(CSV, NAME, "algos/step_grpo.py", "warm-start probe", 0, probe_checks(warm_policy()))
+    elif not a.report_only:
         run(a.seeds, a.arms)
     report()
