@@ -53,7 +53,15 @@ Commands:
   python algos/step_grpo.py --step-reward 0 --reward correct length:0.5     # the plain length penalty
   python algos/step_grpo.py --model Qwen/Qwen3-0.6B --task gsm8k --warm-start-steps 0 --device cuda \
       --max-new-tokens 1024 --prompts-per-step 32 --lr 1e-6 --step-markers Wait Alternatively Hmm  # one GPU
-Expected: RESULTS
+Expected (benchmarks/results/step_grpo.md, rows in benchmarks/results/step_grpo.csv; 3 seeds per arm, one thread,
+each arm from the same policy warm-started as the default does, 30 rollout batches of 16 prompts x 8): the warm start
+takes tiny-sums to 77.3% held-out greedy accuracy on checksums4 at 41.6 tokens and 5.28 steps per response (4 without
+checks). Every arm drops the checks within about 10 rollout batches and ends at 24.5 tokens and 4.0 steps: Step-GRPO
+78.8 +- 5.6%, GRPO 76.0 +- 4.5%, GRPO with the plain length penalty (length:0.5) 76.8 +- 2.9%. The checks are not
+redundant for this policy: sampled at temperature 1 from the warm start, responses with 0, 1, 2 and 3 checks are right
+48%, 50%, 42% and 33% of the time (a check can restate a total wrongly, and the next step copies it), so the verifier's
+reward alone removes them and the step reward has nothing left to do at this scale. A task whose checks carry
+nothing to copy would isolate the step reward.
 """
 from __future__ import annotations
 
