@@ -44,9 +44,9 @@ Deviations from the paper (its code was not released when this was written; each
   before t is complete: it survives or is pruned like the others, and is not continued.
 - The survivors are finished in one more generate call from prompt + prefix with the sampler's own weights (no update
   in between), so prefix and continuation are one on-policy sample and their behaviour log-probs are concatenated.
-- Not implemented: the head weighting candidates at test time (best-of-n), and Step-GRPO's Step-Aware Relative
-  Reward (a redundancy penalty relative to the group, over semantic steps), an optional companion of truncated
-  rollouts that this file leaves out.
+- Not implemented: the head weighting candidates at test time (best-of-n). Step-GRPO's Step-Aware Relative Reward (a
+  redundancy penalty relative to the group, over semantic steps), an optional companion of truncated rollouts, is
+  algos/step_grpo.py, on GRPO's full rollouts: it needs a task whose responses hold redundant steps, not pruning.
 - --oversample 1 turns the method off: rollout is grpo.py's single generate call, no head, no feature pass; the run is
   grpo.py's, metric for metric (tested).
 - One process only (several are refused): each rank would train its own head on its own survivors.
