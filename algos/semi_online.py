@@ -1,7 +1,6 @@
 """Semi-online RL: roll out along expert trajectories, keep the policy's own turns, patch where it diverges.
 
-Paper: Lu et al., "UI-S1: Advancing GUI Automation via Semi-online Reinforcement Learning", arXiv:2509.11543 (code:
-github.com/X-PLUG/MobileAgent, UI-S1). Offline step-level training sees only the expert's histories; online RL needs
+Paper: "UI-S1: Advancing GUI Automation via Semi-online Reinforcement Learning", arXiv:2509.11543. Offline step-level training sees only the expert's histories; online RL needs
 the live environment for every rollout. Semi-online RL plays the policy turn by turn along a recorded expert
 trajectory: the policy's own action stays in the dialogue when it matches the expert's step, and where it diverges a
 Patch Module puts the expert's action (and what the environment answered to it) into the context so that the rollout
@@ -46,7 +45,7 @@ Deviations from the paper:
   episodes at the same turn index (their histories can differ); omega = 1 and gamma = 0.5 by default (choices, not
   the paper's values).
 - SOP is measured as task success without a patch (and progress before the first patch) on greedy patched rollouts of
-  the held-out seeds; the paper's SOP keeps the model's own history on a static dataset in the same way.
+  the held-out seeds; the abstract names SOP as a proxy for online performance without its exact rule.
 - Training rows are steps (prompt = patched history, completion = the proposed action), so --loss-agg averages over
   steps, not episodes, and --ppo-epochs / --minibatches stay 1 outside --mode online.
 - The offline step-level baseline is behaviour cloning (log-likelihood of the expert's steps at the sampling
@@ -62,9 +61,9 @@ Expected (seeds 0 and 1, one thread of 2 cores shared with other jobs, about 15 
 on an idle thread, so about 6 minutes): held-out greedy online success of tiny-toolenv 53.3% -> 66.0% and 60.0% after
 the default 60 rollout batches (+12.7, +6.7 points), after a dip at 30 batches (51.0%, 53.0%) while the lookups are
 learned first (turns 1-3 at 99-100% by batch 30; SOP progress 79.2% -> 87.5%, 87.7% at 30 and 91.5%, 90.0% at 60);
-the answer turn 61% -> 66%, 60%. SOP equals online success at every one of these checkpoints (52.0 vs 53.3 at the
-start, then 51.0 vs 51.0, 52.7 vs 53.0, 66.0 vs 66.0, 60.0 vs 60.0): on this environment an episode without a patch
-is the online episode. Smaller batches do not learn: --prompts-per-step 8 for 60 batches gives +4.3 and -2.3 points,
+the answer turn 61% -> 66%, 60%. SOP is within 1.3 points of online success at every one of these checkpoints (52.0 vs
+53.3 at the start, then 51.0 vs 51.0, 52.7 vs 53.0, 66.0 vs 66.0, 60.0 vs 60.0): on this deterministic environment a
+greedy episode without a patch is the online episode. Smaller batches do not learn: --prompts-per-step 8 for 60 batches gives +4.3 and -2.3 points,
 and 4 prompts for 8 batches -14 and -18 (multi-turn GRPO in that setting: -26, seed 0).
 """
 from __future__ import annotations
