@@ -409,7 +409,7 @@ def prompt_shared_hidden(model, ids, mask, pos, P: int):
     run once and its keys and values given to every row: one forward's values (to fp32 rounding) in about half the
     time. None if prompts are mostly distinct, the model sharded (one root forward) or its layers recomputed."""
     uniq, inv = torch.unique_consecutive(torch.cat([ids[:, :P], mask[:, :P]], 1), dim=0, return_inverse=True)
-    if 2 * len(uniq) > len(ids) or is_sharded(model) or getattr(model, "is_gradient_checkpointing", False):
+    if 2 * len(uniq) > len(ids) or is_sharded(model) or getattr(model, "is_activation_checkpointing", False):
         return None
     rows = torch.searchsorted(inv, torch.arange(len(uniq), device=inv.device))  # each prompt's first row (sorted)
     dec = model.get_decoder()
