@@ -1,9 +1,10 @@
 """OPD recovery: recover a structurally pruned model by on-policy distillation from the unpruned one, with a
 short-to-long rollout budget and StableOPD's two stabilisers as flags.
 
-Papers: "Short-to-long on-policy distillation for recovering pruned language models" (the catalogue knows its
-method only by the unexpanded macro "\\shortopd"); StableOPD: "Demystifying OPD: Length Inflation and
-Stabilization Strategies for Large Language Models", arXiv:2604.08527. OPD itself: algos/opd.py.
+Papers: short-to-long OPD, for recovering structurally pruned LLMs (its title is not known here: the source
+names the method only by the unexpanded LaTeX macro "\\shortopd", and no code was found); StableOPD:
+"Demystifying OPD: Length Inflation and Stabilization Strategies for Large Language Models", arXiv:2604.08527.
+OPD itself: algos/opd.py.
 
 The student is the teacher (--teacher, default tiny-5m) with a fraction of its attention heads and/or MLP channels
 removed (prune_plan, prune_), i.e. --model == --teacher, pruned until it degrades and loops. It is trained with
@@ -49,11 +50,16 @@ Deviations from the papers:
 - Everything else as algos/opd.py (one process, Hugging Face sampling, the learning-rate schedule, chunked losses).
 
 Commands:
-  python algos/opd_recovery.py                                     # 50% of heads pruned, short-to-long, ~3 min
+  python algos/opd_recovery.py                                     # 50% of heads pruned, short-to-long
   python algos/opd_recovery.py --schedule fixed                    # the fixed long horizon
   python algos/opd_recovery.py --stable-kl 0.1 --mix-frac 0.25     # StableOPD's two fixes
   python algos/opd_recovery.py --prune-target channels --prune-frac 0.7
-Expected: see DEFAULT_RESULT below (measured over 2 seeds on one thread).
+Expected (the default: half of tiny-5m's heads pruned, addsteps, 40 steps; measured with --eval-examples 200
+--eval-every 20 --no-eval-hard, seeds 0 and 1): greedy accuracy
+0% -> 39.5% (seed 0) and 56.5% (seed 1), the teacher 98%; the mean reverse KL to the teacher over the first vs
+the last 3 steps 2.98 -> 0.30 (seed 0) and 3.21 -> 0.22 (seed 1); the budget grows from 8 to 32 (seed 0) and 38
+(seed 1). On 2 cores shared with other jobs (load average ~10) seed 0 took 1529 s and seed 1 1129 s; on an idle
+core it has not been timed.
 """
 from __future__ import annotations
 
@@ -149,9 +155,11 @@ def check_args(args: Args) -> None:
     if args.prompts_per_step < 1 or args.group_size < 1 or args.max_new_tokens < 1:
         raise SystemExit("--prompts-per-step, --group-size and --max-new-tokens must be positive")
     if not 0 <= args.prune_frac < 1:
-        raise SystemExit(f"--prune-frac must be in [0, 1) (1 would remove every head or channel), got {args.prune_frac}")
+        raise SystemExit(f"--prune-frac must be in [0, 1) (1 would remove every head or channel), "
+                         f"got {args.prune_frac}")
     if not 1 <= args.budget_start <= args.max_new_tokens:
-        raise SystemExit(f"--budget-start must be in [1, --max-new-tokens={args.max_new_tokens}], got {args.budget_start}")
+        raise SystemExit(f"--budget-start must be in [1, --max-new-tokens={args.max_new_tokens}], "
+                         f"got {args.budget_start}")
     if args.budget_growth < 1:
         raise SystemExit(f"--budget-growth must be >= 1 (the budget never shrinks), got {args.budget_growth}")
     if args.repeat_max_n < 1 or args.repeat_min < 2 or not 0 <= args.repeat_confirm <= 1:
@@ -169,7 +177,8 @@ def check_args(args: Args) -> None:
     if args.micro_batch_size < 1:
         raise SystemExit("--micro-batch-size must be positive")
     if args.prune_frac and args.lora_rank:
-        raise SystemExit("--prune-frac with --lora-rank: the pruned weights are masked in the full model; use --lora-rank 0")
+        raise SystemExit("--prune-frac with --lora-rank: the pruned weights are masked in the full model; "
+                         "use --lora-rank 0")
     if args.engine == "vllm":
         raise SystemExit("--engine vllm: OPD samples the student and the teacher with Hugging Face generate (no "
                          "vLLM engine is wired in); use --engine hf")

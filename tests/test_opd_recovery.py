@@ -95,7 +95,8 @@ def test_repetition_detector_against_a_naive_loop():
     for _ in range(400):
         head = rng.integers(0, 4, size=rng.integers(0, 6)).tolist()
         gram = rng.integers(0, 4, size=rng.integers(1, 5)).tolist()
-        tokens = head + gram * int(rng.integers(1, 5)) + gram[:int(rng.integers(0, len(gram)))] * int(rng.integers(0, 2))
+        partial = gram[:int(rng.integers(0, len(gram)))] * int(rng.integers(0, 2))
+        tokens = head + gram * int(rng.integers(1, 5)) + partial
         p = rng.uniform(0, 1, size=len(tokens)).tolist()
         for confirm in (0.0, 0.5):
             a = replace(args, repeat_confirm=confirm)
