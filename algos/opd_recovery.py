@@ -1,8 +1,8 @@
 """OPD recovery: recover a structurally pruned model by on-policy distillation from the unpruned one, with a
 short-to-long rollout budget and StableOPD's two stabilisers as flags.
 
-Papers: short-to-long OPD, for recovering structurally pruned LLMs (its title is not known here: the source
-names the method only by the unexpanded LaTeX macro "\\shortopd", and no code was found); StableOPD:
+Papers: short-to-long OPD, for recovering structurally pruned LLMs (its abstract
+names the method only by the unexpanded LaTeX macro "\\shortopd", and no code for it was found); StableOPD:
 "Demystifying OPD: Length Inflation and Stabilization Strategies for Large Language Models", arXiv:2604.08527.
 OPD itself: algos/opd.py.
 
