@@ -46,8 +46,9 @@ CSV = "smollm2_step.csv"
 def measure(config: str, steps: int, eval_examples: int, threads: int, code: Path) -> dict:
     """Time each phase of `steps` GRPO steps (the first a warm-up) on the code tree `code`; profile one update."""
     sys.path.insert(0, str(code))
-    import tyro
+    import numpy as np
     import torch
+    import tyro
     from torch.profiler import ProfilerActivity, profile
 
     import common
@@ -61,8 +62,9 @@ def measure(config: str, steps: int, eval_examples: int, threads: int, code: Pat
     model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
     opt = llm.make_optimizer(model.parameters(), args)
     gen, train, tokens = [], [], []  # CPU seconds of this process (see the module docstring)
-    for step, rng in zip(range(1, steps + 1), (__import__("numpy").random.default_rng([0, s]) for s in range(steps))):
+    for step in range(1, steps + 1):
         torch.manual_seed(step)
+        rng = np.random.default_rng([0, step])
         t0 = time.process_time()
         batch = grpo.rollout(sampler, tok, run.task, args, rng, run.accel.device)
         t1 = time.process_time()
