@@ -9,6 +9,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# no test reads the Hugging Face hub: a hub id that is not a local folder (a fake vLLM engine's "some/model") fails at
+# once instead of retrying the network for about 20 s per call
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _share_cores_among_workers() -> None:
