@@ -18,6 +18,8 @@ are not a shield against other jobs: on two cores shared with eight other proces
 update took 2.8x and 3.6x the CPU seconds they take on an idle core (caches and memory bandwidth are shared too),
 so measure on an idle machine.
 Rows, the table and the operator profiles go to benchmarks/results/ (smollm2_step.*, one file each).
+The committed rows were measured on an idle Xeon with AVX-512 and AVX512-BF16 but no AMX (PyTorch's CPU capability
+AVX512): there bf16 autocast is slower than fp32, in generation and in the update.
 """
 from __future__ import annotations
 
@@ -104,19 +106,40 @@ def report() -> str:
              "evaluated problems per step x evaluation per problem.", "",
              "| configuration | code | generation (CPU s) | update (CPU s) | eval per problem (CPU s) | "
              "eval problems per step | step (CPU s) | speed-up |", "|---|---|---|---|---|---|---|---|"]
-    first = None
+    prof = ROOT / "benchmarks" / "results" / "smollm2_step_profile.txt"
+    matmul = matmul_seconds(prof.read_text()) if prof.exists() else {}
+    first, steps = None, {}
     for name, m in by.items():
-        step = m["gen_s"] + m["train_s"] + m["eval_per_step"] * m["eval_s_per_problem"]
+        step = steps[name] = m["gen_s"] + m["train_s"] + m["eval_per_step"] * m["eval_s_per_problem"]
         first = first or step
         config, code = name.split("@")[0], name.split("@")[-1]
         lines.append(f"| {config} | {code} | {m['gen_s']:.1f} | {m['train_s']:.1f} | {m['eval_s_per_problem']:.2f} | "
                      f"{m['eval_per_step']:.0f} | {step:.1f} | {first / step:.2f}x |")
     lines += ["", "Configurations:", ""] + [f"- `{n}`: {CONFIGS[n.split('@')[0]][2]}" for n in by if n.split("@")[0]
                                             in CONFIGS]
-    prof = ROOT / "benchmarks" / "results" / "smollm2_step_profile.txt"
     if prof.exists():
         lines += ["", f"Top operators of one update per configuration: `benchmarks/results/{prof.name}`."]
+    if first and matmul:  # how far the update can go at its matmuls' measured speed
+        lines += ["", "Matrix multiplies (`aten::mm`, self CPU seconds of the profiled update) and the step if everything "
+                  "else in the update cost nothing, generation and evaluation unchanged:", ""]
+        for name, m in by.items():
+            if name in matmul:
+                bound = steps[name] - m["train_s"] + matmul[name]
+                lines.append(f"- `{name}`: {matmul[name]:.1f} s of {m['train_s']:.1f} s; step at least {bound:.1f} s, "
+                             f"at most {first / bound:.2f}x the first row")
     return "\n".join(lines) + "\n"
+
+
+def matmul_seconds(profile_text: str) -> dict:
+    """{row label: self CPU seconds of aten::mm} from the profile file's '## label' sections."""
+    out, label = {}, None
+    for line in profile_text.splitlines():
+        if line.startswith("## "):
+            label = line[3:].split(" (")[0]
+        elif label and line.split()[:1] == ["aten::mm"]:
+            v = line.split()[2]
+            out[label] = float(v[:-2]) / 1000 if v.endswith("ms") else float(v.rstrip("s"))
+    return out
 
 
 def main() -> None:
