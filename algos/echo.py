@@ -21,16 +21,26 @@ Deviations:
   part of each observation is predictable from the action (`=` and `;` after a lookup, `err;` after a malformed
   action, `end;` at a limit) and the stored value's digit is not, so CE_env has a floor near log(10) / 3 = 0.77
   nats per token of a lookup's answer.
-- lambda = 0.003 by default (a token-mean CE beside a sequence-mean policy loss), chosen for this scale by a sweep
-  (0.1, 0.01, 0.003; benchmarks/results/multiturn.md), not the paper's value: at 0.1 the cross-entropy on
-  observations takes over the 0.65M-parameter model, which stops ending its actions and fails every episode by batch
-  60; the paper also leaves warning tokens out of O, which this environment does not emit.
+- lambda = 0.003 by default (a token-mean CE beside a sequence-mean policy loss), not the paper's value: at 0.1 the
+  cross-entropy on observations takes over the 0.65M-parameter model, which stops ending its actions and fails every
+  episode by batch 60. That value was chosen by a sweep (0.1, 0.01, 0.003; benchmarks/results/multiturn.md) read on
+  the same held-out episodes that the claim rows report, and multi-turn GRPO's learning rate had no such sweep, so
+  the committed ECHO-vs-GRPO success rows favour ECHO by their selection. The clean procedure (benchmarks/
+  multiturn_table.py --parts select): train on the prompt-keyed split (--env-split prompt), score every candidate on
+  the validation prompts (--eval-split val), lambda in SELECT_COEFS for ECHO and the same number of learning rates
+  (SELECT_LRS) for GRPO, 3 seeds and the default length each; keep each arm's best mean validation success (the
+  smaller value on a tie), then compare the two picks on the test prompts with fresh seeds.
+- The loss's CE_env is the cross-entropy of the tempered policy (the trainer scores every token at the sampling
+  temperature, --temperature 0.7, so that the policy-gradient ratio is the on-policy one), while eval/env_ce reports
+  the model's own distribution (temperature 1); loss/env_ce logs the tempered quantity the loss trains.
+- The paper leaves warning tokens out of O, which this environment does not emit.
 - Everything else as algos/multiturn_grpo.py (trajectory-level group advantages, no KL by default, the
   prompt-task flags refused, grpo.py's sampler correction on action tokens).
 
 Commands:
   python algos/echo.py                         # tiny default, 2-core CPU, 1-4 minutes
   python algos/echo.py --echo-coef 0           # multi-turn GRPO, with the same logging
+  python benchmarks/multiturn_table.py --parts select   # lambda and GRPO's lr chosen on validation prompts
 Expected (3 seeds, benchmarks/results/multiturn.md): after the default 90 rollout batches the held-out
 environment-token cross-entropy has fallen from 11.41 to 5.88 ± 0.03 nats per token (multi-turn GRPO: 11.01 ± 0.32),
 the paper's first claim, and held-out greedy success has risen from 53.3% to 71.9 ± 4.2% (+14.0, +19.3, +22.3
@@ -93,8 +103,21 @@ class Args(LLMArgs):
     """turn limit: an episode with this many actions and no answer ends with reward 0"""
     max_context: int = 40
     """context limit in characters of the transcript (prompt, actions, observations); passing it ends with reward 0"""
+    max_context_tokens: int = 0
+    """context budget in tokens (prompt, actions, observations): a turn that would pass it ends the episode with
+    reward 0, as the other limits (0 = none; --max-context counts the environment's characters)"""
+    max_obs_tokens: int = 0
+    """budget of one observation (tool response) in tokens: a longer one is cut, counted in rollout/obs_truncated
+    (0 = none)"""
     env_ce_examples: int = 64
     """held-out episodes (sampled once from the initial policy) whose observation tokens give eval/env_ce"""
+    env_split: Literal["episode", "prompt"] = "episode"
+    """the environment's held-out split: 'episode' (a hash of an episode's store and query, the split tiny-toolenv was
+    trained with; a held-out episode's visible prompt also occurs in training with other values) or 'prompt' (a hash
+    of the visible prompt: held-out and validation prompts never occur in training)"""
+    eval_split: Literal["test", "val"] = "test"
+    """episodes of the eval/ metrics (and of eval/env_ce): 'test', the reported held-out set, or 'val', the
+    validation split of --env-split prompt, for choosing hyperparameters without touching the reported set"""
     # rollout
     prompts_per_step: int = 16
     """distinct episodes (seeds) per rollout batch (per process)"""
@@ -154,6 +177,10 @@ def check_args(args: Args) -> None:
     if args.pass_k or args.eval_hard:
         raise SystemExit("--pass-k, --eval-hard: the multi-turn evaluation is greedy success on held-out episodes, "
                          "without pass@k or a harder split")
+    if args.eval_split == "val" and args.env_split != "prompt":
+        raise SystemExit("--eval-split val needs --env-split prompt (the episode split has no validation set)")
+    if args.max_context_tokens < 0 or args.max_obs_tokens < 0:
+        raise SystemExit("--max-context-tokens and --max-obs-tokens must be >= 0 (0 = no budget)")
 
 
 # ---- the idea: advantage, clipped surrogate, KL, aggregation ----
@@ -242,7 +269,8 @@ def env_token_ce(model, batch: dict, args: Args) -> float:
 
 # ---- rollout and update ----
 def make_env(args: Args) -> _toolenv.LookupEnv:
-    return _toolenv.LookupEnv(args.n_keys, args.value_digits, args.max_turns, args.max_context, args.n_query)
+    return _toolenv.LookupEnv(args.n_keys, args.value_digits, args.max_turns, args.max_context, args.n_query,
+                              args.env_split, args.max_context_tokens, args.max_obs_tokens)
 
 
 def pack_episodes(eps: list, prompts: list[list[int]], tok, device) -> dict:
@@ -265,12 +293,25 @@ def rollout(sampler, tok, env, args: Args, rng, device) -> dict:
     """G episodes of each of prompts_per_step training seeds, played turn by turn; A_i per group of G."""
     seeds = env.seeds("train", args.prompts_per_step, rng)
     envs = [env.clone() for _ in seeds for _ in range(args.group_size)]
-    prompts = common.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))])
+    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))])
     eps = _toolenv.play(sampler, tok, envs, prompts, args.max_new_tokens, args.temperature)
     batch = pack_episodes(eps, prompts, tok, device)
     batch.update(adv=group_advantages(batch["rewards"], args.group_size, args.adv_std_norm), episodes=eps,
                  finish_reasons=["stop" if e.env.reward or e.observations[-1] == "" else "length" for e in eps])
     return batch
+
+
+def episode_metrics(eps: list) -> dict:
+    """rollout/turns (actions per episode), rollout/truncated (actions of the batch that hit the per-turn token budget
+    --max-new-tokens without EOS; each is still sent to the environment), rollout/truncated_action_frac, and the
+    token budgets' counts: rollout/obs_truncated (observations cut to --max-obs-tokens), rollout/context_limited
+    (episodes ended by --max-context-tokens)."""
+    n = sum(len(e.actions) for e in eps)
+    cut = sum(e.truncated for e in eps)
+    return {"rollout/turns": n / len(eps), "rollout/truncated": float(cut),
+            "rollout/truncated_action_frac": cut / max(n, 1),
+            "rollout/obs_truncated": float(sum(e.obs_truncated for e in eps)),
+            "rollout/context_limited": float(sum(e.context_limited for e in eps))}
 
 
 def sampler_gap(old_logp, sampler_logp, is_weight, mask, cap: float) -> dict:
@@ -343,11 +384,12 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampl
 
 # ---- eval ----
 def held_out_ce_batch(sampler, tok, env, args: Args, device) -> dict:
-    """A fixed set of held-out rollouts of the initial policy (temperature 1): its observation tokens are where
-    eval/env_ce is measured, on trajectories the trained policy did not generate."""
-    seeds = env.seeds("test", args.env_ce_examples, np.random.default_rng(54321))
+    """A fixed set of rollouts of the initial policy on --eval-split episodes (sampled at --temperature): their
+    observation tokens are where eval/env_ce is measured (at temperature 1), on trajectories the trained policy did
+    not generate."""
+    seeds = env.seeds(args.eval_split, args.env_ce_examples, np.random.default_rng(54321))
     envs = [env.clone() for _ in seeds]
-    prompts = common.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)])
+    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)])
     with torch.random.fork_rng():
         torch.manual_seed(54321)
         eps = _toolenv.play(sampler, tok, envs, prompts, args.max_new_tokens, args.temperature)
@@ -367,7 +409,7 @@ def main(args: Args) -> dict:
     check_args(args)
     run = llm.Run(args, tasks=False)  # accelerator, threads, seed, the run folder; the environment is the task
     env = run.task = make_env(args)  # run.task: the curve's title names the environment
-    eval_seeds = env.seeds("test", args.eval_examples, np.random.default_rng(12345))
+    eval_seeds = env.seeds(args.eval_split, args.eval_examples, np.random.default_rng(12345))
     # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
     model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
     opt = llm.make_optimizer(model.parameters(), args)
@@ -381,7 +423,7 @@ def main(args: Args) -> dict:
             stats = update(model, opt, batch, echo_loss, args, step, run.accel, sampler, ref_model)
         # rollout metrics over the action tokens, evaluation every --eval-every, checkpoints
         run.log_step(step, {**batch, "completion_mask": batch["action_mask"]}, stats,
-                     extra={"rollout/turns": float(np.mean([len(e.actions) for e in batch["episodes"]]))})
+                     extra=episode_metrics(batch["episodes"]))
     return run.finish(f"ECHO (lambda={args.echo_coef})")
 
 

@@ -1,21 +1,30 @@
 """HGPO and LoGo: stepwise advantages for multi-turn agents, against flat stepwise groups.
 
 Papers: He et al., "Hierarchy-of-Groups Policy Optimization for Long-Horizon Agentic Tasks", arXiv:2602.22817 (HGPO;
-code in verl-agent's recipe/hgpo), and Yan et al., "Memory-R2: Fair Credit Assignment for Long-Horizon
-Memory-Augmented LLM Agents", arXiv:2605.21768 (LoGo-GRPO, local and global group-relative optimisation). In stepwise
-group-based RL every step (turn) of a rollout is trained with its own group-relative advantage. Steps of one flat
-group (same episode, same turn) can have different histories, which biases their advantages; HGPO puts each step
-into several groups by how much history they share and combines the group-relative advantages with weights;
-LoGo adds local re-rollouts from one shared intermediate state (a depth-1 tree), a fair group for those steps.
+its published code is verl-agent's recipe/hgpo, whose grouping this file follows), and Yan et al., "Memory-R2: Fair
+Credit Assignment for Long-Horizon Memory-Augmented LLM Agents", arXiv:2605.21768 (LoGo-GRPO, local and global
+group-relative optimisation). In stepwise group-based RL every step (turn) of a rollout is trained with its own
+group-relative advantage. Steps of one flat group (same episode, same turn) can have different histories, which biases
+their advantages; HGPO puts each step into several groups by how much recent history it shares with other steps and
+combines the group-relative advantages with weights; LoGo adds local re-rollouts from one shared intermediate state
+(a depth-1 tree), a fair group for those steps.
 
-Equations (step (i, t): episode i of a seed group, turn t, history h_it = (a_i1, o_i1, ..., a_i,t-1, o_i,t-1);
-the return of every step is the episode's final reward R_i):
-  flat stepwise      A_it = (R_i - mean_{G_0} R) / std_{G_0} R,  G_0 = steps of the seed group at turn t
-                                                                      hgpo_step_advantages(levels="flat")
-  HGPO               G_k(i, t) = steps of G_0 whose last k (action, observation) pairs equal h_it's (k = 0..t;
-                     G_t = the steps in the same state); A_k = the group-relative advantage in G_k;
-                     A_it = sum_k w_k A_k / sum_k w_k over levels with |G_k| >= 2,  w_k = (k + 1)^alpha
-                                                                      hgpo_step_advantages(levels="all")
+Equations (step (i, t): episode i of a seed group, turn t; its anchor x_it is what the environment showed before
+action t: the prompt for t = 0, the previous action and its answer (a_i,t-1, o_i,t-1) after that; R_i the episode's
+final reward, T_i its number of turns):
+  step return        G_it = gamma^(T_i - 1 - t) R_i  (the discounted return; the reward comes at the end)
+                                                                      discounted_step_returns
+  HGPO               G_k(i, t) = steps of the seed group, at any turn and in any episode, whose last k anchors
+                     equal (x_i,t-k+1, ..., x_it), k = 1 .. min(t + 1, H + 1) (H = --hgpo-history);
+                     A_k = (G_it - mean_{G_k} G) / (std_{G_k} G + eps) (population std) where |G_k| >= 2;
+                     A_it = sum_k w_k A_k / (sum_k w_k + eps) over the levels with A_k != 0, w_k = (k + 1)^alpha;
+                     --hgpo-base-group adds the episode-level group advantage as level k = 0 (weight 1)
+                                                                      hgpo_advantages
+  turn-keyed levels  (ablation --advantage hgpo-turn) level k = 0 .. t: the steps of the same turn t whose last k
+                     (action, observation) pairs equal h_it's; A_k on R_i, sample std; w_k = (k + 1)^alpha over
+                     levels with |G_k| >= 2                           hgpo_step_advantages(levels="all")
+  flat stepwise      (ablation --advantage flat) A_it = (R_i - mean_{G_0} R) / std_{G_0} R, G_0 = the steps of
+                     the seed group at turn t                         hgpo_step_advantages(levels="flat")
   LoGo               global: multi-turn GRPO's A_i on every step; local: K re-rollouts from the state at the start
                      of turn --logo-turn of one episode per seed group; A_local = group-relative advantage among
                      the K re-rollouts and their source; a step's signal = global + local (its source's steps),
@@ -29,32 +38,42 @@ the return of every step is the episode's final reward R_i):
 Parent: algos/multiturn_grpo.py; changed: Args, check_args, clipped_pg_loss, rollout, main.
 
 Deviations:
-- HGPO's adaptive weights are w_k = (k + 1)^alpha over the levels whose group has at least two steps (deeper, more
-  consistent groups weigh more); the abstract does not give the paper's formula. Level k matches the last k
-  (action, observation) pairs; level 0 is the flat group of the same turn.
+- HGPO follows the published code's grouping (history windows of anchors across turns and episodes of one seed
+  group, (k + 1)^alpha weights normalised over the levels whose advantage is not 0, discounted step returns, mean-std
+  normalisation with the population std) and its published runs' settings (alpha = 1, H = 2, gamma = 0.95, no base
+  group). The anchor of a step joins the previous action to the environment's answer (`#b` + `=4;`), because this
+  environment's answers do not name the key read (ALFWorld's observations describe the state the action reached).
+  The base group, when on, is multi-turn GRPO's group advantage with each episode counted once (the published code
+  counts an episode once per step, weighting long episodes more).
+- --advantage hgpo-turn keeps this file's earlier grouping (levels keyed by the turn number, the flat group as level
+  0, undiscounted rewards) as an ablation, and --advantage flat the flat stepwise groups (the hgpo-turn grouping
+  restricted to level 0); both are ablations of this file, not the published method or its baselines.
 - LoGo re-rolls one state per seed group (turn --logo-turn of the first episode still running there), not every
   memory operation; its extra sampled turns are counted, and --turn-budget stops a run at a number of sampled turns
   so that arms compare at equal sampled turns. For the advantage error LoGo's estimate of a step is its local
   advantage where it has one, the global one elsewhere.
 - The "exact" stepwise values are Monte Carlo estimates from the exact state (the environment is small and
   deterministic; the policy is a language model whose action distribution cannot be enumerated); their own
-  variance is reported beside every error and is common to all arms.
+  variance is reported beside every error and is common to all arms. They are undiscounted, so advantage_mse scores
+  HGPO's estimate with gamma = 1.
 - The environment is algos/_toolenv.py's key-value lookup (three turns), not ALFWorld or WebShop.
 - Everything else as algos/multiturn_grpo.py (the prompt-task flags refused, grpo.py's sampler correction on
   action tokens).
 
 Commands:
   python algos/hgpo.py                                   # HGPO, tiny default, 2-core CPU, 1-4 minutes
+  python algos/hgpo.py --advantage hgpo-turn             # the turn-keyed levels (ablation)
   python algos/hgpo.py --advantage flat                  # flat stepwise groups
   python algos/hgpo.py --advantage logo --logo-k 4       # Memory-R2's LoGo (local re-rollouts)
   python algos/hgpo.py --advantage trajectory            # multi-turn GRPO's trajectory-level advantage
-Expected (3 seeds, benchmarks/results/multiturn.md): mean squared error of stepwise advantages against the exact
-values on the initial policy's rollouts: HGPO 0.108 ± 0.021, flat groups 0.121 ± 0.015, LoGo 0.122 ± 0.011,
-trajectory-level 0.124 ± 0.013 (HGPO lowest in each of the 3 batches, but the seed-level interval includes 0). At
-8,000 sampled turns (about 16 rollout batches) no stepwise arm raises held-out success from 53.3%: flat 50.3 ± 9.3,
-HGPO 47.1 ± 11.1, LoGo 49.6 ± 8.4 (multi-turn GRPO's trajectory advantage reaches 60.0 after 20 batches, seed 0). The
-default run (HGPO, 90 rollout batches, about 47,000 sampled turns) reaches 65.0 ± 6.5% (+11.3, +5.3, +18.3 points;
-multi-turn GRPO 68.3 ± 6.0).
+Expected (3 seeds, benchmarks/results/multiturn.md; measured with the turn-keyed levels, now --advantage hgpo-turn,
+before the default became the published grouping, whose rows are not measured yet): mean squared error of stepwise
+advantages against the exact values on the initial policy's rollouts: turn-keyed HGPO 0.108 ± 0.021, flat groups
+0.121 ± 0.015, LoGo 0.122 ± 0.011, trajectory-level 0.124 ± 0.013 (lowest in each of the 3 batches, but the
+seed-level interval includes 0). At 8,000 sampled turns (about 16 rollout batches) no stepwise arm raises held-out
+success from 53.3%: flat 50.3 ± 9.3, turn-keyed HGPO 47.1 ± 11.1, LoGo 49.6 ± 8.4 (multi-turn GRPO's trajectory
+advantage reaches 60.0 after 20 batches, seed 0). 90 rollout batches (about 47,000 sampled turns) of turn-keyed
+HGPO reach 65.0 ± 6.5% (+11.3, +5.3, +18.3 points; multi-turn GRPO 68.3 ± 6.0).
 """
 from __future__ import annotations
 
@@ -110,19 +129,39 @@ class Args(LLMArgs):
     """turn limit: an episode with this many actions and no answer ends with reward 0"""
     max_context: int = 40
     """context limit in characters of the transcript (prompt, actions, observations); passing it ends with reward 0"""
+    max_context_tokens: int = 0
+    """context budget in tokens (prompt, actions, observations): a turn that would pass it ends the episode with
+    reward 0, as the other limits (0 = none; --max-context counts the environment's characters)"""
+    max_obs_tokens: int = 0
+    """budget of one observation (tool response) in tokens: a longer one is cut, counted in rollout/obs_truncated
+    (0 = none)"""
     env_ce_examples: int = 64
     """held-out episodes (sampled once from the initial policy) whose observation tokens give eval/env_ce"""
+    env_split: Literal["episode", "prompt"] = "episode"
+    """the environment's held-out split: 'episode' (a hash of an episode's store and query, the split tiny-toolenv was
+    trained with; a held-out episode's visible prompt also occurs in training with other values) or 'prompt' (a hash
+    of the visible prompt: held-out and validation prompts never occur in training)"""
+    eval_split: Literal["test", "val"] = "test"
+    """episodes of the eval/ metrics (and of eval/env_ce): 'test', the reported held-out set, or 'val', the
+    validation split of --env-split prompt, for choosing hyperparameters without touching the reported set"""
     # rollout
     prompts_per_step: int = 16
     """distinct episodes (seeds) per rollout batch (per process)"""
     group_size: int = 8
     """episodes per seed (G)"""
     # objective
-    advantage: Literal["hgpo", "flat", "logo", "trajectory"] = "hgpo"
-    """stepwise advantage: HGPO's hierarchy of groups, flat stepwise groups, LoGo's local re-rollouts plus the
-    global group, or multi-turn GRPO's trajectory-level advantage"""
+    advantage: Literal["hgpo", "hgpo-turn", "flat", "logo", "trajectory"] = "hgpo"
+    """stepwise advantage: HGPO's hierarchy of history groups (as its published code), the turn-keyed levels of
+    this file's earlier version (ablation), flat stepwise groups, LoGo's local re-rollouts plus the global group, or
+    multi-turn GRPO's trajectory-level advantage"""
     hgpo_alpha: float = 1.0
     """HGPO's level weights w_k = (k + 1)^alpha (0 = equal weights)"""
+    hgpo_history: int = 2
+    """HGPO: H, the most earlier anchors a level matches besides the current one (levels k = 1 .. H + 1)"""
+    hgpo_gamma: float = 0.95
+    """HGPO: discount of the step returns G_t = gamma^(T - 1 - t) R"""
+    hgpo_base_group: bool = False
+    """HGPO: add the episode-level group advantage as level 0 (the published code's option, off in its runs)"""
     logo_turn: int = 1
     """LoGo: re-roll from the state at the start of this turn (0-based; 1 = after the first action and observation)"""
     logo_k: int = 4
@@ -182,8 +221,14 @@ def check_args(args: Args) -> None:
     if args.pass_k or args.eval_hard:
         raise SystemExit("--pass-k, --eval-hard: the multi-turn evaluation is greedy success on held-out episodes, "
                          "without pass@k or a harder split")
+    if args.eval_split == "val" and args.env_split != "prompt":
+        raise SystemExit("--eval-split val needs --env-split prompt (the episode split has no validation set)")
+    if args.max_context_tokens < 0 or args.max_obs_tokens < 0:
+        raise SystemExit("--max-context-tokens and --max-obs-tokens must be >= 0 (0 = no budget)")
     if args.logo_k < 1 or not 0 <= args.logo_turn < args.max_turns:
         raise SystemExit("--logo-k must be >= 1 and --logo-turn in 0 .. max_turns - 1")
+    if args.hgpo_history < 0 or not 0 < args.hgpo_gamma <= 1:
+        raise SystemExit("--hgpo-history must be >= 0 and --hgpo-gamma in (0, 1]")
 
 
 # ---- the idea: advantage, clipped surrogate, KL, aggregation ----
@@ -278,12 +323,13 @@ def _centred(r: torch.Tensor, std_norm: bool, eps: float = 1e-6) -> torch.Tensor
 
 
 def hgpo_step_advantages(rewards, groups: list[int], steps: list, std_norm: bool, alpha: float, levels: str):
-    """Stepwise advantages of HGPO (levels='all') or of flat stepwise groups (levels='flat'), one per step.
+    """Stepwise advantages of the turn-keyed levels (levels='all', the ablation --advantage hgpo-turn) or of flat
+    stepwise groups (levels='flat'), one per step.
 
     A step (i, t, h) belongs, for each k = 0..t, to the group G_k of steps of the same episode seed (groups[i]) at
     the same turn t whose last k (action, observation) pairs equal its own: G_0 is the flat group, G_t holds the
-    steps that share the whole history (the same state). A_k = (R_i - mean_{G_k} R) / std_{G_k} R; HGPO combines
-    A = sum_k w_k A_k / sum_k w_k over the levels with |G_k| >= 2, w_k = (k + 1)^alpha. rewards [B] -> [n_steps].
+    steps that share the whole history (the same state). A_k = (R_i - mean_{G_k} R) / std_{G_k} R; the levels combine
+    as A = sum_k w_k A_k / sum_k w_k over the levels with |G_k| >= 2, w_k = (k + 1)^alpha. rewards [B] -> [n_steps].
     """
     out = torch.zeros(len(steps))
     index: dict = {}
@@ -302,6 +348,58 @@ def hgpo_step_advantages(rewards, groups: list[int], steps: list, std_norm: bool
             den += w
         out[s] = num / den if den else 0.0
     return out
+
+
+def discounted_step_returns(rewards, steps: list, n_turns: list[int], gamma: float) -> torch.Tensor:
+    """G_it = gamma^(T_i - 1 - t) R_i for every step (i, t, h): the discounted return of a reward paid at the last
+    turn. rewards [B], n_turns [B] (T_i) -> [n_steps]."""
+    return torch.tensor([gamma ** (n_turns[i] - 1 - t) * float(rewards[i]) for i, t, _ in steps])
+
+
+def hgpo_advantages(returns, groups: list[int], steps: list, std_norm: bool, alpha: float, history: int,
+                    base=None, eps: float = 1e-6) -> torch.Tensor:
+    """HGPO's stepwise advantages as its published code groups them, one per step.
+
+    The anchors of step (i, t, h) are x_0 = the start (the seed's prompt) and x_u = (a_u-1, o_u-1) = h[u - 1]; for
+    k = 1 .. min(t + 1, history + 1) the step joins the group keyed by (seed group, k, its last k anchors), whatever
+    the turn or the episode of the other members. In each group of two or more steps A_k = G - mean G, divided by
+    (population std + eps) when std_norm; each step then averages its nonzero A_k with weights (k + 1)^alpha,
+    normalised by their sum + eps (a step whose every A_k is 0 gets 0). base [n_steps] (optional): the episode-level
+    advantage, added as level k = 0. returns [n_steps] (discounted_step_returns) -> [n_steps].
+    """
+    clusters: dict = {}
+    for s, (i, t, h) in enumerate(steps):
+        anchors = ("start",) + tuple(h)  # anchors[u] = x_u, u = 0 .. t
+        for k in range(1, min(t + 1, history + 1) + 1):
+            clusters.setdefault((groups[i], k, anchors[t + 1 - k:]), []).append(s)
+    items: list[list] = [[(0, float(base[s]))] if base is not None else [] for s in range(len(steps))]
+    for (_, k, _), members in clusters.items():
+        if len(members) < 2:
+            continue
+        g = returns[members].double()
+        a = g - g.mean() if g.max() > g.min() else torch.zeros_like(g)  # equal returns: exactly 0
+        if std_norm:
+            a = a / (g.std(unbiased=False) + eps)
+        for m, v in zip(members, a.tolist()):
+            items[m].append((k, v))
+    out = torch.zeros(len(steps))
+    for s, its in enumerate(items):
+        valid = [(k, v) for k, v in its if v != 0]  # zero-advantage levels are skipped
+        w = [(k + 1) ** alpha for k, _ in valid]
+        out[s] = sum(wk * v for wk, (_, v) in zip(w, valid)) / (sum(w) + eps) if valid else 0.0
+    return out
+
+
+def rollout_hgpo_advantages(rewards, groups: list[int], steps: list, n_turns: list[int], args: Args,
+                            std_norm: bool, gamma: float) -> torch.Tensor:
+    """HGPO's advantages of a rollout at the --hgpo-* settings: discounted step returns, the history levels, and,
+    with --hgpo-base-group, multi-turn GRPO's group advantage of R_i as level 0. rewards [B] -> [n_steps]."""
+    returns = discounted_step_returns(rewards, steps, n_turns, gamma)
+    base = None
+    if args.hgpo_base_group:
+        traj = group_advantages(rewards, args.group_size, std_norm)
+        base = torch.tensor([traj[i].item() for i, _, _ in steps])
+    return hgpo_advantages(returns, groups, steps, std_norm, args.hgpo_alpha, args.hgpo_history, base)
 
 
 def token_advantages(batch: dict, steps: list, step_adv: torch.Tensor) -> torch.Tensor:
@@ -343,6 +441,7 @@ def local_rerollouts(policy, tok, env, eps: list, prompts: list, seeds: list, ar
             setattr(ep, name, getattr(e, name)[:n] + getattr(ep, name))
         ep.actions, ep.observations = e.actions[:args.logo_turn] + ep.actions, e.observations[:args.logo_turn] + \
             ep.observations
+        ep.replies = e.replies[:args.logo_turn] + ep.replies
         out.append(ep)
     return out, [prompts[src] for _, src, _ in meta], [g for g, _, _ in meta], [src for _, src, _ in meta]
 
@@ -372,7 +471,8 @@ def logo_step_advantages(rewards, groups: list[int], steps: list, sources: dict,
 
 # ---- rollout and update ----
 def make_env(args: Args) -> _toolenv.LookupEnv:
-    return _toolenv.LookupEnv(args.n_keys, args.value_digits, args.max_turns, args.max_context, args.n_query)
+    return _toolenv.LookupEnv(args.n_keys, args.value_digits, args.max_turns, args.max_context, args.n_query,
+                              args.env_split, args.max_context_tokens, args.max_obs_tokens)
 
 
 def pack_episodes(eps: list, prompts: list[list[int]], tok, device) -> dict:
@@ -396,7 +496,7 @@ def rollout(sampler, tok, env, args: Args, rng, device) -> dict:
     per-token stepwise advantages of --advantage."""
     seeds = env.seeds("train", args.prompts_per_step, rng)
     envs = [env.clone() for _ in seeds for _ in range(args.group_size)]
-    prompts = common.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))])
+    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))])
     eps = _toolenv.play(sampler, tok, envs, prompts, args.max_new_tokens, args.temperature)
     groups, n_orig, sources = [g for g in range(len(seeds)) for _ in range(args.group_size)], len(eps), {}
     if args.advantage == "logo":
@@ -412,14 +512,30 @@ def rollout(sampler, tok, env, args: Args, rng, device) -> dict:
     elif args.advantage == "trajectory":
         traj = group_advantages(rewards, args.group_size, args.adv_std_norm)
         step_adv = torch.tensor([traj[i].item() for i, _, _ in steps])
-    else:
+    elif args.advantage == "hgpo":
+        step_adv = rollout_hgpo_advantages(rewards, groups, steps, [len(e.actions) for e in eps], args,
+                                           args.adv_std_norm, args.hgpo_gamma)
+    else:  # the turn-keyed levels (ablation) or their level 0 alone (flat stepwise groups)
         step_adv = hgpo_step_advantages(rewards, groups, steps, args.adv_std_norm, args.hgpo_alpha,
-                                        "all" if args.advantage == "hgpo" else "flat")
+                                        "all" if args.advantage == "hgpo-turn" else "flat")
     batch.update(adv=token_advantages(batch, steps, step_adv.to(device)), episodes=eps, n_orig=n_orig,
                  sampled_turns=sum(len(e.actions) for e in eps[:n_orig]) +
                  sum(len(e.actions) - args.logo_turn for e in eps[n_orig:]),
                  finish_reasons=["stop" if e.env.reward or e.observations[-1] == "" else "length" for e in eps])
     return batch
+
+
+def episode_metrics(eps: list) -> dict:
+    """rollout/turns (actions per episode), rollout/truncated (actions of the batch that hit the per-turn token budget
+    --max-new-tokens without EOS; each is still sent to the environment), rollout/truncated_action_frac, and the
+    token budgets' counts: rollout/obs_truncated (observations cut to --max-obs-tokens), rollout/context_limited
+    (episodes ended by --max-context-tokens)."""
+    n = sum(len(e.actions) for e in eps)
+    cut = sum(e.truncated for e in eps)
+    return {"rollout/turns": n / len(eps), "rollout/truncated": float(cut),
+            "rollout/truncated_action_frac": cut / max(n, 1),
+            "rollout/obs_truncated": float(sum(e.obs_truncated for e in eps)),
+            "rollout/context_limited": float(sum(e.context_limited for e in eps))}
 
 
 def sampler_gap(old_logp, sampler_logp, is_weight, mask, cap: float) -> dict:
@@ -492,11 +608,12 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampl
 
 # ---- eval ----
 def held_out_ce_batch(sampler, tok, env, args: Args, device) -> dict:
-    """A fixed set of held-out rollouts of the initial policy (temperature 1): its observation tokens are where
-    eval/env_ce is measured, on trajectories the trained policy did not generate."""
-    seeds = env.seeds("test", args.env_ce_examples, np.random.default_rng(54321))
+    """A fixed set of rollouts of the initial policy on --eval-split episodes (sampled at --temperature): their
+    observation tokens are where eval/env_ce is measured (at temperature 1), on trajectories the trained policy did
+    not generate."""
+    seeds = env.seeds(args.eval_split, args.env_ce_examples, np.random.default_rng(54321))
     envs = [env.clone() for _ in seeds]
-    prompts = common.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)])
+    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)])
     with torch.random.fork_rng():
         torch.manual_seed(54321)
         eps = _toolenv.play(sampler, tok, envs, prompts, args.max_new_tokens, args.temperature)
@@ -547,18 +664,20 @@ def true_step_advantages(model, tok, env, eps: list, prompts: list, seed_of_row:
 @torch.no_grad()
 def advantage_mse(model, tok, env, args: Args, rng) -> dict:
     """On one rollout batch of the current policy: the mean squared error against the exact values of the stepwise
-    advantages of flat groups, HGPO, LoGo (local where a step has a local group, global elsewhere) and the
-    trajectory-level advantage, all without the std division (the exact values are on the reward's scale), and
-    the Monte Carlo variance of the reference (a floor common to every arm)."""
+    advantages of flat groups, HGPO (its history levels with gamma = 1, as the exact values are undiscounted), the
+    turn-keyed levels, LoGo (local where a step has a local group, global elsewhere) and the trajectory-level
+    advantage, all without the std division (the exact values are on the reward's scale), and the Monte Carlo
+    variance of the reference (a floor common to every arm)."""
     seeds = env.seeds("train", args.prompts_per_step, rng)
     envs = [env.clone() for _ in seeds for _ in range(args.group_size)]
-    prompts = common.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))])
+    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))])
     eps = _toolenv.play(model, tok, envs, prompts, args.max_new_tokens, args.temperature)
     groups = [g for g in range(len(seeds)) for _ in range(args.group_size)]
     steps, rewards = steps_of(eps), torch.tensor([e.reward for e in eps])
     truth, var = true_step_advantages(model, tok, env, eps, prompts, [seeds[g] for g in groups], steps, args)
     est = {"flat": hgpo_step_advantages(rewards, groups, steps, False, args.hgpo_alpha, "flat"),
-           "hgpo": hgpo_step_advantages(rewards, groups, steps, False, args.hgpo_alpha, "all")}
+           "hgpo": rollout_hgpo_advantages(rewards, groups, steps, [len(e.actions) for e in eps], args, False, 1.0),
+           "hgpo_turn": hgpo_step_advantages(rewards, groups, steps, False, args.hgpo_alpha, "all")}
     traj = group_advantages(rewards, args.group_size, False)
     est["trajectory"] = torch.tensor([traj[i].item() for i, _, _ in steps])
     extra, _, _, sources = local_rerollouts(model, tok, env, eps, prompts, seeds, args)
@@ -579,7 +698,7 @@ def main(args: Args) -> dict:
     check_args(args)
     run = llm.Run(args, tasks=False)  # accelerator, threads, seed, the run folder; the environment is the task
     env = run.task = make_env(args)  # run.task: the curve's title names the environment
-    eval_seeds = env.seeds("test", args.eval_examples, np.random.default_rng(12345))
+    eval_seeds = env.seeds(args.eval_split, args.eval_examples, np.random.default_rng(12345))
     # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
     model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
     opt = llm.make_optimizer(model.parameters(), args)
@@ -598,8 +717,7 @@ def main(args: Args) -> dict:
         last = bool(args.turn_budget and turns >= args.turn_budget)  # the budget ends the run before --steps
         run.log_step(step, {"rewards": batch["rewards"][:n], "completion_mask": batch["action_mask"][:n],
                             "finish_reasons": batch["finish_reasons"][:n]}, stats, last=last,
-                     extra={"rollout/sampled_turns": turns,
-                            "rollout/turns": float(np.mean([len(e.actions) for e in batch["episodes"][:n]]))})
+                     extra={"rollout/sampled_turns": turns, **episode_metrics(batch["episodes"][:n])})
         if last:
             break
     return run.finish(f"{args.advantage} stepwise advantages", extra={"sampled_turns": run.counters["sampled_turns"]})

@@ -35,11 +35,19 @@ Deviations:
 - Rollouts at temperature 0.7 by default, not 1 (the trainer scores with the same temperature, so the update is the
   on-policy one for the tempered policy): at 1.0 the tiny policy's sampled episodes fail far more often than its
   greedy ones and the same run gained nothing in its first 20 steps.
+- A model whose tokenizer has a chat template plays the environment as a conversation (algos/_toolenv.py): a system
+  turn with the protocol and the tool schemas, hermes-style JSON tool calls as actions (a malformed call is answered
+  with the error), each observation a tool turn through the template and the next assistant turn opened, all of it
+  observation tokens; budgets in tokens (--max-new-tokens per turn, --max-context-tokens, --max-obs-tokens for one
+  tool response, cut and counted). The shipped character world has no template and plays raw text, as before.
 - The action budget (--max-new-tokens) is per turn; an action that hits it without EOS is still sent to the
-  environment (it is usually answered `err;`).
-- No Triton kernels (--kernels) and no harder held-out split: the held-out set is episodes (store and query)
-  that training never plays. The environment is the task, so the plumbing flags of the prompt tasks are refused:
-  --task, --digits, --pass-k, --eval-hard, and --top-p below 1 (rollouts sample the full tempered distribution).
+  environment (it is usually answered `err;`). rollout/truncated counts them per batch.
+- No Triton kernels (--kernels) and no harder held-out split: by default the held-out set is episodes (store and
+  query) that training never plays, whose visible prompts do occur in training with other values (the split
+  tiny-toolenv was trained with); --env-split prompt holds out prompts (and a validation set of prompts,
+  --eval-split val, for choosing hyperparameters), though tiny-toolenv itself has seen them. The environment is the
+  task, so the plumbing flags of the prompt tasks are refused: --task, --digits, --pass-k, --eval-hard, and --top-p
+  below 1 (rollouts sample the full tempered distribution).
 - When the sampler is not the trainer's computation (the bf16 sampler copy on CUDA, vLLM), each action token's loss
   is weighted by grpo.py's truncated importance weight min(pi_old / pi_sampler, --sampler-is-cap); on CPU the sampler
   is the trainer and the update is the on-policy one.
@@ -48,7 +56,8 @@ Deviations:
 Commands:
   python algos/multiturn_grpo.py                                   # tiny default, 2-core CPU, 1-4 minutes
   python algos/multiturn_grpo.py --max-turns 6 --max-context 60    # looser limits
-  python algos/multiturn_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda --lr 1e-6 --max-new-tokens 16
+  python algos/multiturn_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda --lr 1e-6 --max-new-tokens 64 \
+      --max-context-tokens 2048 --max-obs-tokens 64     # a chat model: template turns, JSON tool calls
 Expected: held-out greedy episode success of tiny-toolenv 53.3% -> 68.3 ± 6.0% after the default 90 rollout batches
 (3 seeds: +20.0, +8.4, +16.7 points; the lookups become perfect and the answer turn, 61% at the start, ends at 62-73%)
 in 216-235 s on one thread of 2 shared cores (the default, 2 threads on an idle 2-core machine: seed 0 the same
@@ -110,8 +119,21 @@ class Args(LLMArgs):
     """turn limit: an episode with this many actions and no answer ends with reward 0"""
     max_context: int = 40
     """context limit in characters of the transcript (prompt, actions, observations); passing it ends with reward 0"""
+    max_context_tokens: int = 0
+    """context budget in tokens (prompt, actions, observations): a turn that would pass it ends the episode with
+    reward 0, as the other limits (0 = none; --max-context counts the environment's characters)"""
+    max_obs_tokens: int = 0
+    """budget of one observation (tool response) in tokens: a longer one is cut, counted in rollout/obs_truncated
+    (0 = none)"""
     env_ce_examples: int = 64
     """held-out episodes (sampled once from the initial policy) whose observation tokens give eval/env_ce"""
+    env_split: Literal["episode", "prompt"] = "episode"
+    """the environment's held-out split: 'episode' (a hash of an episode's store and query, the split tiny-toolenv was
+    trained with; a held-out episode's visible prompt also occurs in training with other values) or 'prompt' (a hash
+    of the visible prompt: held-out and validation prompts never occur in training)"""
+    eval_split: Literal["test", "val"] = "test"
+    """episodes of the eval/ metrics (and of eval/env_ce): 'test', the reported held-out set, or 'val', the
+    validation split of --env-split prompt, for choosing hyperparameters without touching the reported set"""
     # rollout
     prompts_per_step: int = 16
     """distinct episodes (seeds) per rollout batch (per process)"""
@@ -169,6 +191,10 @@ def check_args(args: Args) -> None:
     if args.pass_k or args.eval_hard:
         raise SystemExit("--pass-k, --eval-hard: the multi-turn evaluation is greedy success on held-out episodes, "
                          "without pass@k or a harder split")
+    if args.eval_split == "val" and args.env_split != "prompt":
+        raise SystemExit("--eval-split val needs --env-split prompt (the episode split has no validation set)")
+    if args.max_context_tokens < 0 or args.max_obs_tokens < 0:
+        raise SystemExit("--max-context-tokens and --max-obs-tokens must be >= 0 (0 = no budget)")
 
 
 # ---- the idea: advantage, clipped surrogate, KL, aggregation ----
@@ -250,7 +276,8 @@ def env_token_ce(model, batch: dict, args: Args) -> float:
 
 # ---- rollout and update ----
 def make_env(args: Args) -> _toolenv.LookupEnv:
-    return _toolenv.LookupEnv(args.n_keys, args.value_digits, args.max_turns, args.max_context, args.n_query)
+    return _toolenv.LookupEnv(args.n_keys, args.value_digits, args.max_turns, args.max_context, args.n_query,
+                              args.env_split, args.max_context_tokens, args.max_obs_tokens)
 
 
 def pack_episodes(eps: list, prompts: list[list[int]], tok, device) -> dict:
@@ -273,12 +300,25 @@ def rollout(sampler, tok, env, args: Args, rng, device) -> dict:
     """G episodes of each of prompts_per_step training seeds, played turn by turn; A_i per group of G."""
     seeds = env.seeds("train", args.prompts_per_step, rng)
     envs = [env.clone() for _ in seeds for _ in range(args.group_size)]
-    prompts = common.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))])
+    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))])
     eps = _toolenv.play(sampler, tok, envs, prompts, args.max_new_tokens, args.temperature)
     batch = pack_episodes(eps, prompts, tok, device)
     batch.update(adv=group_advantages(batch["rewards"], args.group_size, args.adv_std_norm), episodes=eps,
                  finish_reasons=["stop" if e.env.reward or e.observations[-1] == "" else "length" for e in eps])
     return batch
+
+
+def episode_metrics(eps: list) -> dict:
+    """rollout/turns (actions per episode), rollout/truncated (actions of the batch that hit the per-turn token budget
+    --max-new-tokens without EOS; each is still sent to the environment), rollout/truncated_action_frac, and the
+    token budgets' counts: rollout/obs_truncated (observations cut to --max-obs-tokens), rollout/context_limited
+    (episodes ended by --max-context-tokens)."""
+    n = sum(len(e.actions) for e in eps)
+    cut = sum(e.truncated for e in eps)
+    return {"rollout/turns": n / len(eps), "rollout/truncated": float(cut),
+            "rollout/truncated_action_frac": cut / max(n, 1),
+            "rollout/obs_truncated": float(sum(e.obs_truncated for e in eps)),
+            "rollout/context_limited": float(sum(e.context_limited for e in eps))}
 
 
 def sampler_gap(old_logp, sampler_logp, is_weight, mask, cap: float) -> dict:
@@ -351,11 +391,12 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampl
 
 # ---- eval ----
 def held_out_ce_batch(sampler, tok, env, args: Args, device) -> dict:
-    """A fixed set of held-out rollouts of the initial policy (temperature 1): its observation tokens are where
-    eval/env_ce is measured, on trajectories the trained policy did not generate."""
-    seeds = env.seeds("test", args.env_ce_examples, np.random.default_rng(54321))
+    """A fixed set of rollouts of the initial policy on --eval-split episodes (sampled at --temperature): their
+    observation tokens are where eval/env_ce is measured (at temperature 1), on trajectories the trained policy did
+    not generate."""
+    seeds = env.seeds(args.eval_split, args.env_ce_examples, np.random.default_rng(54321))
     envs = [env.clone() for _ in seeds]
-    prompts = common.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)])
+    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)])
     with torch.random.fork_rng():
         torch.manual_seed(54321)
         eps = _toolenv.play(sampler, tok, envs, prompts, args.max_new_tokens, args.temperature)
@@ -375,7 +416,7 @@ def main(args: Args) -> dict:
     check_args(args)
     run = llm.Run(args, tasks=False)  # accelerator, threads, seed, the run folder; the environment is the task
     env = run.task = make_env(args)  # run.task: the curve's title names the environment
-    eval_seeds = env.seeds("test", args.eval_examples, np.random.default_rng(12345))
+    eval_seeds = env.seeds(args.eval_split, args.eval_examples, np.random.default_rng(12345))
     # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
     model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
     opt = llm.make_optimizer(model.parameters(), args)
@@ -389,7 +430,7 @@ def main(args: Args) -> dict:
             stats = update(model, opt, batch, grpo_loss, args, step, run.accel, sampler, ref_model)
         # rollout metrics over the action tokens, evaluation every --eval-every, checkpoints
         run.log_step(step, {**batch, "completion_mask": batch["action_mask"]}, stats,
-                     extra={"rollout/turns": float(np.mean([len(e.actions) for e in batch["episodes"]]))})
+                     extra=episode_metrics(batch["episodes"]))
     return run.finish("multi-turn GRPO")
 
 

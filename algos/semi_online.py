@@ -133,8 +133,21 @@ class Args(LLMArgs):
     """turn limit: an episode with this many actions and no answer ends with reward 0"""
     max_context: int = 40
     """context limit in characters of the transcript (prompt, actions, observations); passing it ends with reward 0"""
+    max_context_tokens: int = 0
+    """context budget in tokens (prompt, actions, observations): a turn that would pass it ends the episode with
+    reward 0, as the other limits (0 = none; --max-context counts the environment's characters)"""
+    max_obs_tokens: int = 0
+    """budget of one observation (tool response) in tokens: a longer one is cut, counted in rollout/obs_truncated
+    (0 = none)"""
     env_ce_examples: int = 64
     """held-out episodes (sampled once from the initial policy) whose observation tokens give eval/env_ce"""
+    env_split: Literal["episode", "prompt"] = "episode"
+    """the environment's held-out split: 'episode' (a hash of an episode's store and query, the split tiny-toolenv was
+    trained with; a held-out episode's visible prompt also occurs in training with other values) or 'prompt' (a hash
+    of the visible prompt: held-out and validation prompts never occur in training)"""
+    eval_split: Literal["test", "val"] = "test"
+    """episodes of the eval/ metrics (and of eval/env_ce): 'test', the reported held-out set, or 'val', the
+    validation split of --env-split prompt, for choosing hyperparameters without touching the reported set"""
     # rollout
     prompts_per_step: int = 16
     """distinct episodes (seeds) per rollout batch (per process)"""
@@ -192,6 +205,10 @@ def check_args(args: Args) -> None:
     if args.pass_k or args.eval_hard:
         raise SystemExit("--pass-k, --eval-hard: the multi-turn evaluation is greedy success on held-out episodes, "
                          "without pass@k or a harder split")
+    if args.eval_split == "val" and args.env_split != "prompt":
+        raise SystemExit("--eval-split val needs --env-split prompt (the episode split has no validation set)")
+    if args.max_context_tokens < 0 or args.max_obs_tokens < 0:
+        raise SystemExit("--max-context-tokens and --max-obs-tokens must be >= 0 (0 = no budget)")
     if args.patch_budget < -1:
         raise SystemExit(f"--patch-budget must be -1 (no limit) or >= 0, got {args.patch_budget}")
     if not 0 <= args.gamma <= 1 or args.step_adv_weight < 0:
@@ -283,7 +300,8 @@ def env_token_ce(model, batch: dict, args: Args) -> float:
 
 # ---- rollout and update ----
 def make_env(args: Args) -> _toolenv.LookupEnv:
-    return _toolenv.LookupEnv(args.n_keys, args.value_digits, args.max_turns, args.max_context, args.n_query)
+    return _toolenv.LookupEnv(args.n_keys, args.value_digits, args.max_turns, args.max_context, args.n_query,
+                              args.env_split, args.max_context_tokens, args.max_obs_tokens)
 
 
 def pack_episodes(eps: list, prompts: list[list[int]], tok, device) -> dict:
@@ -306,7 +324,7 @@ def rollout(sampler, tok, env, args: Args, rng, device) -> dict:
     """G episodes of each of prompts_per_step training seeds, played turn by turn; A_i per group of G."""
     seeds = env.seeds("train", args.prompts_per_step, rng)
     envs = [env.clone() for _ in seeds for _ in range(args.group_size)]
-    prompts = common.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))])
+    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))])
     eps = _toolenv.play(sampler, tok, envs, prompts, args.max_new_tokens, args.temperature)
     batch = pack_episodes(eps, prompts, tok, device)
     batch.update(adv=group_advantages(batch["rewards"], args.group_size, args.adv_std_norm), episodes=eps,
@@ -552,11 +570,12 @@ def sop_evaluate(sampler, tok, env, seeds: list[int], args: Args) -> dict:
 
 # ---- eval ----
 def held_out_ce_batch(sampler, tok, env, args: Args, device) -> dict:
-    """A fixed set of held-out rollouts of the initial policy (temperature 1): its observation tokens are where
-    eval/env_ce is measured, on trajectories the trained policy did not generate."""
-    seeds = env.seeds("test", args.env_ce_examples, np.random.default_rng(54321))
+    """A fixed set of rollouts of the initial policy on --eval-split episodes (sampled at --temperature): their
+    observation tokens are where eval/env_ce is measured (at temperature 1), on trajectories the trained policy did
+    not generate."""
+    seeds = env.seeds(args.eval_split, args.env_ce_examples, np.random.default_rng(54321))
     envs = [env.clone() for _ in seeds]
-    prompts = common.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)])
+    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)])
     with torch.random.fork_rng():
         torch.manual_seed(54321)
         eps = _toolenv.play(sampler, tok, envs, prompts, args.max_new_tokens, args.temperature)
@@ -576,7 +595,7 @@ def main(args: Args) -> dict:
     check_args(args)
     run = llm.Run(args, tasks=False)  # accelerator, threads, seed, the run folder; the environment is the task
     env = run.task = make_env(args)  # run.task: the curve's title names the environment
-    eval_seeds = env.seeds("test", args.eval_examples, np.random.default_rng(12345))
+    eval_seeds = env.seeds(args.eval_split, args.eval_examples, np.random.default_rng(12345))
     # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
     model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
     opt = llm.make_optimizer(model.parameters(), args)

@@ -51,3 +51,15 @@ def test_lowers_held_out_environment_cross_entropy_where_grpo_does_not(tmp_path)
     assert s["eval_env_ce_start"] == s0["eval_env_ce_start"]
     assert s["eval_env_ce_end"] < s0["eval_env_ce_end"] - 0.5, (s, s0)
     assert s["eval_env_ce_end"] < s["eval_env_ce_start"] - 0.5, s
+
+
+def test_top_p_and_a_validation_split_without_the_prompt_split_are_refused():
+    """--top-p is refused, never ignored (rollouts sample the full tempered distribution that the trainer scores); the
+    validation split that chooses lambda exists only under the prompt-keyed split."""
+    with pytest.raises(SystemExit, match="--top-p"):
+        echo.check_args(echo.Args(top_p=0.9))
+    with pytest.raises(SystemExit, match="--eval-split val needs --env-split prompt"):
+        echo.check_args(echo.Args(eval_split="val"))
+    echo.check_args(echo.Args(eval_split="val", env_split="prompt"))
+    env = echo.make_env(echo.Args(env_split="prompt"))
+    assert env.split == "prompt" and echo.make_env(echo.Args()).split == "episode"

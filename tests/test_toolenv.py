@@ -110,3 +110,56 @@ def test_play_appends_observations_and_records_masks():
         assert all(lp == 0.0 for lp, k in zip(e.logprobs, e.kind) if k == 2)
         assert all(lp < 0.0 for lp, k in zip(e.logprobs, e.kind) if k == 1)
         assert e.env.transcript == e.env.transcript[:6] + "".join(a + o for a, o in zip(e.actions, e.observations))
+
+
+def test_episode_split_is_the_hash_of_store_and_query():
+    """The default split is unchanged: an episode is held out when the md5 of (store, query) is 0 mod 10."""
+    import hashlib
+
+    env = LookupEnv()
+    for s in range(300):
+        store, query = LookupEnv.episode(s)
+        h = int(hashlib.md5(repr((sorted(store.items()), query)).encode()).hexdigest(), 16) % 10
+        assert env.is_held_out(s) == (h == 0) and env.split_of(s) == ("test" if h == 0 else "train")
+    with pytest.raises(ValueError, match="env-split prompt"):
+        env.seeds("val", 1, np.random.default_rng(0))
+
+
+def test_prompt_split_never_trains_on_a_held_out_or_validation_prompt():
+    """split='prompt': the visible prompt alone decides, so the test, validation and training prompts are disjoint
+    (under the episode split a held-out episode's prompt does occur in training); deterministic in the seeds."""
+    prompt = lambda s: "+".join(LookupEnv.episode(s)[1]) + "?"  # noqa: E731
+    env = LookupEnv(split="prompt")
+    got = {split: env.seeds(split, n, np.random.default_rng(i))
+           for i, (split, n) in enumerate((("test", 300), ("val", 300), ("train", 3000)))}
+    P = {k: {prompt(s) for s in v} for k, v in got.items()}
+    assert not P["test"] & P["train"] and not P["val"] & P["train"] and not P["test"] & P["val"]
+    assert len(P["test"]) >= 10 and len(P["val"]) >= 10 and len(P["train"]) >= 200
+    assert all(LookupEnv(split="prompt").reset(s) == prompt(s) for s in got["test"][:20])
+    assert got["test"][:20] == LookupEnv(split="prompt").seeds("test", 20, np.random.default_rng(0))
+    for split in ("test", "val"):
+        assert 0.05 < np.mean([env.split_of(s) == split for s in range(3000)]) < 0.15
+    episode = LookupEnv()
+    assert {prompt(s) for s in episode.seeds("test", 300, np.random.default_rng(0))} & \
+        {prompt(s) for s in episode.seeds("train", 3000, np.random.default_rng(1))}
+    with pytest.raises(ValueError, match="split"):
+        LookupEnv(split="store")
+
+
+def test_actions_cut_by_the_token_budget_are_counted_and_logged():
+    """An action budget of one token never reaches EOS: every action is truncated, counted by play and logged by
+    episode_metrics; with a budget that fits the expert's actions the same seeds show fewer."""
+    from algos import multiturn_grpo as mt
+
+    torch.manual_seed(0)
+    model, tok = common.load_model("tiny-toolenv")
+    counts = []
+    for budget in (1, 6):
+        envs = [LookupEnv() for _ in range(6)]
+        prompts = common.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, range(6))])
+        eps = _toolenv.play(model, tok, envs, prompts, budget, greedy=True)
+        m = mt.episode_metrics(eps)
+        n = sum(len(e.actions) for e in eps)
+        assert m["rollout/turns"] == n / 6 and m["rollout/truncated"] == sum(e.truncated for e in eps)
+        counts.append(m["rollout/truncated_action_frac"])
+    assert counts[0] == 1.0 and counts[1] < 0.5
