@@ -1,7 +1,7 @@
 """Multi-turn agents on the key-value lookup environment: multi-turn GRPO, ECHO, and stepwise advantages (flat
 groups, HGPO, LoGo) at equal sampled turns, plus the error of stepwise advantages against exact values.
 
-    python benchmarks/multiturn_table.py                  # 3 seeds x 11 runs (2 to 5 min each on 2 cores) + table
+    python benchmarks/multiturn_table.py                  # 3 seeds x the runs below (2 to 5 min each on 2 cores) + table
     python benchmarks/multiturn_table.py --report-only    # rebuilds the table from the CSV
 
 Runs (every one from the shipped tiny-toolenv, 16 seeds x 8 episodes per rollout batch, lr 2e-4, temperature
@@ -9,19 +9,37 @@ Runs (every one from the shipped tiny-toolenv, 16 seeds x 8 episodes per rollout
   train            python algos/multiturn_grpo.py          trajectory-level advantages, the default 90 rollout batches
                    python algos/echo.py                    the same plus 0.003 x the environment-token cross-entropy
                    python algos/hgpo.py                    HGPO's stepwise advantages, the default 90 rollout batches
+  hgpo90           python algos/hgpo.py                    HGPO alone (the default, history levels as its published
+                                                           code groups them), 90 batches: rows "default"
+  hgpo-turn90      python algos/hgpo.py --advantage hgpo-turn   the turn-keyed levels (ablation), 90 batches
   flat90           python algos/hgpo.py --advantage flat      flat stepwise groups over HGPO's default 90 batches
   batches60        the first two at 60 rollout batches (--steps 60 --eval-every 20, the earlier default)
   echo-coef        python algos/echo.py --echo-coef C --steps 60     the weight's sweep, C in ECHO_COEFS
-  flat / hgpo / logo   python algos/hgpo.py --advantage ... --turn-budget TURNS --steps 200: stepwise advantages,
-                   every arm stopped at the same number of sampled turns (LoGo's re-rolled turns count)
+  flat / hgpo / hgpo-turn / logo   python algos/hgpo.py --advantage ... --turn-budget TURNS --steps 200: stepwise
+                   advantages, every arm stopped at the same number of sampled turns (LoGo's re-rolled turns count)
   advantage error  hgpo.advantage_mse on one rollout batch of the initial policy (16 seeds x 8 episodes, exact values
                    from 32 Monte Carlo episodes per state): mean squared error of each arm's stepwise advantage
+  select           the selection of ECHO's weight and of multi-turn GRPO's learning rate with one budget: every
+                   lambda in SELECT_COEFS and every lr in SELECT_LRS, the default 90 batches, trained on the
+                   prompt-keyed split and scored on its validation prompts (--env-split prompt --eval-split val)
+  final            each arm's pick (the best mean validation success over the select seeds, the smaller value on a
+                   tie) on the test prompts of the prompt-keyed split; run it with fresh seeds (--seeds 10 11 12)
 
 The claims: ECHO ("ECHO: Terminal Agents Learn World Models for Free", arXiv:2605.24517): environment-token
 cross-entropy falls sharply with ECHO and barely moves with GRPO, and pass@1 rises; HGPO ("Hierarchy-of-Groups Policy
 Optimization for Long-Horizon Agentic Tasks", arXiv:2602.22817): hierarchical groups estimate stepwise advantages with
 less bias and succeed more at equal compute; LoGo-GRPO ("Memory-R2: Fair Credit Assignment for Long-Horizon
 Memory-Augmented LLM Agents", arXiv:2605.21768): local re-rollouts from a shared state give fairer groups.
+
+Plan for re-deciding the HGPO rows on the published grouping (fixed before the runs; the rows measured before it
+used the turn-keyed levels, now --advantage hgpo-turn): `--parts mse hgpo90 hgpo-turn90 stepwise --seeds 0 1 2`
+replaces the rows "advantage error | initial policy", "default" (algos/hgpo.py) and "<arm> | turns=8000"; the claim
+rows keep their metrics, directions, margins and seeds: mse_hgpo < mse_flat (20% of the larger mean, 3 seeds) and
+eval_acc_end of hgpo.py "default" > "flat | default" (2.6 points, 3 seeds, underpowered at 3 seeds). The turn-keyed
+levels are described beside them (mse_hgpo_turn, "hgpo-turn | default"), not claimed.
+Plan for ECHO's success row: `--parts select --seeds 0 1 2`, then `--parts final --seeds 10 11 12`; the row compares
+eval_acc_end of "final | echo" > "final | multiturn_grpo" (2.6 points, 3 seeds, underpowered at 3 seeds, as before),
+and the environment-token CE row compares eval_env_ce_end of the same two (20% of the larger mean).
 
 Writes benchmarks/results/multiturn.csv (rows through benchmarks/_results.py) and multiturn.md.
 """
@@ -39,7 +57,38 @@ from benchmarks._results import RESULTS, append_rows, mean_std, read_rows  # noq
 
 CSV, NAME = "multiturn.csv", "multiturn"
 TURNS = 8000  # sampled-turn budget of the stepwise arms (about 16 rollout batches; the default 90 sample ~45,000)
-STEPWISE = ("flat", "hgpo", "logo")
+STEPWISE = ("flat", "hgpo", "hgpo-turn", "logo")
+SELECT_COEFS = (0.001, 0.003, 0.01, 0.03)  # ECHO's candidate weights
+SELECT_LRS = (1e-4, 2e-4, 4e-4, 8e-4)  # multi-turn GRPO's candidate learning rates: the same number of runs
+SPLIT = "--env-split prompt"
+
+
+def picks() -> dict:
+    """Each arm's selected value from the select rows: the best mean validation success (eval_acc_end) over seeds,
+    the smaller value on a tie."""
+    by = defaultdict(lambda: defaultdict(list))
+    for r in read_rows(CSV):
+        if r["config"].startswith("select | ") and r["metric"] == "eval_acc_end":
+            by[r["script"]][float(r["config"].split("=")[1])].append(float(r["value"]))
+    if not by:
+        raise SystemExit("no select rows: run --parts select first")
+    return {script: max(sorted(vals), key=lambda v: sum(vals[v]) / len(vals[v])) for script, vals in by.items()}
+
+
+def run_select(seed: int, out: str, final: bool) -> None:
+    from algos import echo, multiturn_grpo
+
+    chosen = picks() if final else {}
+    arms = (("echo", echo, "echo_coef", "--echo-coef", SELECT_COEFS), ("multiturn_grpo", multiturn_grpo, "lr", "--lr",
+                                                                       SELECT_LRS))
+    for name, mod, field, flag, grid in arms:
+        for v in [chosen[f"algos/{name}.py"]] if final else grid:
+            split = "test" if final else "val"
+            s = mod.main(mod.Args(**{field: v}, env_split="prompt", eval_split=split, seed=seed, threads=1,
+                                  exp_name=f"{'final' if final else 'select'}_{name}_{v}", out_dir=out))
+            append_rows(CSV, "multiturn", f"algos/{name}.py", f"final | {name}" if final else f"select | {field}={v}",
+                        seed, {**s, field: v}, f"python algos/{name}.py {flag} {v} {SPLIT} --eval-split {split} "
+                        f"--threads 1 --seed {seed}")
 ECHO_COEFS = (0.1, 0.01)  # ECHO weights beside the default 0.003: 0.1 was the first default, and it collapses success
 B60 = "--steps 60 --eval-every 20"  # the earlier default length, kept for the weight sweep and its GRPO / ECHO rows
 
@@ -58,6 +107,16 @@ def run(seeds, parts) -> None:
                 s = mod.main(mod.Args(seed=seed, threads=1, out_dir=out))
                 append_rows(CSV, "multiturn", f"algos/{name}.py", "default", seed, s,
                             f"python algos/{name}.py --threads 1 --seed {seed}")
+        if "hgpo90" in parts:
+            s = hgpo.main(hgpo.Args(seed=seed, threads=1, out_dir=out))
+            append_rows(CSV, "multiturn", "algos/hgpo.py", "default", seed, s,
+                        f"python algos/hgpo.py --threads 1 --seed {seed}")
+        if "hgpo-turn90" in parts:
+            s = hgpo.main(hgpo.Args(advantage="hgpo-turn", seed=seed, threads=1, exp_name="hgpo_turn90", out_dir=out))
+            append_rows(CSV, "multiturn", "algos/hgpo.py", "hgpo-turn | default", seed, s,
+                        f"python algos/hgpo.py --advantage hgpo-turn --threads 1 --seed {seed}")
+        if "select" in parts or "final" in parts:
+            run_select(seed, out, "final" in parts)
         if "flat90" in parts:
             s = hgpo.main(hgpo.Args(advantage="flat", seed=seed, threads=1, exp_name="hgpo_flat90", out_dir=out))
             append_rows(CSV, "multiturn", "algos/hgpo.py", "flat | default", seed, s,
@@ -107,7 +166,10 @@ def report() -> None:
     labels = {("algos/multiturn_grpo.py", "default"): "`algos/multiturn_grpo.py` (90 batches)",
               ("algos/echo.py", "default"): "`algos/echo.py` λ = 0.003 (90 batches)",
               ("algos/hgpo.py", "default"): "`algos/hgpo.py` HGPO (90 batches)",
+              ("algos/hgpo.py", "hgpo-turn | default"): "`algos/hgpo.py` turn-keyed levels (90 batches)",
               ("algos/hgpo.py", "flat | default"): "`algos/hgpo.py` flat (90 batches)",
+              ("algos/multiturn_grpo.py", "final | multiturn_grpo"): "`algos/multiturn_grpo.py` selected lr, test prompts",
+              ("algos/echo.py", "final | echo"): "`algos/echo.py` selected λ, test prompts",
               ("algos/multiturn_grpo.py", "steps=60"): "`algos/multiturn_grpo.py` (60 batches)",
               ("algos/echo.py", "steps=60"): "`algos/echo.py` λ = 0.003 (60 batches)"}
     labels.update({("algos/echo.py", f"echo_coef={c} | steps=60"): f"`algos/echo.py` λ = {c} (60 batches)"
@@ -127,12 +189,19 @@ def report() -> None:
         lines += ["", "| stepwise advantage (no std division) | mean squared error against the exact values | seeds |",
                   "|---|---|---|"]
         for arm, label in (("trajectory", "trajectory-level (multi-turn GRPO)"), ("flat", "flat stepwise groups"),
-                           ("hgpo", "HGPO (hierarchy of groups, w_k = k + 1)"), ("logo", "LoGo (local re-rollouts)")):
+                           ("hgpo", "HGPO (history levels as its published code, w_k = k + 1)"),
+                           ("hgpo_turn", "turn-keyed levels (ablation)"), ("logo", "LoGo (local re-rollouts)")):
             lines.append(f"| {label} | {col(mse, f'mse_{arm}', 1, 4)} | {len(by[mse])} |")
         lines.append(f"| (the exact values' own Monte Carlo variance, common to every arm) | "
                      f"{col(mse, 'mse_reference_var', 1, 4)} | {len(by[mse])} |")
         lines.append(f"| (steps per batch; LoGo's extra sampled turns) | {col(mse, 'n_steps', 1, 0)}; "
                      f"{col(mse, 'logo_extra_turns', 1, 0)} | {len(by[mse])} |")
+    selection = sorted(k for k in by if k[1].startswith("select | "))
+    if selection:  # validation prompts of the prompt-keyed split: what picks() chooses from
+        lines += ["", "| selection run (prompt-keyed split, 90 batches) | validation success end | seeds |",
+                  "|---|---|---|"]
+        lines += [f"| `{key[0]}` {key[1][len('select | '):]} | {col(key, 'eval_acc_end')} | {len(by[key])} |"
+                  for key in selection]
     row = next(iter(meta.values()))
     lines += ["", "Mean ± std over seeds. Environment: `algos/_toolenv.py` (the sum of 3 of 4 hidden one-digit values, "
               "turn limit 5, context limit 40 characters); policy `tiny-toolenv`; 300 held-out episodes, greedy. Env-token CE: "
@@ -148,8 +217,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parts = ["mse", "train", "flat90", "batches60", "echo-coef", "stepwise"]
-    ap.add_argument("--parts", nargs="+", default=parts, choices=parts)
+    parts = ["mse", "train", "flat90", "batches60", "echo-coef", "stepwise"]  # the default; the rest on request
+    ap.add_argument("--parts", nargs="+", default=parts,
+                    choices=parts + ["hgpo90", "hgpo-turn90", "select", "final"])
     a = ap.parse_args()
     if not a.report_only:
         run(a.seeds, a.parts)
