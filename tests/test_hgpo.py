@@ -196,7 +196,8 @@ def test_exact_values_on_known_states(scripted):
     """Expert episodes (look up the three queried keys, answer) scored by a policy that answers at once with the sum
     of the queried values its context shows: V(s_t) = 1 only once all three are read (every value here is nonzero),
     so A* = V(s_t+1) - V(s_t) is 0, 0, 1, 0 over the four turns, exactly (a deterministic policy: no variance).
-    Values computed from the initial state instead (the context without the episode's prefix) give 0, 0, 0, 1."""
+    Values computed from the initial state instead (the context without the episode's prefix) give 0, 0, 0, 1; an
+    environment not replayed to the state fails the second half."""
     tok = scripted
     args = hgpo.Args(mse_rollouts=2, threads=1, device="cpu")
     env = hgpo.make_env(args)
@@ -210,6 +211,26 @@ def test_exact_values_on_known_states(scripted):
                                            args)
     assert truth.tolist() == [0.0, 0.0, 1.0, 0.0] * len(seeds)
     assert var.abs().max() == 0
+    # episodes with malformed turns, valued by the expert: from a state the expert succeeds only if its remaining
+    # lookups and answer fit in the turn limit, which counts the turns already played (an environment that was not
+    # replayed to the state has them all left); V computed here by replaying the environment itself
+    noisy_envs, _, noisy_prompts = start(tok, env, seeds)
+    eps = _toolenv.play(ScriptedPolicy(tok, "expert", p_err=0.5, seed=1), tok, noisy_envs, noisy_prompts, 6)
+    steps = hgpo.steps_of(eps)
+
+    def value(i, t):
+        e = env.clone()
+        e.reset(seeds[i])
+        for a in eps[i].actions[:t]:
+            e.step(a)
+        while not e.done:
+            e.step(e.expert_action())
+        return e.reward
+
+    want = [(eps[i].reward if t + 1 == len(eps[i].actions) else value(i, t + 1)) - value(i, t) for i, t, _ in steps]
+    truth, _ = hgpo.true_step_advantages(ScriptedPolicy(tok, "expert"), tok, env, eps, noisy_prompts, seeds, steps,
+                                         args)
+    assert truth.tolist() == want and sum(w != 0 for w in want) >= 2
 
 
 def test_logo_rerollouts_begin_with_their_source_prefix(scripted):
