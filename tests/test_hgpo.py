@@ -303,14 +303,34 @@ def test_bad_arguments_name_the_flag():
         hgpo.check_args(hgpo.Args(hgpo_gamma=0.0))
 
 
+def test_zero_advantages_leave_the_policy_unchanged(scripted):
+    """The zero-advantage control of the learning test below: with every advantage 0 (and the default weight decay
+    0) an update leaves every weight where it was, so that control's held-out success ends at its start; the
+    rollout's own advantages move the weights."""
+    from algos import _llm as llm
+
+    tok = scripted
+    model = common.load_model("tiny-toolenv")[0]
+    args = hgpo.Args(prompts_per_step=2, group_size=4, threads=1, device="cpu")
+    batch = hgpo.rollout(ScriptedPolicy(tok, "expert", p_err=0.35), tok, hgpo.make_env(args), args,
+                         np.random.default_rng(0), torch.device("cpu"))
+    flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731
+    moved = []
+    for adv in (torch.zeros_like(batch["adv"]), batch["adv"]):
+        m = copy.deepcopy(model)
+        hgpo.update(m, llm.make_optimizer(m.parameters(), args), {**batch, "adv": adv}, hgpo.grpo_loss, args, 1,
+                    SimpleNamespace(num_processes=1), common.Sampler(m))
+        moved.append((flat(m) - flat(model)).abs().max().item())
+    assert moved[0] == 0.0 and moved[1] > 1e-5
+
+
 @pytest.mark.slow
-def test_default_setting_trains_without_collapse(tmp_path):
-    """The default (HGPO's advantages) from tiny-toolenv, shortened to 20 rollout batches. HGPO does not reliably raise
-    held-out success that fast (benchmarks: 47.1 ± 11.1% after 8,000 sampled turns from 53.3%); the full default of 90
-    batches does (65.0 ± 6.5%, +5.3 to +18.3 points, 3 seeds, about 4 minutes each: too long for the suite). So this
-    guards against a broken update (a sign error drops success by tens of points) and checks that the run sampled its
-    turns; it does not assert a gain the shortened run does not show."""
+def test_default_setting_learns_beyond_the_zero_advantage_control(tmp_path):
+    """The default (HGPO's history levels) from tiny-toolenv, shortened to 20 rollout batches, ends at least 2 points
+    of held-out success above its start, where the zero-advantage control ends (the test above): measured +4.5, +4.5
+    and +5.0 points (0.520 -> 0.565 / 0.570) under the default, avx2 and default-capability CPU paths, seed 0; the
+    margin is half the smallest. Also checks that the run sampled its turns."""
     s = hgpo.main(hgpo.Args(threads=1, out_dir=str(tmp_path), steps=20, eval_every=20, eval_examples=200,
                             env_ce_examples=16))
-    assert s["eval_acc_end"] - s["eval_acc_start"] >= -0.05, s
+    assert s["eval_acc_end"] - s["eval_acc_start"] >= 0.02, s
     assert s["sampled_turns"] > 20 * 16 * 8 * 3, s
