@@ -141,6 +141,8 @@ def resolve_model_path(name: str) -> str:
             model.config.__dict__.pop("quantization_config", None)
             model.save_pretrained(cache)
         return str(cache)
+    if not Path(name).expanduser().exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise SystemExit(f"could not load model {name!r}: no such folder (a Hugging Face id reads org/name)")
     return name
 
 
@@ -155,14 +157,13 @@ def load_model(name: str, device="cpu", dtype: str = "auto"):
     try:
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except OSError as e:
-        raise SystemExit(f"could not load model {name!r}: {e}")
+    except (OSError, ValueError) as e:  # a name that is neither a folder nor a valid Hugging Face id: ValueError
+        raise SystemExit(f"could not load model {name!r} (a local folder, a Hugging Face id or a tiny-* name): {e}")
     tok.padding_side = "left"
     tok.pad_token = tok.pad_token or tok.eos_token
-    on_cuda = torch.device(device).type == "cuda"
-    # several processes: the full fp32 weights stay on CPU; shard() moves each rank's shard to its device
-    model = model.to(device) if int(os.environ.get("WORLD_SIZE", "1")) == 1 else model
-    model.amp_dtype = torch.bfloat16 if dtype == "bf16" or dtype == "auto" and on_cuda else None
+    model = model.to(device) if int(os.environ.get("WORLD_SIZE", "1")) == 1 else model  # else shard() moves it
+    model.amp_dtype = torch.bfloat16 if dtype == "bf16" or dtype == "auto" and torch.device(device).type == "cuda" \
+        else None
     return model, tok
 
 
@@ -179,8 +180,8 @@ def eos_ids(tok, model=None) -> list[int]:
 
 
 def autocast(model):
-    """The model's mixed-precision context (bf16 autocast when load_model gave it amp_dtype, else a no-op)."""
-    dt = getattr(model, "amp_dtype", None)
+    """bf16 autocast when load_model gave the model amp_dtype; else (or sharded: MixedPrecisionPolicy) a no-op."""
+    dt = None if is_sharded(model) else getattr(model, "amp_dtype", None)
     return torch.autocast(next(model.parameters()).device.type, dtype=dt) if dt is not None else nullcontext()
 
 
@@ -244,7 +245,7 @@ class Sampler:
     - a full copy of a model that FSDP2 shards (bf16 on CUDA: 2 bytes per parameter on every rank), gathered one
       parameter at a time by refresh() after every optimiser step (a collective: every rank calls it);
     - a vLLM engine (algos/_vllm.py), whose weights refresh() sends after every optimiser step.
-    Build it before common.shard(model): a sharded copy is a deep copy of the full weights. LoRA: llm.LoRASampler."""
+    Build it before common.shard(model): a deep copy (of a meta model: algos/_shard.py). LoRA: llm.LoRASampler."""
 
     def __init__(self, model, engine=None, sharded: bool = False, fast: bool | None = None):
         cuda = next(model.parameters()).device.type == "cuda" or sharded and torch.cuda.is_available()
@@ -253,7 +254,8 @@ class Sampler:
         self.half = cuda and getattr(model, "amp_dtype", None) is not None  # decode in bf16
         if sharded and engine is None:  # not a submodule of the trainer: FSDP leaves it whole
             full = copy.deepcopy(model).eval().requires_grad_(False)
-            self.full = (full.to(model.amp_dtype) if self.half else full).to("cuda" if cuda else "cpu")
+            full = full.to(model.amp_dtype) if self.half else full  # a meta model's copy: algos/_shard.py fills it
+            self.full = full if next(full.parameters()).is_meta else full.to("cuda" if cuda else "cpu")
 
     @property
     def is_trainer(self) -> bool:
@@ -568,16 +570,17 @@ def is_sharded(model) -> bool:
 def shard(model, accel):
     """FSDP2 (torch's fully_shard) over all processes: a unit per decoder layer (the model's _no_split_modules), the
     root holding embeddings, final norm and lm_head; weights, gradients and AdamW state are split across ranks.
-    Gradients are summed, not averaged: the losses already divide by step-global counts. With one process the
-    model is returned as it is. A Sampler that decodes with a full copy is built before this."""
+    Gradients are summed, not averaged: the losses already divide by step-global counts. amp_dtype: bf16 by a
+    MixedPrecisionPolicy, not autocast (bf16 gathers and matmuls, fp32 reduction and weights). One process: as is."""
     if accel.num_processes == 1 or model is None:
         return model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh(accel.device.type, (accel.num_processes,))
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh, amp = init_device_mesh(accel.device.type, (accel.num_processes,)), getattr(model, "amp_dtype", None)
+    mp = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32) if amp else MixedPrecisionPolicy()
     units = set(getattr(model, "_no_split_modules", None) or [])
     for m in [*(m for m in model.modules() if type(m).__name__ in units), model]:
-        fully_shard(m, mesh=mesh)
+        fully_shard(m, mesh=mesh, mp_policy=mp)  # bf16: weights gathered in bf16, gradients reduced in fp32
         m.set_gradient_divide_factor(1.0)  # each unit reduces its own gradients: sum them, do not average
         m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
     return model

@@ -28,6 +28,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common  # noqa: E402
+from algos._shard import all_ranks_sum, load_sharded, step_counts  # noqa: E402,F401 (llm.step_counts: the scripts)
 
 
 # ---- tasks and verifiers ----
@@ -482,6 +483,9 @@ class LLMArgs:
     """fraction of GPU memory vLLM may take (the trainer shares the GPU)"""
     vllm_max_model_len: int = 2048
     """vLLM's context (prompt + completion tokens); longer dataset prompts are dropped when the run starts"""
+    vllm_sleep: bool = False
+    """vLLM sleep mode: after each generate call its weights go to host memory and its KV cache is freed (level 1),
+    so training has the GPU; woken for the weight sync and the next call"""
     max_new_tokens: int = 8
     """generation budget per completion"""
     temperature: float = 1.0
@@ -537,7 +541,17 @@ def load_policy(args: LLMArgs, accel, with_ref: bool = False):
     adapters when --lora-rank > 0 (add_lora), the reference only when asked (a KL term; with LoRA the same model with
     its adapters disabled, common.AdaptersOff, not a copy), the sampler (common.Sampler: the trainer, a bf16 copy, a
     gathered copy or a vLLM engine; LoRASampler for LoRA), then policy and reference sharded with FSDP2 when several
-    processes run (common.shard: after peft has wrapped the layers)."""
+    processes run (common.shard: after peft has wrapped the layers). Full fine-tuning with several processes: no rank
+    loads the whole model, rank 0 reads the weights into the shards (algos/_shard.py), the copies are made from them."""
+    engine = None
+    if args.engine == "vllm":
+        from algos._vllm import VLLMEngine
+
+        engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, args.vllm_max_model_len,
+                            seed=args.seed + accel.process_index, sleep=args.vllm_sleep)
+    if accel.num_processes > 1 and not args.lora_rank:
+        amp = args.dtype == "bf16" or args.dtype == "auto" and accel.device.type == "cuda"  # as common.load_model
+        return load_sharded(args.model, accel, amp, args.grad_checkpointing, with_ref, engine)
     model, tok = common.load_model(args.model, accel.device, args.dtype)
     model.train()
     if args.grad_checkpointing:
@@ -547,12 +561,6 @@ def load_policy(args: LLMArgs, accel, with_ref: bool = False):
     ref_model = None
     if with_ref:
         ref_model = common.AdaptersOff(model) if args.lora_rank else copy.deepcopy(model).eval().requires_grad_(False)
-    engine = None
-    if args.engine == "vllm":
-        from algos._vllm import VLLMEngine
-
-        engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, args.vllm_max_model_len,
-                            seed=args.seed + accel.process_index)
     sampler = (LoRASampler if args.lora_rank else common.Sampler)(model, engine, sharded=accel.num_processes > 1)
     ref_model = ref_model if args.lora_rank else common.shard(ref_model, accel)  # AdaptersOff: sharded with the policy
     return common.shard(model, accel), tok, ref_model, sampler
@@ -657,23 +665,6 @@ def optimizer_step(model, opt, args: LLMArgs, step: int, total: int, sampler=Non
 def make_optimizer(params, args: LLMArgs) -> torch.optim.Optimizer:
     """AdamW at --lr with --weight-decay (the schedule is applied by optimizer_step)."""
     return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-
-
-def all_ranks_sum(values: dict, accel, device=None) -> dict:
-    """{name: sum over all ranks} of this rank's floats (every rank calls it; one process returns them as they are)."""
-    if accel.num_processes == 1:
-        return dict(values)
-    keys = sorted(values)
-    t = accel.reduce(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device), "sum")
-    return dict(zip(keys, t.tolist()))
-
-
-def step_counts(completion_mask: torch.Tensor, accel) -> tuple[int, int]:
-    """(sequences, tokens) of one optimiser step over all ranks: the step-global normaliser, so that gradient
-    accumulation and data parallelism leave the objective unchanged."""
-    c = all_ranks_sum({"seqs": completion_mask.shape[0], "tokens": float(completion_mask.sum())}, accel,
-                      completion_mask.device)
-    return int(c["seqs"]), int(c["tokens"])
 
 
 # ---- the bookkeeping of a training run ----

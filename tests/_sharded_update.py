@@ -4,13 +4,18 @@ of a two-process launch where common.shard wraps the policy (and reference / cri
     python tests/_sharded_update.py grpo OUT                                   # one process, the whole batch
     accelerate launch --multi_gpu --num_processes 2 ... tests/_sharded_update.py grpo OUT   # each rank half of it
     python tests/_sharded_update.py grpo OUT lora                              # LoRA adapters (peft before FSDP2)
-    python tests/_sharded_update.py grpo OUT variant [average]   # token-mean, 2 epochs, checkpointing [the bug]
+    python tests/_sharded_update.py grpo OUT variant [average]   # token-mean, 2 epochs x 2 mini-batches, checkpointing
+                                                                 # [average: the bug, gradients averaged over ranks]
 
 Rank 0 writes OUT/stats.json (the logged statistics of every step) and OUT/params.safetensors (the full
 parameters after the steps); every rank writes its part of OUT/checkpoint (common.save_checkpoint: shards when
 sharded). tests/test_sharding.py compares the two: same losses, same parameters, and exports both checkpoints.
 With LoRA the reference is the policy with its adapters disabled (common.AdaptersOff) and the adapters' B starts
 non-zero (seeded), so that policy and reference differ from the first step.
+The optimiser is plain SGD without clipping, so a parameter moves by exactly lr x its gradient: a gradient averaged
+over ranks instead of summed moves it half as far (AdamW and clipping to a norm would both hide a constant factor).
+Several mini-batches: each rank splits its rows in order, and one process takes the same global mini-batches (the
+union of the ranks' m-th parts) by a fixed order in place of torch.randperm.
 """
 import copy
 import importlib
@@ -28,6 +33,18 @@ import common  # noqa: E402
 from algos import _llm as llm  # noqa: E402
 
 
+RANKS = 2  # the two-process launch: one process orders its rows as the ranks split them
+LR = 0.002  # SGD: every policy moves by 1e-3 or more (grad norms 1-9), far above fp32 rounding; 0.02 diverges
+
+
+def global_minibatch_order(B: int, minibatches: int, ranks: int) -> torch.Tensor:
+    """One process's row order whose m-th chunk holds the rows that the ranks' m-th chunks hold together (each rank has
+    B / ranks consecutive rows, split in order)."""
+    n = B // ranks
+    parts = [torch.arange(n).chunk(minibatches)[m] + r * n for m in range(minibatches) for r in range(ranks)]
+    return torch.cat(parts)
+
+
 def main(script: str, out: str, lora: bool = False, steps: int = 3, variant: bool = False, average: bool = False) -> None:
     from accelerate import Accelerator
     from safetensors.torch import save_file
@@ -36,9 +53,9 @@ def main(script: str, out: str, lora: bool = False, steps: int = 3, variant: boo
     accel = Accelerator(cpu=True)
     torch.set_num_threads(1)
     args = replace(mod.Args(), device="cpu", prompts_per_step=4, group_size=4, max_new_tokens=8, micro_batch_size=3,
-                   kl_coef=0.05, lr=1e-4, lora_rank=4 if lora else 0)
-    if variant:  # token-mean, two optimiser steps per rollout batch (pi_old scored apart), gradient checkpointing
-        args = replace(args, loss_agg="token-mean", ppo_epochs=2, grad_checkpointing=True)
+                   kl_coef=0.05, lr=LR, max_grad_norm=1e9, lora_rank=4 if lora else 0)  # no clipping
+    if variant:  # token-mean, 2 epochs x 2 mini-batches (pi_old scored apart), gradient checkpointing
+        args = replace(args, loss_agg="token-mean", ppo_epochs=2, minibatches=2, grad_checkpointing=True)
     if average:  # the planted bug: FSDP2's default, gradients averaged over ranks instead of summed
         from torch.distributed.fsdp import FSDPModule
         FSDPModule.set_gradient_divide_factor = lambda self, factor: None
@@ -59,6 +76,10 @@ def main(script: str, out: str, lora: bool = False, steps: int = 3, variant: boo
     per_rank = batch["completion_ids"].shape[0] // accel.num_processes  # whole groups: B / ranks is a multiple of G
     rows = slice(accel.process_index * per_rank, (accel.process_index + 1) * per_rank)
     batch = {k: v if isinstance(v, dict) else v[rows] for k, v in batch.items()}  # reward_terms: logged means
+    if args.minibatches > 1:  # the same global mini-batches in one process as on the ranks (see the header)
+        B, one = batch["completion_ids"].shape[0], accel.num_processes == 1
+        order = global_minibatch_order(B, args.minibatches, RANKS) if one else torch.arange(B)
+        torch.randperm = lambda n, *a, **k: order.clone()  # noqa: E731 (this process only)
     ref = common.AdaptersOff(model) if lora else copy.deepcopy(model).eval().requires_grad_(False)
     sampler = (llm.LoRASampler if lora else common.Sampler)(model, sharded=accel.num_processes > 1)  # before sharding
     extra = {}
@@ -66,11 +87,13 @@ def main(script: str, out: str, lora: bool = False, steps: int = 3, variant: boo
         extra["critic"] = common.shard(mod.Critic(model).train(), accel)
         groups = [{"params": list(common.shard(model, accel).parameters())},
                   {"params": list(extra["critic"].parameters())}]
-        opt, loss_fn = torch.optim.AdamW(groups, lr=args.lr), mod.ppo_loss
+        opt, loss_fn = torch.optim.SGD(groups, lr=args.lr), mod.ppo_loss
     else:
         model = common.shard(model, accel)
-        opt, loss_fn = torch.optim.AdamW(model.parameters(), lr=args.lr), mod.grpo_loss
+        opt, loss_fn = torch.optim.SGD(model.parameters(), lr=args.lr), mod.grpo_loss
     ref = ref if lora else common.shard(ref, accel)  # AdaptersOff: the policy itself, sharded above
+    init = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
     history = [mod.update(model, opt, batch, loss_fn, args, step, accel, sampler, ref, **extra)
                for step in range(1, steps + 1)]
     full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
@@ -81,6 +104,7 @@ def main(script: str, out: str, lora: bool = False, steps: int = 3, variant: boo
         Path(out).mkdir(parents=True, exist_ok=True)
         Path(out, "stats.json").write_text(json.dumps(history))
         save_file({k: v.contiguous() for k, v in full.items()}, str(Path(out, "params.safetensors")))
+        save_file({k: v.contiguous() for k, v in init.items()}, str(Path(out, "init.safetensors")))  # the policy's
 
 
 if __name__ == "__main__":
