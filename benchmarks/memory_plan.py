@@ -69,11 +69,15 @@ Weights under autocast: autocast caches the bf16 cast of every fp32 weight for t
 the matmuls save it for the backward, so without checkpointing a bf16 copy of every linear weight (2 bytes per
 parameter, never sharded: FSDP2 all-gathers fp32 and autocast casts the gathered weight) is alive from the forward
 to the backward; with checkpointing all of them are cached until the forward's end, then one layer's at a time.
-FSDP2 (common.shard: one unit per decoder layer, the root holding embeddings, final norm and lm_head, no
-MixedPrecisionPolicy) gathers fp32: two layer units in flight (current + prefetched) and the root for the whole
-forward and backward (4 bytes per parameter), plus in the backward the root's unsharded fp32 gradients until the
-end and one layer's before its reduce-scatter. `--fsdp-gather bf16` models MixedPrecisionPolicy(param_dtype=
-bf16, reduce_dtype=fp32) instead: gathered weights in 2 bytes, no autocast cache.
+FSDP2 (common.shard: one unit per decoder layer, the root holding embeddings, final norm and lm_head) computes in
+bf16 by MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) with autocast off: two layer units in flight
+(current + prefetched) and the root for the whole forward and backward, gathered in bf16 (2 bytes per parameter), no
+autocast cache, plus in the backward the root's unsharded gradients until the end and one layer's before its
+reduce-scatter (bf16, and its fp32 copy). `--fsdp-gather fp32` models the previous code, autocast over FSDP2:
+fp32 gathers (4 bytes) and autocast's cached bf16 casts of the gathered weights. The KL reference of a sharded
+bf16 run is stored in bf16 (algos/_shard.py: 2 bytes per parameter, sharded), of one GPU an fp32 copy.
+benchmarks/memory_plan_scaleout.py adds what this table leaves out for 7B on 8 GPUs (vLLM's share and sleep mode,
+the reference's root while it scores, communication buffers, host memory per rank): a section of the .md.
 The chunked log-prob path (common.token_logprobs, chunks of about --logprob-chunk-mb MiB of fp32 logits, each
 recomputed in the backward): forward, 3 chunk-sized fp32 buffers alive (log-softmax, its exp, their product for the
 entropy); backward, 4 (the recomputed log-softmax, the gradient of the log-probs, of the logits, of logits / T),
@@ -84,8 +88,9 @@ chunk-sized buffers in the backward, which recomputes nothing), which is what be
 on the H200; the plan is checked against those peaks below the table.
 
 Result (benchmarks/results/memory_plan.md): Qwen2.5-7B at 512 new tokens fits on 8 GPUs of 80 GB with checkpointing
-(micro-batch up to 53, peak 60.0 GiB at 32) or without (micro-batch 2), with the pass@k eval off: its one generate
-call of 800 sequences needs 27 GiB of KV cache and 15 GiB of prefill at 7B.
+(micro-batch up to 77, peak 63.0 GiB at 64) or without (micro-batch 7, 54.0 GiB at 4), with the pass@k eval off: its one
+generate call of 800 sequences needs 27 GiB of KV cache and 15 GiB of prefill at 7B. With a KL reference at micro-batch
+32: 50.6 GiB with --engine hf, 64.1 GiB with --engine vllm (44.2 GiB with --vllm-sleep): memory_plan_scaleout.py.
 
 LoRA (--lora-rank r, peft adapters on every attention and MLP projection; Setup(lora=r)): each adapted layer of
 shape out x in adds A (r x in) and B (out x in) in fp32, Pa = r x layers x (2h + q + 2 kv + q + h + 3 (h + I)) in
@@ -276,7 +281,7 @@ class Setup:
     attn: str = "sdpa"
     chunk_mb: float = 256.0  # --logprob-chunk-mb
     logprob_path: str = "recompute"  # or "legacy": 4096 positions per chunk, every chunk's graph kept
-    fsdp_gather: str = "fp32"  # what FSDP2 all-gathers: fp32 (common.shard today) or bf16 (a MixedPrecisionPolicy)
+    fsdp_gather: str = "bf16"  # FSDP2 gathers: bf16 (common.shard's MixedPrecisionPolicy) or fp32 (the previous code)
     kl: bool = False  # a reference model (--kl-coef > 0): an fp32 copy, sharded like the policy (none under LoRA)
     pass_k: int = 8  # eval pass@k on 100 prompts (0 = off)
     lora: int = 0  # --lora-rank: adapters on every attention and MLP projection (0 = full fine-tuning)
@@ -293,7 +298,7 @@ def plan(s: Shape, u: Setup) -> dict:
     kv_bytes, a = (2, 2) if u.bf16 else (4, 4)
     t = {"weights": 4 * P_local + (4 * trained if u.lora else 0), "grads": 4 * trained,
          "adamw": adamw_state_bytes(s, N, with_step=False, lora=u.lora), "sampler_bf16": 2 * P if u.bf16 else 0,
-         "ref_model": 4 * P_local if u.kl and not u.lora else 0}  # LoRA's reference: the policy, adapters off
+         "ref_model": (2 if u.bf16 and N > 1 else 4) * P_local if u.kl and not u.lora else 0}  # LoRA: adapters off
     persistent = sum(t.values())
     # rollout and eval: KV cache + the larger of the prefill and decode transients
     width = -(-u.prompt // 32) * 32
@@ -426,7 +431,8 @@ def render(rs: list[dict], base: Setup) -> str:
         f"Rollout batch {base.prompts_per_step} prompts x {base.group} completions per GPU, prompts of "
         f"{base.prompt} tokens (a GSM8K question in a chat template), {base.new} new tokens (every completion runs to "
         f"the budget), log-prob chunks of {base.chunk_mb:.0f} MiB recomputed in the backward. Sharded = FSDP2 "
-        "(`common.shard`) over the GPUs, all-gathering fp32 weights as it does today. A configuration fits when "
+        "(`common.shard`) over the GPUs, computing in bf16 by MixedPrecisionPolicy (bf16 gathers, fp32 gradient "
+        "reduction). A configuration fits when "
         f"every phase (rollout, training, optimiser step, and rank 0's held-out eval) peaks below "
         f"{100 - 100 * frac:.0f}% of the card minus {fixed:.0f} GiB ({CARDS['80GB']:.1f} / {CARDS['141GB']:.1f} GiB "
         f"cards: {gb(budget('80GB'))} / {gb(budget('141GB'))} GiB usable); the rest is left for allocator "
@@ -465,7 +471,8 @@ def render(rs: list[dict], base: Setup) -> str:
                              f"checkpointing {'on' if u.ckpt else 'off'}"
                              f" ({gb(f['plan']['peak'])} GiB): `{command(r['hub'], u)}`")
         lines.append("")
-    lines += [*lora_table(base), "", *measured_table(), "", *breakdown(rs), "", *checks()]
+    from benchmarks.memory_plan_scaleout import lines as scaleout
+    lines += [*lora_table(base), "", *measured_table(), "", *breakdown(rs), "", *checks(), "", *scaleout()]
     return "\n".join(lines) + "\n"
 
 
@@ -473,8 +480,8 @@ def lora_table(base: Setup, rank: int = 16) -> list[str]:
     """Full fine-tuning against LoRA of rank `rank`, checkpointing on, with a KL term (--kl-coef > 0), no pass@k."""
     out = [f"LoRA (`--lora-rank {rank}`, adapters on every attention and MLP projection) against full fine-tuning, "
            "checkpointing on, with a KL term (`--kl-coef > 0`), the pass@k eval off (`--pass-k 0`): the reference is "
-           "an fp32 copy of the policy (sharded "
-           "like it) under full fine-tuning, and the policy itself with its adapters disabled under LoRA (no copy). "
+           "a copy of the policy (fp32 on one GPU, sharded in bf16 on several) under full fine-tuning, and the policy "
+           "itself with its adapters disabled under LoRA (no copy). "
            "Gradients and AdamW state exist for the adapters only; the bf16 sampler copy (the adapters merged) and "
            "the activations stay about the same, so the gain is in the persistent state.", "",
            "| model | GPUs | adapters | weights + grads + AdamW + reference: full / LoRA GiB | 80 GB max micro: "
@@ -495,17 +502,15 @@ def breakdown(rs: list[dict]) -> list[str]:
     """Every term for Qwen2.5-7B on 8 GPUs (the configuration the plan exists for)."""
     r = next(r for r in rs if r["model"] == "Qwen2.5-7B" and r["setup"].gpus == 8 and r["setup"].ckpt)
     s, u, p = r["shape"], r["80GB"]["setup"], r["80GB"]["plan"]
-    bf = plan(s, replace(u, fsdp_gather="bf16"))
+    old = plan(s, replace(u, fsdp_gather="fp32"))
     keys = ["weights", "grads", "adamw", "sampler_bf16", "kv_cache", "eval_kv_cache", "activations",
             "logprob_kept", "logprob_chunk", "autocast_weights", "fsdp_gathered"]
     out = [f"Qwen2.5-7B on 8 GPUs of 80 GB, checkpointing on, micro-batch {u.micro}, pass@k {u.pass_k or 'off'}: "
            + ", ".join(f"{k} {gb(p[k])}" for k in keys) + " GiB; phases: "
            + ", ".join(f"{k[6:]} {gb(v)}" for k, v in p.items() if k.startswith("phase_"))
-           + f" GiB. Peak {gb(p['peak'])} GiB of {gb(budget('80GB'))} usable. The bf16 autocast copies of the "
-           f"weights ({gb(p['autocast_weights'])} GiB in the backward, {gb(p['autocast_weights_fwd'])} GiB cached "
-           "until the forward's end) are not sharded: FSDP2 gathers fp32 weights and autocast casts them; with "
-           "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) the training phase would be "
-           f"{gb(bf['phase_training'])} GiB instead of {gb(p['phase_training'])} GiB."]
+           + f" GiB. Peak {gb(p['peak'])} GiB of {gb(budget('80GB'))} usable. Under the previous code (autocast "
+           f"over FSDP2, fp32 gathers, the bf16 casts cached: {gb(old['autocast_weights_fwd'])} GiB until the "
+           f"forward's end) the training phase was {gb(old['phase_training'])} GiB."]
     return out
 
 
@@ -513,13 +518,15 @@ def checks() -> list[str]:
     """The plan against the peaks bench_gpu_step.py measured on an H200 (previous log-prob path, one GPU)."""
     from benchmarks.bench_gpu_step import MICRO, PROMPTS, GROUP, SHAPES
 
-    measured = {}
+    measured, commits = {}, set()
     path = RESULTS / "gpu_step.csv"
     if path.exists():
         for row in csv.DictReader(open(path)):
             if row["metric"] == "peak_GB" and row["config"].endswith(" ours"):
+                commits.add(row["commit"])
                 measured[row["config"].split()[0], int(row["config"].split()[1].split("=")[1])] = float(row["value"])
-    out = ["Check against measured peaks (`benchmarks/bench_gpu_step.py`, one H200, random-weight SmolLM2 shapes, "
+    out = [f"Check against measured peaks, taken at an older commit ({', '.join(sorted(commits))}; not re-measured on "
+           "the current code, no GPU since) (`benchmarks/bench_gpu_step.py`, one H200, random-weight SmolLM2 shapes, "
            f"{PROMPTS} prompts x {GROUP}, micro-batch {MICRO}, prompts of about 40 tokens, the previous log-prob path: "
            "4096 positions per chunk with every chunk's graph kept, no checkpointing; "
            "`torch.cuda.max_memory_allocated`, which leaves out fragmentation and the CUDA context):", "",
@@ -535,12 +542,13 @@ def checks() -> list[str]:
                    f"{p['peak'] / GiB / value:.2f} |")
         gaps.append(value - p["peak"] / GiB)
     if gaps:
-        out += ["", f"The plan falls {min(gaps):.1f}-{max(gaps):.1f} GiB short of both measured peaks, a gap of about "
-                "the same size at both shapes, which the plan does not explain (candidates it leaves out: the compiled "
-                "decode step's CUDA-graph pool, the caching allocator's block rounding, cuBLAS workspaces). The "
-                f"headroom reserved above ({gb(CARDS['80GB'] * GiB - budget('80GB'))} GiB on an 80 GB card) is "
-                "larger than this gap; no measurement on the sharded path or with checkpointing exists yet (one GPU "
-                "here at most, none for this table)."]
+        out += ["", f"The plan falls {min(gaps):.1f}-{max(gaps):.1f} GiB short of both measured peaks. At that "
+                "commit the "
+                "entropy statistic kept the previous micro-batch's [positions x vocab] graph alive (2 x 8,192 x 49,152 "
+                "x 4 B = 3.0 GiB at these shapes), which the plan never modelled and the code no longer does: these "
+                "rows calibrate nothing now. They stay as the record of that commit until a GPU re-measures the "
+                "current path; no measurement of the sharded path, of checkpointing or of vLLM exists. The CPU "
+                "calibration of the activations (tests/test_memory_plan.py) is current."]
     return out
 
 
@@ -663,7 +671,7 @@ def main() -> int:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa")
     ap.add_argument("--logprob-chunk-mb", type=float, default=256.0)
-    ap.add_argument("--fsdp-gather", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--fsdp-gather", choices=["fp32", "bf16"], default="bf16")
     ap.add_argument("--pass-k", type=int, default=8)
     ap.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (0 = full fine-tuning)")
     ap.add_argument("--kl", action="store_true", help="a reference model (--kl-coef > 0)")
