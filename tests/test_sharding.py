@@ -42,7 +42,9 @@ def run(cmd: list, timeout: int = 400) -> str:
 def test_sharded_update_equals_one_process(tmp_path, script):
     """3 optimiser steps on one global batch of 16 sequences (micro-batches of 3, a reference model; PPO: a critic
     and advantages whitened over the whole batch): two ranks of 8 each under FSDP2 against one process of 16.
-    Tolerance: fp32 summation order only (measured: losses equal to 1e-6 relative, parameters to 7e-7).
+    Plain SGD, no clipping (tests/_sharded_update.py): a parameter moves by lr x its gradient. Tolerance: fp32
+    summation order only (measured: parameters equal to 1.5e-8 for GRPO, 1.2e-7 for PPO, after moving 2.5e-3 and
+    4.3e-3; with the gradients averaged over ranks instead of summed they end 1.0e-3 and 1.7e-3 apart).
     The sharded checkpoint (torch.distributed.checkpoint; PPO's policy beside its critic) exports with
     `python common.py export` to a folder whose from_pretrained logits are the trained policy's."""
     harness = os.path.join("tests", "_sharded_update.py")
@@ -86,7 +88,8 @@ def test_sharded_lora_update_equals_one_process(tmp_path):
     """LoRA under FSDP2 (peft wraps the layers, then common.shard): the same 3 GRPO steps in two ranks and in one
     process, the reference being the policy with its adapters disabled (no second copy). Only the adapters move; the
     sharded checkpoint (the adapters' shards and their gathered peft file) exports with --merge-lora to a plain folder
-    whose logits are the trained policy's (merged: W + alpha / r B A)."""
+    whose logits are the trained policy's (merged: W + alpha / r B A). Plain SGD: parameters equal to 1.5e-8 after
+    moving 1.4e-3; 7e-4 apart with averaged gradients."""
     harness = os.path.join("tests", "_sharded_update.py")
     run([sys.executable, harness, "grpo", str(tmp_path / "one"), "lora"])
     run([*LAUNCH, harness, "grpo", str(tmp_path / "two"), "lora"])
