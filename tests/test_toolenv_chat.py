@@ -151,7 +151,8 @@ def test_the_character_world_has_the_trivial_template():
 def test_scripts_run_a_chat_model_end_to_end(chat_model, mod, tmp_path):
     """One rollout batch and update of each multi-turn script on the tiny random chat model: chat-template turns, tool
     calls (the random replies are malformed, so every turn is answered with the error), token budgets, finite losses;
-    the observation tokens carry the template's turns and stay out of the policy loss."""
+    the observation tokens carry the template's turns and stay out of the policy loss, and the behaviour log-probs
+    recorded turn by turn equal the trainer's on every action token (1e-4, fp32)."""
     args = mod.Args(model=str(chat_model), steps=1, prompts_per_step=2, group_size=2, max_new_tokens=12,
                     eval_every=1, eval_examples=2, env_ce_examples=2, max_context_tokens=1200, max_obs_tokens=40,
                     threads=1, device="cpu", out_dir=str(tmp_path))
@@ -162,3 +163,7 @@ def test_scripts_run_a_chat_model_end_to_end(chat_model, mod, tmp_path):
     obs_text = tok.decode(batch["completion_ids"][batch["obs_mask"].bool()].tolist())
     assert "<|im_start|>tool" in obs_text and "<|im_start|>assistant" in obs_text and "err;" in obs_text
     assert (batch["action_mask"] * batch["obs_mask"]).sum() == 0
+    with torch.no_grad():  # what the sampler saw turn by turn is what the trainer scores (chat turns included)
+        lp = common.token_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                   batch["completion_mask"], args.temperature)
+    assert (lp - batch["logprobs"])[batch["action_mask"].bool()].abs().max() < 1e-4
