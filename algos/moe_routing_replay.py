@@ -92,8 +92,8 @@ Expected: the default (R3) lifts held-out greedy accuracy on 2-digit addition fr
 batches (about 100 s on one thread of 2 shared cores; 3 seeds per arm). What R3 removes depends on the mismatch:
 train-inference KL(mu || pi_old) per token, R3 vs no replay, 3.6e-4 vs 5.6e-2 with the noise on the engine's choice
 only (the default; by construction: a replay of the choice removes exactly the injected mismatch), 7.0e-2 vs 1.5e-1
-with the noise on the engine's router logits (the gates still differ; 4 seeds), 3.1e-4 vs 6.8e-4 with bf16 numerics
-only.
+with the noise on the engine's router logits (the gates still differ; 4 seeds), 3.3e-4 vs 6.2e-4 with bf16 numerics
+only (8 seeds).
 TIS leaves the KL at 4.5e-2 and ends at 61.3 ± 9.0%. PR2's optimiser forecast explains 3% of the router-logit change
 over a rollout batch (out of sample) and gets 98.39% of the top-k routes right against 98.33% for forecasting no
 change; without router noise its replayed routes are stale at the batch's last step in 1.37 ± 0.10% of (token,
