@@ -97,7 +97,7 @@ only (8 seeds).
 TIS leaves the KL at 4.5e-2 and ends at 61.3 ± 9.0%. PR2's optimiser forecast explains 3% of the router-logit change
 over a rollout batch (out of sample) and gets 98.39% of the top-k routes right against 98.33% for forecasting no
 change; without router noise its replayed routes are stale at the batch's last step in 1.37 ± 0.10% of (token,
-layer) pairs against R3's 1.56 ± 0.02%; accuracy 62.3 ± 1.1% (PR2) vs 61.9 ± 2.7% (R3). benchmarks/results/
+layer) pairs against R3's 1.46 ± 0.08% (8 seeds); accuracy 62.3 ± 1.1% (PR2) vs 61.9 ± 2.7% (R3). benchmarks/results/
 moe_routing_replay.md (benchmarks/moe_routing_replay_table.py) and the claims table in benchmarks/README.md.
 """
 from __future__ import annotations
