@@ -49,3 +49,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Environment variables a test sets stay with that test: the vLLM seam's engine sets RANK, WORLD_SIZE and
+    MASTER_ADDR (its external launcher reads them), and a later one-process test in the same worker would read them as a
+    distributed launch."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
