@@ -396,10 +396,11 @@ SMALL = f.Args(steps=32, prompts_per_step=32, group_size=8, eval_every=32, eval_
 
 @pytest.mark.slow
 def test_fp8_rollouts_with_token_tis_learn(tmp_path):
-    s = f.main(replace(SMALL, out_dir=str(tmp_path)))
-    # stated margin: +5 points of held-out greedy accuracy in 32 rollout batches of W8A8 rollouts with token-TIS
-    # (measured: +8.0 and +9.7 points on seeds 0 and 1, about 30 s on one thread)
-    assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.05, s
+    s = f.main(replace(SMALL, steps=48, eval_every=48, out_dir=str(tmp_path)))
+    # stated margin: +4 points of held-out greedy accuracy in 48 rollout batches of W8A8 rollouts with token-TIS, half
+    # the smallest gain measured on seeds 0 and 1 under PyTorch's AVX-512, AVX2 and default kernels (one thread): +8.0
+    # to +17.7 points (35.3% -> 43.3-53.0%). At 32 batches the default kernels gained only +4.0 on seed 0.
+    assert s["eval_acc_end"] >= s["eval_acc_start"] + 0.04, s
     assert s["kl_fp8"] > 10 * s["kl_unified"] and s["logprob_mismatch"] > 1e-2  # the rollouts really were FP8
     assert (tmp_path / "t" / "curve.png").exists()
 
