@@ -56,7 +56,9 @@ def report() -> str:
         return ""
     lines = ["# A pretrained model learns (CPU)", "",
              "SmolLM2-135M-Instruct trained by `algos/grpo.py` on generated word problems (`--task words`), its chat",
-             "template applied, held-out greedy accuracy on 100 fixed problems. Command (one seed):", "",
+             "template applied, held-out greedy accuracy on 100 fixed problems. The weights are the package's Q4_1 GGUF",
+             "file de-quantised to fp32 on load (`common.resolve_model_path`), not the original bf16 checkpoint. Command",
+             "(one seed):", "",
              f"    python algos/grpo.py {' '.join(FLAGS)} --seed 0", "",
              "| seed | held-out acc. start | end | change (points) | train reward first / last | wall (s) |",
              "|---|---|---|---|---|---|"]
