@@ -66,16 +66,15 @@ Commands:
   python algos/hgpo.py --advantage flat                  # flat stepwise groups
   python algos/hgpo.py --advantage logo --logo-k 4       # Memory-R2's LoGo (local re-rollouts)
   python algos/hgpo.py --advantage trajectory            # multi-turn GRPO's trajectory-level advantage
-Expected (3 seeds, benchmarks/results/multiturn.md; measured with the turn-keyed levels, now --advantage hgpo-turn,
-before the default became the published grouping, whose rows are not measured yet): mean squared error of stepwise
-advantages against the exact values on the initial policy's rollouts: turn-keyed HGPO 0.108 ± 0.021, flat groups
-0.121 ± 0.015, LoGo 0.122 ± 0.011, trajectory-level 0.124 ± 0.013 (lowest in each of the 3 batches, but the
-seed-level interval includes 0). At 8,000 sampled turns (about 16 rollout batches) no stepwise arm raises held-out
-success from 53.3%: flat 50.3 ± 9.3, turn-keyed HGPO 47.1 ± 11.1, LoGo 49.6 ± 8.4 (multi-turn GRPO's trajectory
-advantage reaches 60.0 after 20 batches, seed 0). 90 rollout batches (about 47,000 sampled turns) of turn-keyed
-HGPO reach 65.0 ± 6.5% (+11.3, +5.3, +18.3 points; multi-turn GRPO 68.3 ± 6.0). The default (history levels), seed 0,
-shortened to 20 rollout batches: 52.0% -> 56.5% of 200 held-out episodes (56.5 / 57.0 under the avx2 / default CPU
-paths; tests/test_hgpo.py's learning test).
+Expected (3 seeds, benchmarks/results/multiturn.md): mean squared error of stepwise advantages against the exact
+values on the initial policy's rollouts: HGPO (history levels, the default) 0.109 ± 0.019, the turn-keyed levels
+(--advantage hgpo-turn) 0.108 ± 0.021, flat groups 0.121 ± 0.015, LoGo 0.122 ± 0.011, trajectory-level 0.124 ± 0.013
+(the seed-level intervals include 0). At 8,000 sampled turns (about 16 rollout batches) no stepwise arm raises held-out
+success from 53.3%: flat 50.3 ± 9.4, HGPO 45.6 ± 6.7, turn-keyed 48.4 ± 8.8, LoGo 49.6 ± 8.4 (multi-turn GRPO's
+trajectory advantage reaches 60.0 after 20 batches, seed 0). The default run (90 rollout batches, about 47,000
+sampled turns) reaches 66.3 ± 0.9% (+13.3, +12.0, +13.7 points; turn-keyed 67.7 ± 0.6, flat 68.0 ± 6.5, multi-turn
+GRPO 68.3 ± 6.0). Seed 0 shortened to 20 rollout batches: 52.0% -> 56.5% of 200 held-out episodes (56.5 / 57.0
+under the avx2 / default CPU paths; tests/test_hgpo.py's learning test).
 """
 from __future__ import annotations
 
