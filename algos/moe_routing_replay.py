@@ -94,10 +94,11 @@ train-inference KL(mu || pi_old) per token, R3 vs no replay, 3.6e-4 vs 5.6e-2 wi
 only (the default; by construction: a replay of the choice removes exactly the injected mismatch), 7.0e-2 vs 1.5e-1
 with the noise on the engine's router logits (the gates still differ; 4 seeds), 3.3e-4 vs 6.2e-4 with bf16 numerics
 only (8 seeds).
-TIS leaves the KL at 4.5e-2 and ends at 61.3 ± 9.0%. PR2's optimiser forecast explains 3% of the router-logit change
-over a rollout batch (out of sample) and gets 98.39% of the top-k routes right against 98.33% for forecasting no
-change; without router noise its replayed routes are stale at the batch's last step in 1.37 ± 0.10% of (token,
-layer) pairs against R3's 1.46 ± 0.08% (8 seeds); accuracy 62.3 ± 1.1% (PR2) vs 61.9 ± 2.7% (R3). benchmarks/results/
+TIS leaves the KL at 4.5e-2 and ends at 61.3 ± 9.0%. Without router noise PR2's optimiser forecast explains 3% of the
+router-logit change over a rollout batch (out of sample) and gets 98.31% of the top-k routes right, as does
+forecasting no change, and its replayed routes are stale at the batch's last step in 1.50 ± 0.04% of (token, layer)
+pairs (4 seeds) against R3's 1.46 ± 0.08% (8 seeds): no less stale; accuracy with router noise 62.3 ± 1.1% (PR2) vs
+61.9 ± 2.7% (R3). benchmarks/results/
 moe_routing_replay.md (benchmarks/moe_routing_replay_table.py) and the claims table in benchmarks/README.md.
 """
 from __future__ import annotations
