@@ -88,9 +88,9 @@ Commands:
   python algos/moe_routing_replay.py --rollout-dtype fp32 --router-noise 0   # no mismatch: R3 is exact
   python algos/moe_routing_replay.py --model allenai/OLMoE-1B-7B-0924-Instruct --task gsm8k --device cuda \
       --max-new-tokens 512 --lr 1e-6 --micro-batch-size 8 --threads 8   # a real MoE checkpoint (unverified here)
-Expected: the default (R3) lifts held-out greedy accuracy on 2-digit addition from 45.4% to 61.9 ± 2.7% in 100 rollout
-batches (about 100 s on one thread of 2 shared cores; 3 seeds per arm). What R3 removes depends on the mismatch:
-train-inference KL(mu || pi_old) per token, R3 vs no replay, 3.6e-4 vs 5.6e-2 with the noise on the engine's choice
+Expected: the default (R3) lifts held-out greedy accuracy on 2-digit addition from 45.4% to 59.5 ± 2.5% in 100 rollout
+batches (about 60-100 s on one thread of 2 cores; 4 seeds, 3 for the other arms). What R3 removes depends on the mismatch:
+train-inference KL(mu || pi_old) per token, R3 vs no replay, 3.3e-4 vs 4.8e-2 with the noise on the engine's choice
 only (the default; by construction: a replay of the choice removes exactly the injected mismatch), 7.0e-2 vs 1.5e-1
 with the noise on the engine's router logits (the gates still differ; 4 seeds), 3.3e-4 vs 6.2e-4 with bf16 numerics
 only (8 seeds).
@@ -98,7 +98,7 @@ TIS leaves the KL at 4.5e-2 and ends at 61.3 ± 9.0%. Without router noise PR2's
 router-logit change over a rollout batch (out of sample) and gets 98.31% of the top-k routes right, as does
 forecasting no change, and its replayed routes are stale at the batch's last step in 1.50 ± 0.04% of (token, layer)
 pairs (4 seeds) against R3's 1.46 ± 0.08% (8 seeds): no less stale; accuracy with router noise 62.3 ± 1.1% (PR2) vs
-61.9 ± 2.7% (R3). benchmarks/results/
+59.5 ± 2.5% (R3). benchmarks/results/
 moe_routing_replay.md (benchmarks/moe_routing_replay_table.py) and the claims table in benchmarks/README.md.
 """
 from __future__ import annotations
