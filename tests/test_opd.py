@@ -183,9 +183,14 @@ def test_update_normalises_over_the_whole_step(monkeypatch):
                                              {k: v[cut:] if torch.is_tensor(v) else v for k, v in batch.items()}]
         opd.update(student, torch.optim.SGD(student.parameters(), lr=0.0), parts, opd.opd_loss,
                    opd.Args(micro_batch_size=micro), 1, teacher)
-    assert grads[0].abs().max() > 1e-4
-    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
-    assert torch.allclose(grads[0], grads[2], atol=1e-6, rtol=1e-4)
+    scale = grads[0].abs().max()
+    assert scale > 1e-4
+    # the parts sum the same per-token terms in another order in fp32, so the difference is a few ulps of the largest
+    # contributions (measured: at most 1.5e-7 of the largest entry under the AVX-512, AVX2 and default kernels), not of
+    # each entry, which may be a cancelling sum; a part normalised by its own token count instead of the step's moves
+    # entries by a factor (the parts of 5 and 7 rows hold about 5/12 and 7/12 of the tokens)
+    assert (grads[0] - grads[1]).abs().max() <= 1e-5 * scale
+    assert (grads[0] - grads[2]).abs().max() <= 1e-5 * scale
 
 
 @pytest.fixture(scope="module")
