@@ -143,6 +143,7 @@ def test_grpo_learns(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # grpo's learning: test_grpo_learns, in the suite
 def test_grpo_learns_long_responses(tmp_path):
     """The long-response task (5 one-digit operands with running totals, ~33 tokens) from tiny-sums."""
     s = grpo.main(replace(SMALL, model="tiny-sums", task="sums", digits=1, max_new_tokens=48, steps=30, eval_every=30,
@@ -205,6 +206,7 @@ def test_cli_help_and_bad_flag():
 
 # ---- a real model (two processes under FSDP2: tests/test_sharding.py) ----
 @pytest.mark.slow
+@pytest.mark.extended
 def test_smollm2_two_steps(tmp_path):
     pytest.importorskip("gguf")
     s = grpo.main(replace(SMALL, model="smollm2-135m", steps=2, prompts_per_step=2, group_size=2, max_new_tokens=6,

@@ -186,6 +186,7 @@ def test_the_bound_is_far_below_one_full_vocabulary_tensor():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # about 2 minutes of one core: `python -m pytest -q -m extended`
 @pytest.mark.parametrize("script", list(CASES))
 def test_one_step_stays_under_the_bound(steps, script):
     growth, peak, rows, error = steps[script]

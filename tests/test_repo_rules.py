@@ -269,6 +269,38 @@ def test_ci_runs_the_readme_test_command():
     cmd = "python -m pytest -q"
     assert cmd in readme and ci.strip().splitlines()[-1] == cmd
     assert f'{cmd} -m "not slow"' in readme, "README.md gives no quick test command beside the full one"
+    extended = f"{cmd} -m extended"  # the long checks the suite leaves out (pytest.ini): CI runs them too
+    assert extended in readme and any(line.startswith(extended) for line in ci.splitlines())
+
+
+def marks_of(path: Path) -> dict[str, set[str]]:
+    """{test function: the names of its pytest.mark decorators} of one test file."""
+    marks = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+            names = set()
+            for d in node.decorator_list:
+                d = d.func if isinstance(d, ast.Call) else d
+                if isinstance(d, ast.Attribute) and isinstance(d.value, ast.Attribute) and d.value.attr == "mark":
+                    names.add(d.attr)
+            marks[node.name] = names
+    return marks
+
+
+def test_the_extended_checks_leave_each_scripts_learning_in_the_suite():
+    """The README's test command skips the `extended` mark (pytest.ini), so an extended test is one whose file keeps a
+    learning test in the suite (a test named for learning that is not extended), and it is also `slow`, so the quick
+    command (-m "not slow") and CI's AVX2 pass skip it as before."""
+    found = 0
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        marks = marks_of(path)
+        extended = [t for t, m in marks.items() if "extended" in m]
+        found += len(extended)
+        assert all("slow" in marks[t] for t in extended), (path.name, extended)
+        if any("learn" in t for t in extended):
+            assert any("learn" in t and "extended" not in m for t, m in marks.items()), \
+                f"{path.name}: its only learning tests are extended, so the suite never shows that script learning"
+    assert found >= 4
 
 
 def anchor(title: str) -> str:

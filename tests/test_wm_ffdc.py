@@ -302,7 +302,8 @@ def small_run(tmp_path_factory):
     return summary, out
 
 
-@pytest.mark.slow  # the default training and both verifiers, about 2-3 min of one shared CPU core
+@pytest.mark.slow  # the default training and both verifiers, about 1 min of one core
+@pytest.mark.extended  # the verifiers' learning and gating: test_learned_verifiers_fire_..., in the suite
 def test_script_runs_and_gated_beats_short_chunks_on_model_calls(small_run):
     s, _ = small_run
     for r in (0.0, 0.3):
@@ -313,6 +314,7 @@ def test_script_runs_and_gated_beats_short_chunks_on_model_calls(small_run):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_learned_verifier_detects_the_hand_made_slip(small_run):
     """The trained WAM and learned verifier: never a replan on agreeing frames, and the slip of the hand-made
     episode detected within 1 step."""
