@@ -156,7 +156,9 @@ def assert_same_params(tmp_path) -> None:
     assert diff < 1e-5, f"parameters differ by {diff:.2e} (moved {moved:.2e})"
 
 
-def test_sharded_checkpoint_resumes_exactly(tmp_path):
+@pytest.mark.slow
+@pytest.mark.extended  # in the suite: the two-rank checkpoint written and exported above, and its one-process load
+def test_sharded_checkpoint_resumes_exactly(tmp_path):  # (test_common's sharded round trips)
     """grpo.py in two processes: 3 steps in one run, against 2 steps, a sharded checkpoint
     (torch.distributed.checkpoint) and a resumed third step; the resumed run logs the same metrics."""
     flags = ["algos/grpo.py", "--device", "cpu", "--threads", "1", "--prompts-per-step", "4", "--group-size", "4",

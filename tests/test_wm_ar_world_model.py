@@ -47,7 +47,8 @@ def test_chained_loss_feeds_back_own_predictions():
     torch.testing.assert_close(ar.chained_loss(model, win, acts, 1), (l1 + l2) / 2)
 
 
-@pytest.mark.parametrize("chained", [False, True])
+# the chained variant is an extended check (pytest.ini): the teacher-forced one shows the script learning in the suite
+@pytest.mark.parametrize("chained", [False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.extended])])
 def test_one_step_moves_the_agent(tmp_path, chained):
     """A small trained instance (teacher forcing and chained training) puts the agent in the right cell one step
     ahead in at least 95% of test rollouts, and beats copying the last frame in pixel MSE. With the action as
