@@ -15,8 +15,8 @@ episodes, lr 2e-4, temperature 0.7, 300 held-out episodes every 30 batches), one
   semi-online  --mode semi-online: patched rollouts, A = A^episode + A^step (gamma 0.5)
   offline-bc   --mode offline-bc: one row per expert step of 16 x 8 expert episodes per update, advantage 1
                (behaviour cloning of the expert's steps), as many updates
-  online       --mode online: multi-turn GRPO (the parent, algos/multiturn_grpo.py's update); not in the default run
-               (the budget), run with --arms online
+  online       --mode online: multi-turn GRPO (the parent, algos/multiturn_grpo.py's update), run after the
+               other two (--arms online) for the described row below
 The semi-online and offline-bc arms differ in what each update trains on (the policy's own patched turns with their
 advantages, against the expert's turns with advantage 1): that is the paper's comparison.
 
@@ -28,6 +28,9 @@ The plan, fixed before the runs (its lines are in benchmarks/claims_plan.csv):
   episode itself, so SOP <= online success, and the two differ only by online successes that took a step the match
   test rejects (a lookup of a key the query does not name, or of one already read). The agreement is close to
   automatic here, which is why the row describes it and does not test it.
+- online success of semi-online RL beside online RL (the parent): described, 3 seeds (the abstract says semi-online
+  RL bridges offline training and online multi-turn reasoning; it claims no ordering against online RL). Planned
+  after the first two arms had run, before this arm ran.
 - 3 seeds per arm (what the budget allows: about 15 minutes of one CPU thread for both arms).
 
 Writes benchmarks/results/semi_online.csv (one row per run and metric; the checkpoints as acc_s<step>, sop_s<step>,
