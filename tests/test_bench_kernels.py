@@ -19,7 +19,9 @@ def _snapshot():
     return {p.name: p.stat().st_mtime_ns for p in RESULTS.glob("*") if p.name.startswith(("kernels", "dualkv"))}
 
 
-def test_smoke_runs_every_path_and_writes_nothing():
+@pytest.mark.slow
+@pytest.mark.extended  # the whole benchmark under the interpreter; each kernel's own tests and this file's table tests
+def test_smoke_runs_every_path_and_writes_nothing():  # are in the suite
     before = _snapshot()
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "benchmarks/bench_kernels.py", "--smoke"], cwd=ROOT, env=env,
