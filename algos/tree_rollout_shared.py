@@ -15,6 +15,9 @@ Equations (the parent's, and; each implemented by the function named on the righ
                 prompt and its ancestors' tokens) and itself; position ids are path positions        pack_trees
   forward       log pi of every tree token from the hidden state of its predecessor on its path, one forward per
                 packed tree with the additive tree mask                  packed_logprobs, tree_attention_mask
+  kernel        --tree-attention kernel: the same attention from each row's parent array (the prompt a chain, a
+                tree token's parent its predecessor on its path) through kernels/tree_verify_attention.py, the
+                tree handed to every layer as packed ancestor bits        tree_kernel_mask, tree_kernel_attention
   loss          sum_l w_l l(rho_t, A_lt) = P_t l(rho_t, +1) + N_t l(rho_t, -1) for the clipped surrogate, with
                 P_t = sum_l w_l max(A_lt, 0), N_t = sum_l w_l max(-A_lt, 0) over the leaves l through token t, w_l the
                 leaf's share of the aggregation (1 / (N_seq |o_l|) for seq-mean); + kl_coef sum_l w_l k3_t
@@ -29,7 +32,15 @@ Equations (the parent's, and; each implemented by the function named on the righ
 Deviations (the parent's hold too):
 - The tree mask goes to attention as an additive float mask (0 / -inf), which eager and SDPA both apply;
   flash-attention kernels take no 4-D mask and are refused with a message.
-- No --kernels: the packed forward has no fused kernel.
+- --tree-attention kernel (default mask) computes the packed forward's attention with kernels/tree_verify_attention.py
+  instead of the additive [S x S] mask: on CUDA its Triton kernels, forward and backward (an autograd.Function), so
+  the update trains through them and the no-grad passes (pi_old, the reference) use them too; on CPU its pure-torch
+  reference (a dense mask again, built per layer; the tests run the Triton kernels through the interpreter). The
+  whole packed row is the kernel's tree (prefix length 0, the prompt a chain), so its all-visible prefix blocks go
+  unused. The model's attention implementation becomes tree_kernel_attention for the run: SDPA (with transformers' own
+  mask) for sampling and evaluation, whatever implementation the model was loaded with (flash attention included);
+  attention dropout, logit softcapping and a sliding window shorter than a packed row are refused. Equal to the
+  mask path to fp32 rounding (a test). The boolean tree mask of the packing is still built (1 byte per pair, on CPU).
 - rollout/logprob_mismatch, rollout/is_weight_mean, rollout/is_truncated_frac and the loss/ statistics are means over
   tree tokens, not leaf tokens.
 
@@ -38,6 +49,8 @@ Commands:
   python algos/tree_rollout_shared.py --rounds 2 --continuations 1 --chains 2   # deeper trees: more sharing
   python algos/tree_rollout_shared.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --device cuda \
       --max-new-tokens 512 --answer-marker "####" --lr 1e-6                              # one GPU
+  python algos/tree_rollout_shared.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --device cuda \
+      --max-new-tokens 512 --answer-marker "####" --lr 1e-6 --tree-attention kernel   # the Triton tree kernel
 Expected: the parent's learning (from the same trees, the first update's loss and gradient norm equal the parent's
 to 1e-4 and 1e-3, a test), from fewer forward tokens: prompt + tree tokens once per tree, not prompt + leaf per leaf.
 """
@@ -110,6 +123,11 @@ class Args(LLMArgs):
     """passes over each rollout batch"""
     minibatches: int = 1
     """optimiser steps per pass; the rollout batch is split into this many"""
+    # the packed forward
+    tree_attention: Literal["mask", "kernel"] = "mask"
+    """mask: the additive [S x S] tree mask under the model's eager or SDPA attention; kernel:
+    kernels/tree_verify_attention.py from each row's parent array (Triton forward and backward on CUDA, its pure-torch
+    reference on CPU); sampling and evaluation then run SDPA"""
 
 
 def check_args(args: Args) -> None:
@@ -305,6 +323,8 @@ def pack_trees(trees: list[list[dict]], prompts: list[list[int]], adv: torch.Ten
     pos_w = sum w_l max(A_l, 0), neg_w = sum w_l max(-A_l, 0), kl_w = sum w_l with w_l = 1/|o_l| (seq-mean), 1
     (token-mean) or 1/k (const); the step's normaliser divides later. Also leaf_tokens [R] (sum of leaf lengths) and
     leaf_index [B, C] (the column of every leaf token). Position ids are the path positions, as in the leaf batch.
+    parents [R, S]: each position's predecessor on its path (--tree-attention kernel's tree): the previous prompt
+    token, tgt_pos for a tree token, -1 for the first token and the padding (which sees itself only, as in attn).
     """
     B, C = adv.shape[0], max(len(l["tokens"]) for tree in trees for l in tree)
     tok_adv = adv.float().cpu() if adv.dim() == 2 else adv.float().cpu()[:, None].expand(B, C)
@@ -342,11 +362,13 @@ def pack_trees(trees: list[list[dict]], prompts: list[list[int]], adv: torch.Ten
           "attn": torch.eye(S, dtype=torch.bool).repeat(R, 1, 1), "tgt_pos": torch.zeros(R, Q, dtype=torch.long),
           "tgt": torch.full((R, Q), pad_id), "mask": torch.zeros(R, Q), "logprobs": torch.zeros(R, Q),
           "pos_w": torch.zeros(R, Q), "neg_w": torch.zeros(R, Q), "kl_w": torch.zeros(R, Q),
-          "leaf_tokens": torch.tensor([float(r[7]) for r in rows]), "leaf_index": leaf_index}
+          "leaf_tokens": torch.tensor([float(r[7]) for r in rows]), "leaf_index": leaf_index,
+          "parents": torch.full((R, S), -1, dtype=torch.long)}
     for k, (ids, pos, attn, pred, toks, lps, w, _) in enumerate(rows):
         s, q = len(ids), len(toks)
         pk["ids"][k, :s], pk["pos"][k, :s], pk["attn"][k, :s, :s] = torch.tensor(ids), torch.tensor(pos), attn
         pk["tgt_pos"][k, :q], pk["tgt"][k, :q], pk["mask"][k, :q] = torch.tensor(pred), torch.tensor(toks), 1.0
+        pk["parents"][k, :s] = torch.tensor(list(range(-1, s - q - 1)) + pred)  # the prompt a chain, then the tree
         pk["logprobs"][k, :q], (pk["pos_w"][k, :q], pk["neg_w"][k, :q], pk["kl_w"][k, :q]) = torch.tensor(lps), w
     return {k: v.to(device) for k, v in pk.items()}
 
@@ -365,13 +387,69 @@ def tree_attention_mask(model, attn):
     return torch.zeros(attn.shape, dtype=dtype, device=attn.device).masked_fill(~attn, float("-inf"))[:, None]
 
 
+TREE_KERNEL = "tree_verify"  # the attention implementation's name in transformers' registries (use_tree_kernel)
+
+
+def tree_kernel_mask(parents):
+    """The kernel's tree [b, 1, S, 1 + W] int32, handed to every layer as the attention mask (transformers passes a
+    4-D mask on unchanged): column 0 each position's parent in its row (pack_trees' parents), then its ancestor row
+    packed 32 keys to a word (kernels/tree_verify_attention.ancestor_bits, W = ceil(S / 32)), built once per forward
+    on the CPU instead of once per layer: S (1 + W) words a row where the additive mask holds S^2 floats."""
+    from kernels import tree_verify_attention as tree_kernel
+
+    p = parents.cpu()
+    bits = tree_kernel.ancestor_bits(tree_kernel.ancestor_mask(p))
+    return torch.cat([p.to(torch.int32)[..., None], bits], -1)[:, None].to(parents.device)
+
+
+def tree_kernel_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """--tree-attention kernel's attention. Given the kernel's tree (tree_kernel_mask: an integer mask), every token
+    of a packed row attends its path: kernels/tree_verify_attention.tree_verify_attention with the whole row as the tree
+    (prefix length 0); query [b, H, S, D], key and value [b, H_kv, S, D] (repeated to H heads) -> [b, S, H, D].
+    Every other call (sampling, evaluation, a plain forward) is SDPA with transformers' own mask."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    from kernels import tree_verify_attention as tree_kernel
+
+    if attention_mask is None or attention_mask.dtype.is_floating_point or attention_mask.dtype == torch.bool:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    window = kwargs.get("sliding_window")
+    if dropout > 0 or kwargs.get("softcap") is not None or (window and window < query.shape[2]):
+        raise SystemExit("--tree-attention kernel computes plain softmax attention: this model asks for attention "
+                         f"dropout ({dropout}), logit softcapping ({kwargs.get('softcap')}) or a sliding window "
+                         f"({window}) shorter than a packed row ({query.shape[2]}); use --tree-attention mask")
+    tree, n_rep = attention_mask[:, 0], query.shape[1] // key.shape[1]
+    out = tree_kernel.tree_verify_attention(query, repeat_kv(key, n_rep), repeat_kv(value, n_rep), tree[..., 0],
+                                            scaling, bits=tree[..., 1:].contiguous())
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_tree_kernel(*models) -> None:
+    """--tree-attention kernel: register tree_kernel_attention with transformers (with SDPA's mask builder for the
+    calls that pass no tree) and make it the models' attention, so that packed_logprobs hands them the kernel's tree.
+    The implementation stays set for the run: a layer recomputed in the backward (gradient checkpointing) runs the
+    same attention as in its forward."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(TREE_KERNEL, tree_kernel_attention)
+    AttentionMaskInterface.register(TREE_KERNEL, sdpa_mask)
+    for model in models:
+        if model is not None:
+            model.config._attn_implementation = TREE_KERNEL
+
+
 def packed_logprobs(model, pk: dict, idx, temperature: float = 1.0, with_entropy: bool = False,
                     chunk_mb: float | None = None):
     """log pi of every tree token [b, Q] (and the entropy, a statistic without a graph) from one forward over the
-    packed trees idx under the training autocast, with the additive tree mask (tree_attention_mask). The lm_head and
+    packed trees idx under the training autocast, with the additive tree mask (tree_attention_mask), or the kernel's
+    tree (tree_kernel_mask) when the model's attention is tree_kernel_attention (use_tree_kernel). The lm_head and
     log-softmax run over chunks of tree tokens of about chunk_mb MiB of fp32 logits (common.LOGPROB_CHUNK_MB), each
     recomputed in the backward (activation checkpointing, as common.token_logprobs): one [tokens x vocab] chunk alive."""
-    attn, head = tree_attention_mask(model, pk["attn"][idx]), model.get_output_embeddings()
+    kernel = getattr(model.config, "_attn_implementation", None) == TREE_KERNEL  # use_tree_kernel: the kernel's tree
+    attn = tree_kernel_mask(pk["parents"][idx]) if kernel else tree_attention_mask(model, pk["attn"][idx])
+    head = model.get_output_embeddings()
     tgt, mask = pk["tgt"][idx], pk["mask"][idx]
     b, Q = tgt.shape
 
@@ -504,6 +582,8 @@ def main(args: Args) -> dict:
     run = llm.Run(args)  # accelerator, threads, seed, the task and its held-out sets, the run folder
     # sharded when several processes run; the sampler decodes (the trainer itself on CPU)
     model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
+    if args.tree_attention == "kernel":  # the packed forwards through kernels/tree_verify_attention.py
+        use_tree_kernel(model, ref_model)
     opt = llm.make_optimizer(model.parameters(), args)
     run.start(model, tok, opt, sampler)  # resume from --resume, then the step-0 held-out evaluation
     for step, rng in run.steps():  # every random draw of a step depends on (seed, step, rank) only

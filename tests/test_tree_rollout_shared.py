@@ -1,6 +1,7 @@
 """algos/tree_rollout_shared.py: the shared-token loss and gradient against the replicated-leaf loss (per-leaf and
 per-token advantages, eager and SDPA attention, the sampler's truncated importance weight), attention without 4-D masks
-refused, the update's sampler correction, one step equal to the parent's one-sequence-per-leaf step, bad input."""
+refused, the update's sampler correction, one step equal to the parent's one-sequence-per-leaf step, --tree-attention
+kernel (the Triton tree kernel through the interpreter, and its reference) equal to the mask path, bad input."""
 import copy
 import json
 import math
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 import common
+import kernels.tree_verify_attention as K
+from _kernel_check import DEV, interpret, poison  # noqa: F401 - interpret: a fixture (Triton's interpreter on CPU)
 from _tree_policy import TablePolicy, tree_args
 from algos import _llm as llm, tree_rollout_adv as ta, tree_rollout_grpo as tr, tree_rollout_shared as ts
 
@@ -126,18 +129,106 @@ SMALL = dict(steps=1, prompts_per_step=4, eval_every=1, eval_examples=10, pass_k
              exp_name="t")
 
 
-def test_shared_training_equals_leaf_training(tmp_path):
+def test_shared_training_equals_leaf_training(tmp_path, monkeypatch):
     """One step from the same trees: each tree token once has the parent's (one sequence per leaf) loss and gradient
-    norm."""
+    norm; so has --tree-attention kernel, whose packed forwards go through tree_kernel_attention (the kernel module's
+    reference on CPU) while its sampling stays SDPA (the same trees)."""
+    tree_calls, attention = [], ts.tree_kernel_attention
+
+    def counted(module, q, k, v, mask, **kw):  # whether each call carried the kernel's tree (an integer mask)
+        tree_calls.append(mask is not None and not mask.dtype.is_floating_point and mask.dtype != torch.bool)
+        return attention(module, q, k, v, mask, **kw)
+
+    monkeypatch.setattr(ts, "tree_kernel_attention", counted)
     tr.main(tr.Args(out_dir=str(tmp_path / "a"), **SMALL))
     ts.main(ts.Args(out_dir=str(tmp_path / "b"), **SMALL))
-    a, b = [[json.loads(x) for x in open(tmp_path / d / "t" / "metrics.jsonl")][1] for d in "ab"]
-    assert a["rollout/reward"] == b["rollout/reward"] and a["rollout/sampled_tokens"] == b["rollout/sampled_tokens"]
-    assert b["loss/pg"] == pytest.approx(a["loss/pg"], rel=1e-4, abs=1e-6)
-    assert b["loss/grad_norm"] == pytest.approx(a["loss/grad_norm"], rel=1e-3)
-    assert b["rollout/logprob_mismatch"] < 1e-3
+    ts.main(ts.Args(out_dir=str(tmp_path / "c"), tree_attention="kernel", **SMALL))
+    a, b, c = [[json.loads(x) for x in open(tmp_path / d / "t" / "metrics.jsonl")][1] for d in "abc"]
+    assert any(tree_calls) and not all(tree_calls)  # the packed forwards had the tree, sampling and evaluation not
+    for x in (b, c):
+        assert a["rollout/reward"] == x["rollout/reward"] and a["rollout/sampled_tokens"] == x["rollout/sampled_tokens"]
+        assert x["loss/pg"] == pytest.approx(a["loss/pg"], rel=1e-4, abs=1e-6)
+        assert x["loss/grad_norm"] == pytest.approx(a["loss/grad_norm"], rel=1e-3)
+        assert x["rollout/logprob_mismatch"] < 1e-3
 
 
 def test_bad_input(tmp_path):
     with pytest.raises(SystemExit, match="must divide"):
         ts.main(ts.Args(out_dir=str(tmp_path), **{**SMALL, "minibatches": 3}))
+
+
+# ---- --tree-attention kernel ----
+def _packed(tok, device="cpu"):
+    """_shared_equals_replicated's trees (three prompts, ten leaves each), packed, with a per-leaf advantage."""
+    args = tree_args(ts, chains=2, rounds=2, branches=1, continuations=2, kl_coef=0.1, clip_eps_high=0.28)
+    trees, _ = ts.grow_trees(TablePolicy(np.full((6, 5), 0.2), 6, ids=[4, 5, 6, 7, 8]), [3] * 3, args,
+                             np.random.default_rng(1), len)
+    prompts = [[1, 9, 10, 11], [1, 12, 13], [1, 14, 15, 16, 17]]
+    adv = torch.randn(len(trees) * args.group_size, generator=torch.Generator().manual_seed(2))
+    return args, prompts, ts.pack_trees(trees, prompts, adv, args, tok.pad_token_id, device)
+
+
+def _one_update(model, pk, args):
+    """Log-probs of the packed trees, and the loss and gradient of one update from them (clipping and KL active)."""
+    lp = ts.packed_logprobs(model, pk, torch.arange(pk["ids"].shape[0]), chunk_mb=0.001)
+    noise = torch.randn(lp.shape, generator=torch.Generator().manual_seed(3)).to(lp.device) * 0.3
+    mb = {**{k: pk[k] for k in ("pos_w", "neg_w", "kl_w", "mask")}, "old": lp.detach() + noise,
+          "ref": lp.detach() - noise}
+    loss, _ = ts.shared_token_loss(lp, mb, pk["leaf_index"].shape[0], int(pk["leaf_tokens"].sum()), args)
+    slope = torch.autograd.grad(loss, lp, retain_graph=True)[0].abs().sum()
+    return lp.detach(), loss.detach(), slope, torch.autograd.grad(loss, list(model.parameters()))
+
+
+def test_tree_kernel_attention_equals_the_mask_path(tiny, interpret, monkeypatch):
+    """--tree-attention kernel: tree_kernel_attention runs kernels/tree_verify_attention.py's Triton kernels, forward
+    and backward (through the interpreter on CPU; the pure-torch reference is made to fail, so it cannot stand in),
+    from each packed row's parent array (tree_kernel_mask); its log-probs, and the loss and gradient of one update,
+    equal the additive-mask path's under SDPA."""
+    poison(monkeypatch)
+    model, tok = tiny
+    args, _, pk = _packed(tok, DEV)
+    mask_model, kernel_model = copy.deepcopy(model).to(DEV), copy.deepcopy(model).to(DEV)
+    ts.use_tree_kernel(kernel_model)
+    monkeypatch.setattr(K, "tree_verify_attention_ref", lambda *a, **k: pytest.fail("the reference ran instead"))
+    lp_m, loss_m, slope, g_m = _one_update(mask_model, pk, args)
+    lp_k, loss_k, _, g_k = _one_update(kernel_model, pk, args)
+    mask = pk["mask"].bool()
+    # Both fp32, equal in exact arithmetic; the kernel's online softmax over 32-key blocks and SDPA sum in different
+    # orders, a few ulps per attention output, carried through three layers to log-probs between -15 and -9, where one
+    # ulp is 1e-6 (measured at most 6 ulps on the AVX-512, AVX2 and default vector paths). One leaf segment's first
+    # token given a parent one position off moves log-probs by nats (4.1 measured).
+    dlp = float((lp_k - lp_m)[mask].abs().max())
+    assert dlp <= 2e-5, dlp
+    # the loss moves by at most its slope in the log-probs times their largest difference (plus fp32 rounding of the
+    # weighted sum); each gradient by at most 1e-4 of its norm (fp32 backward through two attention computations)
+    assert abs(float(loss_k - loss_m)) <= float(slope) * (dlp + 1e-6), (float(loss_k - loss_m), dlp)
+    for a, b in zip(g_m, g_k):
+        assert (a - b).norm() <= 1e-4 * a.norm(), float((a - b).norm() / a.norm())
+
+
+def test_tree_kernel_reference_with_grouped_heads_equals_the_mask_path(tiny):
+    """Without Triton (CPU, no interpreter) tree_kernel_attention runs the kernel module's reference, on a model with
+    grouped-query heads (key and value heads repeated): the packed log-probs equal the mask path's. Outside the packed
+    forward (token_logprobs, as sampling and evaluation) a model under use_tree_kernel computes SDPA exactly. Attention
+    dropout is refused by name."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tok = tiny
+    torch.manual_seed(0)
+    gqa = LlamaForCausalLM(LlamaConfig(vocab_size=99, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       attn_implementation="sdpa"))
+    _, prompts, pk = _packed(tok)
+    kernel_model = copy.deepcopy(gqa)
+    ts.use_tree_kernel(kernel_model)
+    idx = torch.arange(3)
+    with torch.no_grad():
+        assert torch.allclose(ts.packed_logprobs(kernel_model, pk, idx), ts.packed_logprobs(gqa, pk, idx), atol=2e-5)
+        pids, pmask = common.left_pad(prompts, tok.pad_token_id)
+        comp = torch.randint(4, 9, (3, 5), generator=torch.Generator().manual_seed(0))
+        cmask = torch.ones_like(comp)
+        assert torch.equal(common.token_logprobs(kernel_model, pids, pmask, comp, cmask),
+                           common.token_logprobs(gqa, pids, pmask, comp, cmask))
+    tree, q = ts.tree_kernel_mask(pk["parents"][:1]), torch.zeros(1, 4, pk["ids"].shape[1], 16)
+    with pytest.raises(SystemExit, match="dropout"):
+        ts.tree_kernel_attention(kernel_model.model.layers[0].self_attn, q, q, q, tree, dropout=0.1)
