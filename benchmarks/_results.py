@@ -24,9 +24,15 @@ def provenance() -> dict:
     """Commit, hardware and versions of the machine that makes the numbers."""
     import torch
 
+    root = RESULTS.parent.parent
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=RESULTS.parent.parent).stdout.strip() or "unknown"
+                                cwd=root).stdout.strip() or "unknown"
+        # tracked code that differs from that commit: the row says so ("+dirty"); results and runs do not count
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                  ":(exclude)benchmarks/results", ":(exclude)runs"], capture_output=True, text=True,
+                                 cwd=root).stdout.strip()
+        commit += "+dirty" if changed and commit != "unknown" else ""
     except OSError:
         commit = "unknown"
     # a copy of the tree sent to another machine (a rented GPU box) is told its commit: its own .git may be stale

@@ -339,3 +339,26 @@ def test_mean_std_formats():
 
     assert mean_std([]) == "-" and mean_std([0.5], 100) == "50.0" and mean_std([0.5], 100, bare_single=False) == "50.0 ± 0.0"
     assert mean_std([1.0, 3.0], digits=2) == "2.00 ± 1.41"  # the sample std (n - 1)
+
+
+def test_provenance_marks_code_that_differs_from_its_commit(tmp_path, monkeypatch):
+    """A result row records the commit of the code that made it: a tracked file changed since that commit adds
+    "+dirty"; the results CSVs the run itself appends to do not."""
+    import subprocess
+
+    from benchmarks import _results as R
+
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (tmp_path / "code.py").write_text("a = 1\n")
+    (results / "x.csv").write_text("row\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    for cmd in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "c"]):
+        subprocess.run(git + cmd, cwd=tmp_path, check=True, capture_output=True)
+    monkeypatch.setattr(R, "RESULTS", results)
+    clean = R.provenance()["commit"]
+    assert clean != "unknown" and not clean.endswith("+dirty")
+    (results / "x.csv").write_text("row\nanother row\n")
+    assert R.provenance()["commit"] == clean
+    (tmp_path / "code.py").write_text("a = 2\n")
+    assert R.provenance()["commit"] == clean + "+dirty"
