@@ -56,6 +56,7 @@ to 1e-4 and 1e-3, a test), from fewer forward tokens: prompt + tree tokens once 
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -436,7 +437,7 @@ def use_tree_kernel(*models) -> None:
     AttentionInterface.register(TREE_KERNEL, tree_kernel_attention)
     AttentionMaskInterface.register(TREE_KERNEL, sdpa_mask)
     for model in models:
-        if model is not None:
+        if model is not None and not isinstance(model, common.AdaptersOff):  # AdaptersOff: the policy itself
             model.config._attn_implementation = TREE_KERNEL
 
 
@@ -446,7 +447,10 @@ def packed_logprobs(model, pk: dict, idx, temperature: float = 1.0, with_entropy
     packed trees idx under the training autocast, with the additive tree mask (tree_attention_mask), or the kernel's
     tree (tree_kernel_mask) when the model's attention is tree_kernel_attention (use_tree_kernel). The lm_head and
     log-softmax run over chunks of tree tokens of about chunk_mb MiB of fp32 logits (common.LOGPROB_CHUNK_MB), each
-    recomputed in the backward (activation checkpointing, as common.token_logprobs): one [tokens x vocab] chunk alive."""
+    recomputed in the backward (activation checkpointing, as common.token_logprobs): one [tokens x vocab] chunk alive.
+    A LoRA policy's reference (common.AdaptersOff) is the policy run with its adapters disabled, as token_logprobs."""
+    off = isinstance(model, common.AdaptersOff)
+    model, adapters = (model.model, model.model.disable_adapter()) if off else (model, contextlib.nullcontext())
     kernel = getattr(model.config, "_attn_implementation", None) == TREE_KERNEL  # use_tree_kernel: the kernel's tree
     attn = tree_kernel_mask(pk["parents"][idx]) if kernel else tree_attention_mask(model, pk["attn"][idx])
     head = model.get_output_embeddings()
@@ -458,7 +462,7 @@ def packed_logprobs(model, pk: dict, idx, temperature: float = 1.0, with_entropy
         ent = -(logp.exp() * logp).sum(-1).detach() if with_entropy else hc.new_zeros(0)
         return logp.gather(-1, tc[:, None]).squeeze(-1), ent
 
-    with common.autocast(model):
+    with adapters, common.autocast(model):
         hidden = common.decoder_hidden(model, pk["ids"][idx], attn, pk["pos"][idx])
         h = hidden.gather(1, pk["tgt_pos"][idx].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])).reshape(b * Q, -1)
         step, t = common.chunk_positions(head.weight.shape[0], chunk_mb), tgt.reshape(-1)

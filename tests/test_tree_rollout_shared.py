@@ -6,6 +6,7 @@ import copy
 import json
 import math
 import types
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -232,3 +233,21 @@ def test_tree_kernel_reference_with_grouped_heads_equals_the_mask_path(tiny):
     tree, q = ts.tree_kernel_mask(pk["parents"][:1]), torch.zeros(1, 4, pk["ids"].shape[1], 16)
     with pytest.raises(SystemExit, match="dropout"):
         ts.tree_kernel_attention(kernel_model.model.layers[0].self_attn, q, q, q, tree, dropout=0.1)
+
+
+def test_a_lora_policys_reference_is_the_base_model_on_packed_trees(tiny):
+    """--lora-rank with a KL term: the reference (common.AdaptersOff, the policy with its adapters disabled) scores the
+    packed trees as the base model does, and the policy with its (moved) adapters does not."""
+    model, tok = tiny
+    base = copy.deepcopy(model)
+    args, _, pk = _packed(tok)
+    lora = llm.add_lora(copy.deepcopy(model), replace(args, lora_rank=4))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(4))
+        idx = torch.arange(pk["ids"].shape[0])
+        ref, plain = ts.packed_logprobs(common.AdaptersOff(lora), pk, idx), ts.packed_logprobs(base, pk, idx)
+        adapted = ts.packed_logprobs(lora, pk, idx)
+    assert torch.allclose(ref, plain, atol=1e-6)  # the same weights and the same computation
+    assert (adapted - plain).abs().max() > 0.1
