@@ -23,7 +23,9 @@ thread:
                    and a quarter of each batch's prompts rolled out by the teacher, distilled with forward KL
 fixed and short-to-long differ in the rollout budget only; fixed and fixed+StableOPD in the two fixes only.
 
-The plan, fixed before the runs (its lines are in benchmarks/claims_plan.csv):
+The plan, fixed before the runs (StableOPD's lines are in benchmarks/claims_plan.csv; the claims table names each paper by
+its title and arXiv id, which the short-to-long paper's abstract does not give, so its two comparisons and the
+tokens to an equal teacher KL are reported in this table only, by the same tests, and not judged there):
 - rollout tokens over the run (gen_tokens, the student's and any mixed-in rollouts): short-to-long < fixed, effect 71%
   (the abstract's 71% fewer rollout tokens).
 - held-out accuracy at the end: short-to-long ~ fixed, margin 2 points (the abstract's "within two points").
