@@ -93,6 +93,10 @@ class Args(LLMArgs):
     eval_hard: bool = False
     """no harder held-out split here: the held-out set is episodes that training never plays (must stay off)"""
     # environment
+    env: Literal["lookup", "calc"] = "lookup"
+    """the environment: 'lookup' (algos/_toolenv.py's key-value store, what tiny-toolenv was trained on) or 'calc'
+    (reasoning-gym's basic_arithmetic problems with a calculator tool and an answer tool, for chat models: the shipped
+    tiny-toolenv was never trained on it); --n-keys, --n-query and --value-digits set the lookup only"""
     n_keys: int = 4
     """keys in each episode's hidden store"""
     n_query: int = 3
@@ -181,6 +185,9 @@ def check_args(args: Args) -> None:
         raise SystemExit("--eval-split val needs --env-split prompt (the episode split has no validation set)")
     if args.max_context_tokens < 0 or args.max_obs_tokens < 0:
         raise SystemExit("--max-context-tokens and --max-obs-tokens must be >= 0 (0 = no budget)")
+    if args.env == "calc" and (args.n_keys, args.n_query, args.value_digits) != (4, 3, 1):
+        raise SystemExit("--n-keys, --n-query, --value-digits set the lookup environment; --env calc plays "
+                         "reasoning-gym's basic_arithmetic (2 to 4 terms of 1 to 2 digits)")
 
 
 # ---- the idea: advantage, clipped surrogate, KL, aggregation ----
@@ -268,7 +275,12 @@ def env_token_ce(model, batch: dict, args: Args) -> float:
 
 
 # ---- rollout and update ----
-def make_env(args: Args) -> _toolenv.LookupEnv:
+def make_env(args: Args) -> _toolenv.LookupEnv | _toolenv.CalculatorEnv:
+    """The environment of --env: the key-value lookup, or reasoning-gym arithmetic with a calculator (for chat models;
+    its --max-context counts the characters after the question)."""
+    if args.env == "calc":
+        return _toolenv.CalculatorEnv("basic_arithmetic", args.max_turns, args.max_context, args.env_split,
+                                      args.max_context_tokens, args.max_obs_tokens)
     return _toolenv.LookupEnv(args.n_keys, args.value_digits, args.max_turns, args.max_context, args.n_query,
                               args.env_split, args.max_context_tokens, args.max_obs_tokens)
 
@@ -293,7 +305,8 @@ def rollout(sampler, tok, env, args: Args, rng, device) -> dict:
     """G episodes of each of prompts_per_step training seeds, played turn by turn; A_i per group of G."""
     seeds = env.seeds("train", args.prompts_per_step, rng)
     envs = [env.clone() for _ in seeds for _ in range(args.group_size)]
-    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))])
+    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))],
+                                      env.system_prompt)
     eps = _toolenv.play(sampler, tok, envs, prompts, args.max_new_tokens, args.temperature)
     batch = pack_episodes(eps, prompts, tok, device)
     batch.update(adv=group_advantages(batch["rewards"], args.group_size, args.adv_std_norm), episodes=eps,
@@ -389,7 +402,7 @@ def held_out_ce_batch(sampler, tok, env, args: Args, device) -> dict:
     not generate."""
     seeds = env.seeds(args.eval_split, args.env_ce_examples, np.random.default_rng(54321))
     envs = [env.clone() for _ in seeds]
-    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)])
+    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)], env.system_prompt)
     with torch.random.fork_rng():
         torch.manual_seed(54321)
         eps = _toolenv.play(sampler, tok, envs, prompts, args.max_new_tokens, args.temperature)

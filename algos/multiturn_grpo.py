@@ -40,6 +40,11 @@ Deviations:
   with the error), each observation a tool turn through the template and the next assistant turn opened, all of it
   observation tokens; budgets in tokens (--max-new-tokens per turn, --max-context-tokens, --max-obs-tokens for one
   tool response, cut and counted). The shipped character world has no template and plays raw text, as before.
+- --env calc swaps the toy for a real task (_toolenv.CalculatorEnv): reasoning-gym's basic_arithmetic problems (2 to 4
+  terms of 1 to 2 digits), a calculator tool (`calculator(expression)`: numbers, + - * / and parentheses, parsed with
+  `ast`, never evaluated as code) and `answer(value)`, reward 1 when the generator's scorer accepts the answer. It is
+  for chat models: the shipped tiny-toolenv was never trained on it (in raw text its actions would be `#EXPR` and
+  `!V`), and --n-keys, --n-query and --value-digits are refused with it.
 - The action budget (--max-new-tokens) is per turn; an action that hits it without EOS is still sent to the
   environment (it is usually answered `err;`). rollout/truncated counts them per batch.
 - No Triton kernels (--kernels) and no harder held-out split: by default the held-out set is episodes (store and
@@ -58,6 +63,8 @@ Commands:
   python algos/multiturn_grpo.py --max-turns 6 --max-context 60    # looser limits
   python algos/multiturn_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda --lr 1e-6 --max-new-tokens 64 \
       --max-context-tokens 2048 --max-obs-tokens 64     # a chat model: template turns, JSON tool calls
+  python algos/multiturn_grpo.py --env calc --model Qwen/Qwen2.5-0.5B-Instruct --device cuda --lr 1e-6 \
+      --max-new-tokens 64 --max-context-tokens 2048     # the calculator over reasoning-gym arithmetic
 Expected: held-out greedy episode success of tiny-toolenv 53.3% -> 68.3 ± 6.0% after the default 90 rollout batches
 (3 seeds: +20.0, +8.4, +16.7 points; the lookups become perfect and the answer turn, 61% at the start, ends at 62-73%)
 in 216-235 s on one thread of 2 shared cores (the default, 2 threads on an idle 2-core machine: seed 0 the same
@@ -112,6 +119,10 @@ class Args(LLMArgs):
     eval_hard: bool = False
     """no harder held-out split here: the held-out set is episodes that training never plays (must stay off)"""
     # environment
+    env: Literal["lookup", "calc"] = "lookup"
+    """the environment: 'lookup' (algos/_toolenv.py's key-value store, what tiny-toolenv was trained on) or 'calc'
+    (reasoning-gym's basic_arithmetic problems with a calculator tool and an answer tool, for chat models: the shipped
+    tiny-toolenv was never trained on it); --n-keys, --n-query and --value-digits set the lookup only"""
     n_keys: int = 4
     """keys in each episode's hidden store"""
     n_query: int = 3
@@ -198,6 +209,9 @@ def check_args(args: Args) -> None:
         raise SystemExit("--eval-split val needs --env-split prompt (the episode split has no validation set)")
     if args.max_context_tokens < 0 or args.max_obs_tokens < 0:
         raise SystemExit("--max-context-tokens and --max-obs-tokens must be >= 0 (0 = no budget)")
+    if args.env == "calc" and (args.n_keys, args.n_query, args.value_digits) != (4, 3, 1):
+        raise SystemExit("--n-keys, --n-query, --value-digits set the lookup environment; --env calc plays "
+                         "reasoning-gym's basic_arithmetic (2 to 4 terms of 1 to 2 digits)")
 
 
 # ---- the idea: advantage, clipped surrogate, KL, aggregation ----
@@ -278,7 +292,12 @@ def env_token_ce(model, batch: dict, args: Args) -> float:
 
 
 # ---- rollout and update ----
-def make_env(args: Args) -> _toolenv.LookupEnv:
+def make_env(args: Args) -> _toolenv.LookupEnv | _toolenv.CalculatorEnv:
+    """The environment of --env: the key-value lookup, or reasoning-gym arithmetic with a calculator (for chat models;
+    its --max-context counts the characters after the question)."""
+    if args.env == "calc":
+        return _toolenv.CalculatorEnv("basic_arithmetic", args.max_turns, args.max_context, args.env_split,
+                                      args.max_context_tokens, args.max_obs_tokens)
     return _toolenv.LookupEnv(args.n_keys, args.value_digits, args.max_turns, args.max_context, args.n_query,
                               args.env_split, args.max_context_tokens, args.max_obs_tokens)
 
@@ -303,7 +322,8 @@ def rollout(sampler, tok, env, args: Args, rng, device) -> dict:
     """G episodes of each of prompts_per_step training seeds, played turn by turn; A_i per group of G."""
     seeds = env.seeds("train", args.prompts_per_step, rng)
     envs = [env.clone() for _ in seeds for _ in range(args.group_size)]
-    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))])
+    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))],
+                                      env.system_prompt)
     eps = _toolenv.play(sampler, tok, envs, prompts, args.max_new_tokens, args.temperature)
     batch = pack_episodes(eps, prompts, tok, device)
     batch.update(adv=group_advantages(batch["rewards"], args.group_size, args.adv_std_norm), episodes=eps,
@@ -399,7 +419,7 @@ def held_out_ce_batch(sampler, tok, env, args: Args, device) -> dict:
     not generate."""
     seeds = env.seeds(args.eval_split, args.env_ce_examples, np.random.default_rng(54321))
     envs = [env.clone() for _ in seeds]
-    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)])
+    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)], env.system_prompt)
     with torch.random.fork_rng():
         torch.manual_seed(54321)
         eps = _toolenv.play(sampler, tok, envs, prompts, args.max_new_tokens, args.temperature)

@@ -27,13 +27,14 @@ Equations (episode i of a seed's group of G, turn t; h_it the patched history be
                                                                                    pack_steps, update, clipped_pg_loss
   SOP                sop = mean_i 1[no patch in episode i and it succeeded] (an episode without a patch is the one
                      online play would have produced); sop_progress = mean_i (steps before the first patch) / T*
-                     (T* = n_query + 1 expert steps), on greedy held-out patched rollouts         sop_metrics, sop_evaluate
+                     (T* = n_query + 1 expert steps, 2 on --env calc: expert_steps), on greedy held-out patched
+                     rollouts                                                              sop_metrics, sop_evaluate
   offline baseline   --mode offline-bc: one row per expert step (expert history, expert action), advantage 1; on-policy
                      the surrogate's gradient is the log-likelihood's (behaviour cloning)          expert_rollout
 
 Parent: algos/multiturn_grpo.py; changed: Args, Args.steps, check_args, main. New: accepts, PatchedEpisode, patched_play,
-discounted_returns, semi_online_advantages, sop_metrics, pack_steps, semi_online_rollout, expert_rollout, sop_evaluate
-(--mode online runs the parent's rollout and update unchanged).
+discounted_returns, semi_online_advantages, sop_metrics, expert_steps, pack_steps, semi_online_rollout, expert_rollout,
+sop_evaluate (--mode online runs the parent's rollout and update unchanged).
 
 Deviations from the paper:
 - The match test accepts any lookup of a queried key that is not read yet (any order) and any answer with the right
@@ -123,6 +124,10 @@ class Args(LLMArgs):
     eval_hard: bool = False
     """no harder held-out split here: the held-out set is episodes that training never plays (must stay off)"""
     # environment
+    env: Literal["lookup", "calc"] = "lookup"
+    """the environment: 'lookup' (algos/_toolenv.py's key-value store, what tiny-toolenv was trained on) or 'calc'
+    (reasoning-gym's basic_arithmetic problems with a calculator tool and an answer tool, for chat models: the shipped
+    tiny-toolenv was never trained on it); --n-keys, --n-query and --value-digits set the lookup only"""
     n_keys: int = 4
     """keys in each episode's hidden store"""
     n_query: int = 3
@@ -209,6 +214,9 @@ def check_args(args: Args) -> None:
         raise SystemExit("--eval-split val needs --env-split prompt (the episode split has no validation set)")
     if args.max_context_tokens < 0 or args.max_obs_tokens < 0:
         raise SystemExit("--max-context-tokens and --max-obs-tokens must be >= 0 (0 = no budget)")
+    if args.env == "calc" and (args.n_keys, args.n_query, args.value_digits) != (4, 3, 1):
+        raise SystemExit("--n-keys, --n-query, --value-digits set the lookup environment; --env calc plays "
+                         "reasoning-gym's basic_arithmetic (2 to 4 terms of 1 to 2 digits)")
     if args.patch_budget < -1:
         raise SystemExit(f"--patch-budget must be -1 (no limit) or >= 0, got {args.patch_budget}")
     if not 0 <= args.gamma <= 1 or args.step_adv_weight < 0:
@@ -299,7 +307,12 @@ def env_token_ce(model, batch: dict, args: Args) -> float:
 
 
 # ---- rollout and update ----
-def make_env(args: Args) -> _toolenv.LookupEnv:
+def make_env(args: Args) -> _toolenv.LookupEnv | _toolenv.CalculatorEnv:
+    """The environment of --env: the key-value lookup, or reasoning-gym arithmetic with a calculator (for chat models;
+    its --max-context counts the characters after the question)."""
+    if args.env == "calc":
+        return _toolenv.CalculatorEnv("basic_arithmetic", args.max_turns, args.max_context, args.env_split,
+                                      args.max_context_tokens, args.max_obs_tokens)
     return _toolenv.LookupEnv(args.n_keys, args.value_digits, args.max_turns, args.max_context, args.n_query,
                               args.env_split, args.max_context_tokens, args.max_obs_tokens)
 
@@ -324,7 +337,8 @@ def rollout(sampler, tok, env, args: Args, rng, device) -> dict:
     """G episodes of each of prompts_per_step training seeds, played turn by turn; A_i per group of G."""
     seeds = env.seeds("train", args.prompts_per_step, rng)
     envs = [env.clone() for _ in seeds for _ in range(args.group_size)]
-    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))])
+    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, np.repeat(seeds, args.group_size))],
+                                      env.system_prompt)
     eps = _toolenv.play(sampler, tok, envs, prompts, args.max_new_tokens, args.temperature)
     batch = pack_episodes(eps, prompts, tok, device)
     batch.update(adv=group_advantages(batch["rewards"], args.group_size, args.adv_std_norm), episodes=eps,
@@ -403,8 +417,16 @@ def update(model, opt, batch: dict, loss_fn, args: Args, step: int, accel, sampl
 # ---- the idea: patched rollouts along the expert, discounted step returns, step + episode advantages, SOP ----
 def accepts(env: _toolenv.LookupEnv, action: str) -> bool:
     """The patch rule's match test: `action` is a step the expert would accept in env's current state: a lookup of a
-    queried key not looked up yet (in any order), or an answer (`!N` or `!X+Y=N`) whose N is the sum."""
+    queried key not looked up yet (in any order), or an answer (`!N` or `!X+Y=N`) whose N is the sum; under --env calc
+    a calculator call worth the problem's value before that value was shown, or an answer the generator's scorer
+    accepts."""
     a = action.strip()
+    if isinstance(env, _toolenv.CalculatorEnv):
+        if a.startswith("#"):
+            value = _toolenv.calculate(a[1:])[0]
+            return value is not None and value == _toolenv.calculate(env.expression)[0] and \
+                f"={value};" not in env.transcript[len(env.question):]
+        return bool(re.fullmatch(r"!-?\d{1,16}(\.\d{1,8})?", a)) and env.score(a[1:]) == 1.0
     if re.fullmatch(r"#[a-z]", a):
         return a[1] in env.query and a not in env.transcript
     return bool(re.fullmatch(r"!(\d{1,6}\+\d{1,6}=)?\d{1,6}", a)) and int(a.rsplit("=", 1)[-1].lstrip("!")) == env.answer
@@ -503,6 +525,12 @@ def sop_metrics(eps: list[PatchedEpisode], n_steps: int) -> dict:
             "sop_progress": float(np.mean([min(f, n_steps) / n_steps for f in first]))}
 
 
+def expert_steps(args: Args) -> int:
+    """T*, the expert's steps per episode: n_query lookups and the answer, or (--env calc) the calculator and the
+    answer."""
+    return 2 if args.env == "calc" else args.n_query + 1
+
+
 def pack_steps(ctxs: list, ids: list, logprobs: list, rewards: list, tok, device) -> dict:
     """One row per step: prompt = the step's context (prompt, earlier actions and observations; left-padded),
     completion = the trained action's tokens (right-padded). Observations are only ever in the prompt, so the loss
@@ -530,7 +558,7 @@ def semi_online_rollout(sampler, tok, env, args: Args, rng, device) -> dict:
     flat = lambda key: [x for e in eps for x in getattr(e, key)]  # noqa: E731
     batch = pack_steps(flat("ctx"), flat("ids"), flat("logprobs"), flat("step_rewards"), tok, device)
     batch.update(adv=torch.tensor([a for row in adv for a in row], device=device), episodes=eps,
-                 sop=sop_metrics(eps, args.n_query + 1))
+                 sop=sop_metrics(eps, expert_steps(args)))
     return batch
 
 
@@ -565,7 +593,7 @@ def sop_evaluate(sampler, tok, env, seeds: list[int], args: Args) -> dict:
     prompts = common.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)])
     eps = patched_play(sampler, tok, envs, prompts, args.max_new_tokens, greedy=True, patch_budget=args.patch_budget)
     model.train(was)
-    return {f"eval/{k}": v for k, v in sop_metrics(eps, args.n_query + 1).items()}
+    return {f"eval/{k}": v for k, v in sop_metrics(eps, expert_steps(args)).items()}
 
 
 # ---- eval ----
@@ -575,7 +603,7 @@ def held_out_ce_batch(sampler, tok, env, args: Args, device) -> dict:
     not generate."""
     seeds = env.seeds(args.eval_split, args.env_ce_examples, np.random.default_rng(54321))
     envs = [env.clone() for _ in seeds]
-    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)])
+    prompts = _toolenv.encode_prompts(tok, [e.reset(s) for e, s in zip(envs, seeds)], env.system_prompt)
     with torch.random.fork_rng():
         torch.manual_seed(54321)
         eps = _toolenv.play(sampler, tok, envs, prompts, args.max_new_tokens, args.temperature)

@@ -163,3 +163,114 @@ def test_actions_cut_by_the_token_budget_are_counted_and_logged():
         assert m["rollout/turns"] == n / 6 and m["rollout/truncated"] == sum(e.truncated for e in eps)
         counts.append(m["rollout/truncated_action_frac"])
     assert counts[0] == 1.0 and counts[1] < 0.5
+
+
+# ---- CalculatorEnv: reasoning-gym arithmetic with a calculator tool ----
+def random_expression(rng, depth: int = 0) -> tuple[str, "Fraction"]:
+    """(text, exact value) of a random expression over integers, + - * /, parentheses and unary minus."""
+    from fractions import Fraction
+
+    if depth > 2 or rng.random() < 0.3:
+        n = int(rng.integers(0, 1000))
+        return str(n), Fraction(n)
+    kind = rng.integers(0, 3)
+    if kind == 0:
+        text, v = random_expression(rng, depth + 1)
+        return f"-({text})", -v
+    (a, va), (b, vb) = random_expression(rng, depth + 1), random_expression(rng, depth + 1)
+    op = "+-*/"[int(rng.integers(0, 4))]
+    if op == "/" and vb == 0:
+        op = "+"
+    v = {"+": va + vb, "-": va - vb, "*": va * vb, "/": va / vb if vb else 0}[op]
+    return (f"({a}{op}{b})" if kind == 1 else f"({a} {op} {b})"), v
+
+
+def test_calculator_equals_python_arithmetic_on_random_expressions():
+    """calculate() is exact (fractions): an integer where the value is whole, else 10 significant digits; Python's own
+    float arithmetic on the same text agrees to 1e-9 relative."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        text, v = random_expression(rng)
+        got, err = _toolenv.calculate(text)
+        assert err is None, (text, err)
+        if v.denominator == 1:
+            assert got == str(v.numerator), text
+        else:
+            assert abs(Fraction(got) - v) <= abs(v) * 1e-9, text
+        assert abs(float(Fraction(got)) - eval(text)) <= 1e-9 * max(1.0, abs(eval(text))), text  # noqa: S307 - our text
+    assert _toolenv.calculate("( 56 + -33 ) - 84") == ("-61", None)
+    assert _toolenv.calculate("7/2") == ("3.5", None) and _toolenv.calculate("-+-2.5*2") == ("5", None)
+
+
+@pytest.mark.parametrize("text", ["2**3", "9**9**9", "__import__('os').system('true')", "x", "abs(-1)", "(1).real",
+                                  "[1][0]", "'1'", "True", "1j", "1 if 1 else 2", "lambda: 1", "1; 2", "1 < 2",
+                                  "1 // 2", "1 % 2", "1 << 99", "~1", "not 1", "1/0", "1/(2-2)", "", " ", "1+",
+                                  "9" * 101, "(" * 60 + "1" + ")" * 60])
+def test_calculator_refuses_everything_but_arithmetic(text):
+    value, err = _toolenv.calculate(text)
+    assert value is None and err
+    env = _toolenv.CalculatorEnv(max_context=400)
+    env.reset(3)
+    assert env.step("#" + text) == (ERROR_OBS, 0.0, False)
+
+
+def test_calculator_env_expert_solves_every_episode_in_two_turns():
+    env = _toolenv.CalculatorEnv()
+    seeds = env.seeds("train", 40, np.random.default_rng(0)) + env.seeds("test", 10, np.random.default_rng(1))
+    for s in seeds:
+        question = env.reset(s)
+        assert question == env.entry["question"] and env.expert_action() == "#" + env.expression
+        obs, r, done = env.step(env.expert_action())
+        assert obs == f"={env.answer};" and (r, done) == (0.0, False)
+        assert env.expert_action() == f"!{env.answer}" and env.step(env.expert_action()) == ("", 1.0, True)
+    assert len({_toolenv.CalculatorEnv().reset(s) for s in seeds}) > 45
+
+
+def test_calculator_env_rewards_only_the_right_answer_and_answers_errors():
+    env = _toolenv.CalculatorEnv()
+    for bad in ("", "3", "#", "!", "!x", "!1e3", "calc 1+2", "#import os"):
+        env.reset(5)
+        assert env.step(bad) == (ERROR_OBS, 0.0, False), bad
+    assert env.step(f"!{int(env.answer) + 1}") == ("", 0.0, True)
+    env.reset(5)
+    assert env.step(f"!{env.answer}") == ("", 1.0, True)
+    with pytest.raises(RuntimeError):
+        env.step("!1")
+    env = _toolenv.CalculatorEnv(max_turns=2)
+    env.reset(5)
+    assert env.step("#1+1") == ("=2;", 0.0, False) and env.step("#1+1") == (END_OBS, LIMIT_REWARD, True)
+    env = _toolenv.CalculatorEnv(max_context=8)  # the characters after the question: `#1+1` and `=2;` fit, no more
+    env.reset(5)
+    assert env.step("#1+1") == ("=2;", 0.0, False) and env.step("#1") == (END_OBS, LIMIT_REWARD, True)
+    with pytest.raises(ValueError):
+        _toolenv.CalculatorEnv(split="store")
+
+
+def test_calculator_env_held_out_questions_never_occur_in_training():
+    env = _toolenv.CalculatorEnv()
+    test = {env.problem(s)[1]["question"] for s in env.seeds("test", 100, np.random.default_rng(0))}
+    train = {env.problem(s)[1]["question"] for s in env.seeds("train", 1000, np.random.default_rng(1))}
+    assert len(test) > 80 and not test & train
+    assert 0.05 < np.mean([env.is_held_out(s) for s in range(1000)]) < 0.15
+    by_prompt = _toolenv.CalculatorEnv(split="prompt")
+    val = {env.problem(s)[1]["question"] for s in by_prompt.seeds("val", 50, np.random.default_rng(2))}
+    train_p = {env.problem(s)[1]["question"] for s in by_prompt.seeds("train", 500, np.random.default_rng(3))}
+    assert len(val) > 40 and not val & train_p and not val & test
+    with pytest.raises(ValueError, match="env-split prompt"):
+        env.seeds("val", 1, np.random.default_rng(0))
+
+
+def test_semi_online_accepts_the_calculator_experts_steps():
+    """semi_online.py's match test on --env calc: the expert's calculator call and answer, or another expression worth
+    the same, are accepted; a wrong value, a repeated calculation and a wrong answer are not."""
+    from algos import semi_online
+
+    env = _toolenv.CalculatorEnv()
+    env.reset(7)
+    assert semi_online.accepts(env, env.expert_action()) and semi_online.accepts(env, f"#{env.answer}+0")
+    assert not semi_online.accepts(env, f"#{env.answer}+1") and not semi_online.accepts(env, f"!{int(env.answer) + 1}")
+    env.step(env.expert_action())
+    assert not semi_online.accepts(env, "#" + env.expression) and semi_online.accepts(env, env.expert_action())
+    assert semi_online.expert_steps(semi_online.Args(env="calc")) == 2 and semi_online.expert_steps(semi_online.Args()) == 4

@@ -167,3 +167,62 @@ def test_scripts_run_a_chat_model_end_to_end(chat_model, mod, tmp_path):
         lp = common.token_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
                                    batch["completion_mask"], args.temperature)
     assert (lp - batch["logprobs"])[batch["action_mask"].bool()].abs().max() < 1e-4
+
+
+def test_calculator_tool_calls_parse_and_malformed_ones_are_answered():
+    env = _toolenv.CalculatorEnv()
+    for action in ("#(56+-33)-84", "!-61", "!3.5"):
+        assert env.parse_tool_call("so " + env.tool_call(action)) == (action, None)
+    assert env.parse_tool_call('<tool_call>{"name": "calculator", "arguments": {"expression": "( 2 + 3 ) * 4"}}'
+                               '</tool_call>') == ("#(2+3)*4", None)
+    assert env.parse_tool_call('<tool_call>{"name": "answer", "arguments": {"value": -7}}</tool_call>') == ("!-7", None)
+    for text, why in [("the answer is 3", "no <tool_call>"), ("<tool_call>{calculator}</tool_call>", "not JSON"),
+                      ('<tool_call>{"name": "calculator"}</tool_call>', "an object"),
+                      ('<tool_call>{"name": "lookup", "arguments": {"key": "b"}}</tool_call>', "unknown tool"),
+                      ('<tool_call>{"name": "calculator", "arguments": {"expression": 3}}</tool_call>', "bad arguments"),
+                      ('<tool_call>{"name": "answer", "arguments": {"value": "three"}}</tool_call>', "bad arguments"),
+                      ('<tool_call>{"name": "answer", "arguments": {"value": true}}</tool_call>', "bad arguments")]:
+        action, error = env.parse_tool_call(text)
+        assert action == "" and why in error, text
+    assert json.dumps(_toolenv.CALC_TOOLS) in env.system_prompt and env.system_prompt != _toolenv.SYSTEM_PROMPT
+
+
+def test_calculator_env_plays_through_the_chat_template(tok, monkeypatch):
+    """A malformed reply, then the expert's calculator call and answer as JSON tool calls: the error observation says
+    what is wrong, the calculator's value comes back as a tool turn, the answer earns reward 1, and the context is the
+    template's rendering of the conversation under the calculator's system prompt."""
+    env = _toolenv.CalculatorEnv()
+    question = env.reset(11)
+    replies = ['<tool_call>{"name": "calculator", "arguments": {"expression": "2 ** 99"}}</tool_call>',
+               "I think it is 4", env.tool_call("#" + env.expression), env.tool_call(f"!{env.answer}")]
+    fake = Replies(tok, replies)
+    monkeypatch.setattr(common, "generate", fake)
+    prompts = _toolenv.encode_prompts(tok, [question], env.system_prompt)
+    ep = _toolenv.play(None, tok, [env], prompts, 200)[0]
+    assert ep.actions == ["#2**99", "", "#" + env.expression, f"!{env.answer}"] and ep.reward == 1.0
+    assert ep.observations == [ERROR_OBS, f"{ERROR_OBS} no <tool_call>...</tool_call> in the reply",
+                               f"={env.answer};", ""]
+    messages = [{"role": "system", "content": _toolenv.CALC_SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    for reply, obs in zip(replies[:3], ep.observations):
+        messages += [{"role": "assistant", "content": reply}, {"role": "tool", "content": obs}]
+    text = tok.decode(prompts[0] + ep.ids)
+    assert text == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + replies[3] + \
+        "<|im_end|>"
+
+
+def test_multiturn_grpo_runs_the_calculator_env_on_a_chat_model(chat_model, tmp_path):
+    """--env calc end to end on the tiny random chat model: one rollout batch and update, the held-out evaluation;
+    the rollouts' contexts carry the calculator's system prompt; the lookup's own flags are refused."""
+    args = mt.Args(model=str(chat_model), env="calc", steps=1, prompts_per_step=2, group_size=2, max_new_tokens=12,
+                   eval_every=1, eval_examples=2, env_ce_examples=2, max_context_tokens=1500, max_obs_tokens=40,
+                   threads=1, device="cpu", out_dir=str(tmp_path))
+    s = mt.main(args)
+    assert np.isfinite(s["train_reward_last"]) and s["gen_tokens"] > 0
+    model, tok = common.load_model(str(chat_model))
+    env = mt.make_env(args)
+    assert isinstance(env, _toolenv.CalculatorEnv)
+    batch = mt.rollout(model, tok, env, args, np.random.default_rng(0), torch.device("cpu"))
+    assert "calculator" in tok.decode(batch["prompt_ids"][0][batch["prompt_mask"][0].bool()].tolist())
+    assert (batch["action_mask"] * batch["obs_mask"]).sum() == 0 and batch["obs_mask"].sum() > 0
+    with pytest.raises(SystemExit, match="--n-keys"):
+        mt.check_args(mt.Args(env="calc", n_keys=5))
