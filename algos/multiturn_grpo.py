@@ -71,9 +71,11 @@ in 216-235 s on one thread of 2 shared cores (the default, 2 threads on an idle 
 +20.0 points in 50 s); at 60 batches (the earlier default) 62.1 ± 3.1%. The held-out
 environment-token cross-entropy barely moves (11.41 -> 11.01 ± 0.32 nats). Rows: benchmarks/results/multiturn.csv,
 table benchmarks/results/multiturn.md. A chat model: SmolLM2-135M-Instruct (--model smollm2-135m --max-new-tokens 64
---max-context-tokens 2048) emits no parseable tool call in 80 greedy and 80 sampled (temperature 0.7) turns of 16
-held-out episodes (its replies are prose, `The answer is: c+e+g`), so every episode ends at the turn limit with
-reward 0, and GRPO has no signal at 135M without a supervised warm start on tool calls.
+--max-context-tokens 2048) writes no parseable tool call in 320 assistant turns of 16 held-out episodes of each
+environment (lookup and --env calc), greedy and sampled at temperature 0.7 (its replies are prose), so every episode
+ends at the turn limit with reward 0 and GRPO has no signal at 135M without a supervised warm start on tool calls.
+Rows: benchmarks/results/chat_agent_probe.csv, table benchmarks/results/chat_agent_probe.md
+(benchmarks/chat_agent_probe.py).
 """
 from __future__ import annotations
 
