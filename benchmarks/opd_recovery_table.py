@@ -102,6 +102,26 @@ def run(seeds, arms) -> None:
                         f"python algos/opd_recovery.py {flag} {FLAGS} --seed {seed}")
 
 
+def short_to_long_tests(by) -> str:
+    """The plan's two short-to-long comparisons by the claims table's rule for one row taken alone
+    (benchmarks/report.py's decide: Welch's 95% interval; no multiplicity step, since the rows are not in that table)."""
+    import statistics
+
+    from benchmarks.report import decide, fmt_decision
+
+    def stats(label: str, key: str, scale: float) -> tuple[float, float, int]:
+        vals = [r[key] * scale for r in by[label].values() if key in r]
+        return statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0, len(vals)
+
+    tokens = decide("0<1", "seeded", "", [stats("short-to-long", "gen_tokens", 1), stats("fixed", "gen_tokens", 1)])
+    acc = decide("0~1", "seeded", "2", [stats("short-to-long", "eval_acc_end", 100), stats("fixed", "eval_acc_end", 100)])
+    ratio = 1 - stats("short-to-long", "gen_tokens", 1)[0] / stats("fixed", "gen_tokens", 1)[0]
+    return (f"Short-to-long against fixed, by the plan in this script's header (the claims table's rule for one row "
+            f"alone): rollout tokens {fmt_decision(tokens, 0)}, {100 * ratio:.0f}% fewer (p {tokens.p:.2g}; the paper: "
+            f"71% fewer): **{tokens.verdict}**; held-out accuracy {fmt_decision(acc, 1)} (within two points in the "
+            f"paper): **{acc.verdict}**.")
+
+
 def report() -> None:
     by, meta = by_config_seed(CSV)
     if not by:
@@ -122,6 +142,7 @@ def report() -> None:
                      f"({reached} of {len(runs)}) | {mean_std(get('truncated_frac_mean'), 100)} | "
                      f"{mean_std(get('confirmed_repeat_frac_mean'), 100)} | {mean_std(get('repeat_frac_mean'), 100)} | "
                      f"{mean_std(get('budget_end'), 1, 0)} | {mean_std(get('wall_s'), 1, 0)} | {len(runs)} |")
+    lines += ["", short_to_long_tests(by)] if "short-to-long" in by and "fixed" in by else []
     row = next(meta[label] for label in ARMS if label in meta)
     teacher = [r["teacher_acc"] for runs in by.values() for r in runs.values() if "teacher_acc" in r]
     lines += ["", f"Held-out greedy accuracy in % on 200 addsteps prompts (the teacher, unpruned tiny-5m: "

@@ -113,6 +113,7 @@ def report() -> None:
                      for s in steps]
             lines.append(f"| {label} | {seed} | " + " | ".join(cells) + " |")
     row = next(meta[label] for label in ARMS if label in meta)
+    commits = "; ".join(f"{meta[label]['commit']} ({label})" for label in ARMS if label in meta)
     lines += ["", f"Held-out greedy online success, SOP and SOP progress in % on 300 held-out episodes, mean ± std "
               f"over seeds. `algos/semi_online.py` defaults: tiny-toolenv on `algos/_toolenv.py`'s lookup (the sum of "
               f"3 of 4 hidden one-digit values, turn limit 5), {STEPS} rollout batches of 16 seeds x G = 8 episodes, "
@@ -121,7 +122,7 @@ def report() -> None:
               f"steps (16 x 8 expert episodes per update); online: multi-turn GRPO. SOP: the share of greedy patched "
               f"held-out episodes solved without a patch; SOP progress: the share of the 4 expert steps taken before "
               f"the first patch. Answer-turn accuracy: teacher-forced, on the expert's history. Hardware: "
-              f"{row['hardware']} (shared); {row['versions']}; commit {row['commit']}. Rows: "
+              f"{row['hardware']} (shared); {row['versions']}; commits {commits}. Rows: "
               f"`benchmarks/results/{CSV}`; command: `python benchmarks/semi_online_table.py`."]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
