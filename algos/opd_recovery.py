@@ -59,7 +59,9 @@ Expected (the default: half of tiny-5m's heads pruned, addsteps, 40 steps; measu
 0% -> 39.5% (seed 0) and 56.5% (seed 1), the teacher 98%; the mean reverse KL to the teacher over the first vs
 the last 3 steps 2.98 -> 0.30 (seed 0) and 3.21 -> 0.22 (seed 1); the budget grows from 8 to 32 (seed 0) and 38
 (seed 1). On 2 cores shared with other jobs (load average ~10) seed 0 took 1529 s and seed 1 1129 s; on an idle
-core it has not been timed.
+core it has not been timed. Benchmark (benchmarks/results/opd_recovery.md, 30 steps, 3 seeds): fixed horizon 31.5 +- 9.6%,
+short-to-long 31.0 +- 5.4% from 3% fewer rollout tokens, fixed + StableOPD's two fixes 39.2 +- 3.1% (underpowered):
+the pruned student's answers are 15-19 tokens, so the 48-token horizon rarely truncates and there is little to save.
 """
 from __future__ import annotations
 

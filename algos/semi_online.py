@@ -66,6 +66,9 @@ the answer turn 61% -> 66%, 60%. SOP is within 1.3 points of online success at e
 53.3 at the start, then 51.0 vs 51.0, 52.7 vs 53.0, 66.0 vs 66.0, 60.0 vs 60.0): on this deterministic environment a
 greedy episode without a patch is the online episode. Smaller batches do not learn: --prompts-per-step 8 for 60 batches gives +4.3 and -2.3 points,
 and 4 prompts for 8 batches -14 and -18 (multi-turn GRPO in that setting: -26, seed 0).
+Against its baselines (benchmarks/results/semi_online.md, 3 seeds, 60 batches): semi-online 64.9 +- 4.4%, online
+(--mode online) 64.8 +- 3.0%, step-level behaviour cloning of the expert (--mode offline-bc) 88.2 +- 3.9%: here the
+scripted expert is right in every state, so cloning it beats learning from the policy's own turns.
 """
 from __future__ import annotations
 
