@@ -96,12 +96,17 @@ def test_blockwise_matmul_matches_exact_reference(shape, interpret, monkeypatch)
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fp8_linear_error_is_quantisation_sized(shape, interpret):
+    """Rounding to e4m3 (3 mantissa bits) moves a value by at most 2^-4 of its size; uniform over that interval and
+    over a log-uniform mantissa its RMS relative error is 2^-4 / sqrt(3) * sqrt(E[1 / m^2]) = 2.65%, and with both
+    operands rounded the product's is sqrt(2) times that, 3.75% (measured over 300 draws: means 3.7-3.8% on these
+    shapes, at most 5.3% on the smallest, whose 80 outputs average least). The bound is 1.5 times that RMS on one
+    fixed draw of typical activations; a wrong block scale or a lost block moves whole outputs (errors of order 1)."""
     x, w = _inputs(*shape, torch.float32, DEV)
-    x = torch.randn_like(x)                               # typical activations
+    x = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(DEV)  # typical activations, one fixed draw
     y = K.fp8_linear(x, w)
     exact = x.double() @ w.double().T
     rel = ((y.double() - exact).norm() / exact.norm()).item()
-    assert rel < 0.05, f"relative error {rel:.3f}: e4m3 has a 3-bit mantissa, expect ~2-3%"
+    assert rel < 1.5 * 0.0375, f"relative error {rel:.3f}: e4m3 rounding of both operands gives about 3.8% RMS"
 
 
 def test_bad_shapes_raise_clear_errors():
