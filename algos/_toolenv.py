@@ -70,7 +70,37 @@ ERROR_OBS = "err;"
 END_OBS = "end;"
 
 
-class LookupEnv:
+class EpisodeEnv:
+    """What every environment here shares: held-out and validation episodes by `split_of(seed)`, a limit counted
+    outside the environment (stop_at_limit) and copies (clone). A subclass gives split_of, reset, step and
+    expert_action, and keeps `transcript`, `done` and `reward`."""
+
+    def is_held_out(self, seed: int) -> bool:
+        return self.split_of(seed) == "test"
+
+    def seeds(self, split: str, n: int, rng: np.random.Generator) -> list[int]:
+        """n episode seeds of 'train', 'val' (split='prompt' only) or 'test' drawn with `rng`."""
+        if split == "val" and self.split != "prompt":
+            raise ValueError("the validation split needs the prompt-keyed split (--env-split prompt)")
+        out = []
+        while len(out) < n:
+            s = int(rng.integers(0, 2**31 - 1))
+            if self.split_of(s) == split:
+                out.append(s)
+        return out
+
+    def stop_at_limit(self, obs: str) -> tuple[str, float, bool]:
+        """End the episode at a limit counted outside the environment (play's context token budget), after a step
+        that answered `obs`: that answer becomes the limit's observation and reward, as at the turn limit."""
+        self.transcript = self.transcript[:len(self.transcript) - len(obs)] + END_OBS
+        self.done, self.reward = True, LIMIT_REWARD
+        return END_OBS, LIMIT_REWARD, True
+
+    def clone(self):
+        return copy.deepcopy(self)
+
+
+class LookupEnv(EpisodeEnv):
     """gymnasium-like: `reset(seed) -> observation` (the prompt), `step(action_text) -> (observation, reward, done)`."""
 
     def __init__(self, n_keys: int = 4, digits: int = 1, max_turns: int = 5, max_context: int = 40, n_query: int = 3,
@@ -107,20 +137,6 @@ class LookupEnv:
         return "test" if int(hashlib.md5(repr((sorted(store.items()), query)).encode()).hexdigest(), 16) % 10 == 0 \
             else "train"
 
-    def is_held_out(self, seed: int) -> bool:
-        return self.split_of(seed) == "test"
-
-    def seeds(self, split: str, n: int, rng: np.random.Generator) -> list[int]:
-        """n episode seeds of 'train', 'val' (split='prompt' only) or 'test' drawn with `rng`."""
-        if split == "val" and self.split != "prompt":
-            raise ValueError("the validation split needs the prompt-keyed split (--env-split prompt)")
-        out = []
-        while len(out) < n:
-            s = int(rng.integers(0, 2**31 - 1))
-            if self.split_of(s) == split:
-                out.append(s)
-        return out
-
     def reset(self, seed: int) -> str:
         self.seed = int(seed)
         self.store, self.query = self.episode(seed, self.n_keys, self.digits, self.n_query)
@@ -146,22 +162,12 @@ class LookupEnv:
         self.done, self.reward = done, reward
         return obs, reward, done
 
-    def stop_at_limit(self, obs: str) -> tuple[str, float, bool]:
-        """End the episode at a limit counted outside the environment (play's context token budget), after a step
-        that answered `obs`: that answer becomes the limit's observation and reward, as at the turn limit."""
-        self.transcript = self.transcript[:len(self.transcript) - len(obs)] + END_OBS
-        self.done, self.reward = True, LIMIT_REWARD
-        return END_OBS, LIMIT_REWARD, True
-
     def expert_action(self) -> str:
         """The shortest solution's next action: look up the queried keys in order, then answer their sum `!N`."""
         for k in self.query:
             if f"#{k}" not in self.transcript:
                 return f"#{k}"
         return f"!{self.answer}"
-
-    def clone(self) -> "LookupEnv":
-        return copy.deepcopy(self)
 
     # the chat protocol: the system turn's tool schemas, an action as a tool call and back
     @property
@@ -175,7 +181,7 @@ class LookupEnv:
         return parse_tool_call(text)
 
 
-class CalculatorEnv:
+class CalculatorEnv(EpisodeEnv):
     """reasoning-gym arithmetic with a calculator tool; LookupEnv's interface (reset, step, expert_action, seeds, ...).
 
     Actions: `#EXPR` (the calculator: observation `=V;`, or `err;` for anything but numbers, + - * / ( ) and unary
@@ -213,20 +219,6 @@ class CalculatorEnv:
         h = int(hashlib.md5(self.problem(seed)[1]["question"].encode()).hexdigest(), 16) % 10
         return "test" if h == 0 else "val" if h == 1 and self.split == "prompt" else "train"
 
-    def is_held_out(self, seed: int) -> bool:
-        return self.split_of(seed) == "test"
-
-    def seeds(self, split: str, n: int, rng: np.random.Generator) -> list[int]:
-        """n episode seeds of 'train', 'val' (split='prompt' only) or 'test' drawn with `rng`."""
-        if split == "val" and self.split != "prompt":
-            raise ValueError("the validation split needs the prompt-keyed split (--env-split prompt)")
-        out = []
-        while len(out) < n:
-            s = int(rng.integers(0, 2**31 - 1))
-            if self.split_of(s) == split:
-                out.append(s)
-        return out
-
     def reset(self, seed: int) -> str:
         self.seed = int(seed)
         self.entry = self.problem(seed)[1]
@@ -259,19 +251,10 @@ class CalculatorEnv:
         """The generator's scorer on the answer's text (1.0: full marks)."""
         return self.problem(self.seed)[0].score_answer(answer, self.entry)
 
-    def stop_at_limit(self, obs: str) -> tuple[str, float, bool]:
-        """As LookupEnv.stop_at_limit: a limit counted outside the environment ends the episode after `obs`."""
-        self.transcript = self.transcript[:len(self.transcript) - len(obs)] + END_OBS
-        self.done, self.reward = True, LIMIT_REWARD
-        return END_OBS, LIMIT_REWARD, True
-
     def expert_action(self) -> str:
         """The calculator on the whole expression (spaces removed), then its value as the answer."""
         value, _ = calculate(self.expression)
         return f"!{value}" if f"={value};" in self.transcript[len(self.question):] else f"#{self.expression}"
-
-    def clone(self) -> "CalculatorEnv":
-        return copy.deepcopy(self)
 
     @property
     def system_prompt(self) -> str:
