@@ -8,6 +8,7 @@ command line flat (`python algos/grpo.py --help` lists every flag, inherited one
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import importlib
 import itertools
@@ -247,9 +248,10 @@ def _same_number(text: str, answer: str) -> bool:
 
 
 class ReasoningGymTask:
-    """`--task rg:NAME[,NAME...]`: procedural reasoning tasks from the reasoning-gym package (offline generators, each
+    """`--task rg:NAME[:FIELD=VALUE...][,NAME...]`: procedural reasoning tasks from the reasoning-gym package (offline generators, each
     with its own scorer: word problems such as gsm_symbolic, chain_sum, basic_arithmetic, algebra...). The held-out
-    split is generated with its own seed, and train drops any question it shares; prompts ask for a boxed answer."""
+    split is generated with its own seed, and train drops any question it shares; prompts ask for a boxed answer.
+    A generator's config fields follow its name: `rg:leg_counting:max_animals=2:max_instances=4`."""
 
     TRAIN, TEST, INSTRUCTION = (2000, 0), (500, 1), " Put the final answer in \\boxed{}."
 
@@ -262,17 +264,52 @@ class ReasoningGymTask:
         except ImportError:
             raise SystemExit("--task rg:... needs the reasoning-gym package: pip install reasoning-gym")
         known = sorted(reasoning_gym.factory.DATASETS)
-        unknown = [n for n in names.split(",") if n not in known]
+        specs = [self.parse_spec(spec) for spec in names.split(",")]
+        unknown = [n for n, _ in specs if n not in known]
         if unknown or not names:
             raise SystemExit(f"--task rg:{names}: unknown reasoning-gym task(s) {unknown}; available: {', '.join(known)}")
         self.name, self.kind = f"rg:{names}", "reasoning-gym"
         self.train, self.test = [], []
-        for name in names.split(","):
-            test = self._examples(reasoning_gym.create_dataset(name, size=self.TEST[0], seed=self.TEST[1]))
+        for name, settings in specs:
+            make = lambda size, seed: self._create(reasoning_gym, name, settings, size, seed)  # noqa: E731
+            test = self._examples(make(*self.TEST))
             held_out = {e.prompt for e in test}
-            train = self._examples(reasoning_gym.create_dataset(name, size=self.TRAIN[0], seed=self.TRAIN[1]))
+            train = self._examples(make(*self.TRAIN))
             self.test += test
             self.train += [e for e in train if e.prompt not in held_out]
+
+    @staticmethod
+    def parse_spec(spec: str) -> tuple[str, dict]:
+        """'leg_counting:max_animals=2:max_instances=4' -> ('leg_counting', {'max_animals': 2, 'max_instances': 4}):
+        a generator's name, then its config fields (numbers read as numbers, anything else kept as text)."""
+        name, *fields = spec.split(":")
+        settings = {}
+        for field_ in fields:
+            key, sep, value = field_.partition("=")
+            if not sep or not key:
+                raise SystemExit(f"--task rg:{spec}: settings are written NAME:FIELD=VALUE[:FIELD=VALUE...], "
+                                 f"got {field_!r}")
+            try:
+                settings[key] = int(value)
+            except ValueError:
+                try:
+                    settings[key] = float(value)
+                except ValueError:
+                    settings[key] = value
+        return name, settings
+
+    @staticmethod
+    def _create(reasoning_gym, name: str, settings: dict, size: int, seed: int):
+        """The generator with its config fields overridden; an unknown field is an error naming the known ones."""
+        config_cls = reasoning_gym.factory.DATASETS[name][1]
+        fields = sorted(f.name for f in dataclasses.fields(config_cls) if f.name not in ("seed", "size"))
+        bad = sorted(set(settings) - set(fields))
+        if bad:
+            raise SystemExit(f"--task rg:{name}: unknown setting(s) {bad}; {name} takes: {', '.join(fields)}")
+        try:
+            return reasoning_gym.create_dataset(name, size=size, seed=seed, **settings)
+        except (AssertionError, ValueError, TypeError) as e:
+            raise SystemExit(f"--task rg:{name}: invalid settings {settings}: {e}")
 
     def _examples(self, dataset) -> list[Example]:
         out = []
@@ -342,7 +379,7 @@ def load_gsm8k() -> DatasetTask:
 
 def make_task(name: str, digits: int = 2):
     """A task by name (TASKS): 'add', 'addsteps', 'sums<N>' (N operands, 2..16), 'sumsmix' (heavy-tailed N), 'sums'
-    (= sums5), 'words' (word problems for a pretrained chat model), 'jsonl:PATH', 'gsm8k' or 'rg:NAME[,NAME...]'. `digits` only applies to
+    (= sums5), 'words' (word problems for a pretrained chat model), 'jsonl:PATH', 'gsm8k' or 'rg:NAME[:FIELD=VALUE...][,NAME...]'. `digits` only applies to
     the arithmetic tasks (tiny-sums is made for 'sums' with digits=1)."""
     if name in ("add", "addsteps"):
         return ArithmeticTask(name, digits)
@@ -360,7 +397,7 @@ def make_task(name: str, digits: int = 2):
     raise SystemExit(f"unknown task {name!r}: choose {TASKS}")
 
 TASKS = ("add, addsteps, sums (= sums5), sums<N> (N operands, 2..16), sumsmix, words, jsonl:PATH, gsm8k or "
-         "rg:NAME[,NAME...] (reasoning-gym)")
+         "rg:NAME[:FIELD=VALUE...][,NAME...] (reasoning-gym)")
 """Every name make_task takes: the --task help is made from it, so it cannot go stale."""
 
 

@@ -202,6 +202,22 @@ def test_reasoning_gym_split_answers_and_errors(rg_task):
         llm.make_task("rg:no_such_task")
 
 
+def test_reasoning_gym_settings_reach_the_generator():
+    """`rg:NAME:FIELD=VALUE...` sets the generator's config (here at most 2 kinds of animal, at most 4 of each), and
+    a misspelt field or a field without a value is an error that names the generator's fields."""
+    pytest.importorskip("reasoning_gym")
+    task = llm.make_task("rg:leg_counting:min_animals=1:max_animals=2:max_instances=4")
+    counts = [e.answer.entry["metadata"]["animals"] for e in task.test]
+    assert all(1 <= len(c) <= 2 and all(1 <= n <= 4 for n in c.values()) for c in counts)
+    default = llm.make_task("rg:leg_counting")
+    assert max(len(e.answer.entry["metadata"]["animals"]) for e in default.test) > 2  # the default is wider
+    assert llm.ReasoningGymTask.parse_spec("x:a=2:b=0.5:c=hi") == ("x", {"a": 2, "b": 0.5, "c": "hi"})
+    with pytest.raises(SystemExit, match="unknown setting.*max_animals, max_instances, min_animals"):
+        llm.make_task("rg:leg_counting:max_animal=2")
+    with pytest.raises(SystemExit, match="NAME:FIELD=VALUE"):
+        llm.make_task("rg:leg_counting:max_animals")
+
+
 def test_reasoning_gym_answer_check_cannot_be_gamed(rg_task):
     e = next(x for x in rg_task.test if x.answer.lstrip("-").isdigit())
     wrong = str(int(e.answer) + 1)
