@@ -50,6 +50,7 @@ Deviations from the paper (its code was not released when this was written; each
 Commands:
   python algos/step_grpo.py                                   # tiny-sums, checksums4, warm start then Step-GRPO
   python algos/step_grpo.py --step-reward 0                   # GRPO from the same warm-started policy
+  python algos/step_grpo.py --model tiny-checksums --warm-start-steps 0   # from the shipped warm start (seconds)
   python algos/step_grpo.py --step-reward 0 --reward correct length:0.5     # the plain length penalty
   python algos/step_grpo.py --model Qwen/Qwen3-0.6B --task gsm8k --warm-start-steps 0 --device cuda \
       --max-new-tokens 1024 --prompts-per-step 32 --lr 1e-6 --step-markers Wait Alternatively Hmm  # one GPU
@@ -147,6 +148,9 @@ class Args(LLMArgs):
     """AdamW learning rate of the warm start"""
     warm_start_batch: int = 64
     """reference responses per warm-start step"""
+    save_warm_start: str = ""
+    """write the warm-started policy (model and tokenizer) to this folder before RL; how algos/models/tiny-checksums
+    was made, so a run can start from it with --model tiny-checksums --warm-start-steps 0"""
 
 
 def check_args(args: Args) -> None:
@@ -178,6 +182,8 @@ def check_args(args: Args) -> None:
         raise SystemExit("--warm-start-steps must be >= 0, --warm-start-batch >= 1 and --warm-start-lr > 0")
     if args.warm_start_steps and args.lora_rank:
         raise SystemExit("--warm-start-steps fine-tunes every weight: run it without --lora-rank")
+    if args.save_warm_start and not args.warm_start_steps:
+        raise SystemExit("--save-warm-start needs --warm-start-steps > 0")
 
 
 # ---- the idea: semantic steps and the step-aware relative reward ----
@@ -470,6 +476,11 @@ def main(args: Args) -> dict:
     model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
     if args.warm_start_steps and not args.resume:  # the policy that over-checks (a resumed run has its weights)
         warm_loss = warm_start(model, tok, run.task, args, run.accel.device)
+        if args.save_warm_start:  # one process: a sharded model would save its shard only
+            if run.accel.num_processes > 1:
+                raise SystemExit("--save-warm-start runs in one process")
+            model.save_pretrained(args.save_warm_start)
+            tok.save_pretrained(args.save_warm_start)
         sampler.refresh()
         if ref_model is not None:  # the KL reference is the warm-started policy
             ref_model.load_state_dict(model.state_dict())

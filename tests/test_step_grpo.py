@@ -186,6 +186,24 @@ def test_step_reward_zero_equals_grpo(tmp_path):
     assert a[2]["eval/acc"] == b[2]["eval/acc"] and "eval/length" in a[2]
 
 
+def test_default_learns_to_stop_checking_from_the_shipped_warm_start(tmp_path):
+    """The script's target on its default task: from tiny-checksums (the default's warm start, shipped), four rollout
+    batches cut held-out tokens per response from about 42 to about 25 and semantic steps from 5.3 towards 4 (the
+    checks dropped), accuracy kept within 3.5 binomial standard errors (100 problems). Measured at seeds 0-2:
+    41.9 -> 24.5-24.9 tokens, 5.29 -> 4.00-4.03 steps, accuracy 78 -> 69-75%."""
+    s = sg.main(sg.Args(model="tiny-checksums", warm_start_steps=0, steps=4, eval_every=4, eval_examples=100,
+                        threads=1, out_dir=str(tmp_path), exp_name="learn"))
+    assert s["eval_length_start"] > 38 and s["eval_steps_start"] > 5.0  # the shipped policy over-checks
+    assert s["eval_length_end"] < s["eval_length_start"] - 10
+    assert s["eval_steps_end"] < s["eval_steps_start"] - 0.8
+    assert s["eval_acc_end"] >= s["eval_acc_start"] - 0.15
+
+
+def test_save_warm_start_needs_a_warm_start():
+    with pytest.raises(SystemExit, match="--save-warm-start needs --warm-start-steps"):
+        sg.check_args(sg.Args(save_warm_start="x", warm_start_steps=0))
+
+
 @pytest.mark.parametrize("flags,message", [
     (dict(step_reward=1.5), "--step-reward"),
     (dict(step_reward=-0.1), "--step-reward"),
