@@ -248,10 +248,10 @@ def _same_number(text: str, answer: str) -> bool:
 
 
 class ReasoningGymTask:
-    """`--task rg:NAME[:FIELD=VALUE...][,NAME...]`: procedural reasoning tasks from the reasoning-gym package (offline generators, each
-    with its own scorer: word problems such as gsm_symbolic, chain_sum, basic_arithmetic, algebra...). The held-out
-    split is generated with its own seed, and train drops any question it shares; prompts ask for a boxed answer.
-    A generator's config fields follow its name: `rg:leg_counting:max_animals=2:max_instances=4`."""
+    """`--task rg:NAME[:FIELD=VALUE...][,NAME...]`: procedural reasoning tasks from the reasoning-gym package (offline
+    generators, each with its own scorer: word problems such as gsm_symbolic, chain_sum, basic_arithmetic, algebra...).
+    The held-out split is generated with its own seed, and train drops any question it shares; prompts ask for a boxed
+    answer. A generator's config fields follow its name: `rg:leg_counting:max_animals=2:max_instances=4`."""
 
     TRAIN, TEST, INSTRUCTION = (2000, 0), (500, 1), " Put the final answer in \\boxed{}."
 
@@ -267,7 +267,8 @@ class ReasoningGymTask:
         specs = [self.parse_spec(spec) for spec in names.split(",")]
         unknown = [n for n, _ in specs if n not in known]
         if unknown or not names:
-            raise SystemExit(f"--task rg:{names}: unknown reasoning-gym task(s) {unknown}; available: {', '.join(known)}")
+            raise SystemExit(f"--task rg:{names}: unknown reasoning-gym task(s) {unknown}; "
+                             f"available: {', '.join(known)}")
         self.name, self.kind = f"rg:{names}", "reasoning-gym"
         self.train, self.test = [], []
         for name, settings in specs:
@@ -379,8 +380,9 @@ def load_gsm8k() -> DatasetTask:
 
 def make_task(name: str, digits: int = 2):
     """A task by name (TASKS): 'add', 'addsteps', 'sums<N>' (N operands, 2..16), 'sumsmix' (heavy-tailed N), 'sums'
-    (= sums5), 'words' (word problems for a pretrained chat model), 'jsonl:PATH', 'gsm8k' or 'rg:NAME[:FIELD=VALUE...][,NAME...]'. `digits` only applies to
-    the arithmetic tasks (tiny-sums is made for 'sums' with digits=1)."""
+    (= sums5), 'words' (word problems for a pretrained chat model), 'jsonl:PATH', 'gsm8k' or
+    'rg:NAME[:FIELD=VALUE...][,NAME...]'. `digits` only applies to the arithmetic tasks (tiny-sums is made for 'sums'
+    with digits=1)."""
     if name in ("add", "addsteps"):
         return ArithmeticTask(name, digits)
     if re.fullmatch(r"sums(\d+|mix)?", name):
