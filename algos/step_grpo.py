@@ -474,11 +474,11 @@ def main(args: Args) -> dict:
             if args.eval_hard else None
         run.eval_sets = common.held_out_sets(run.task, args.eval_examples, run.hard_task)
     model, tok, ref_model, sampler = llm.load_policy(args, run.accel, with_ref=args.kl_coef > 0)
+    if args.save_warm_start and run.accel.num_processes > 1:  # a sharded model would save its own shard only
+        raise SystemExit("--save-warm-start runs in one process")
     if args.warm_start_steps and not args.resume:  # the policy that over-checks (a resumed run has its weights)
         warm_loss = warm_start(model, tok, run.task, args, run.accel.device)
-        if args.save_warm_start:  # one process: a sharded model would save its shard only
-            if run.accel.num_processes > 1:
-                raise SystemExit("--save-warm-start runs in one process")
+        if args.save_warm_start:
             model.save_pretrained(args.save_warm_start)
             tok.save_pretrained(args.save_warm_start)
         sampler.refresh()

@@ -118,13 +118,13 @@ def report() -> str:
         machine, row = machine_of(name)
         first = firsts.setdefault(machine, step)
         config, code = row.split("@")[0], row.split("@")[-1]
-        lines.append(f"| {machine} | {config} | {code} | {m['gen_s']:.1f} | {m['train_s']:.1f} | {m['eval_s_per_problem']:.2f} | "
-                     f"{m['eval_per_step']:.0f} | {step:.1f} | {first / step:.2f}x |")
+        lines.append(f"| {machine} | {config} | {code} | {m['gen_s']:.1f} | {m['train_s']:.1f} | "
+                     f"{m['eval_s_per_problem']:.2f} | {m['eval_per_step']:.0f} | {step:.1f} | {first / step:.2f}x |")
     lines += ["", "Configurations:", ""] + sorted({f"- `{c}`: {CONFIGS[c][2]}" for n in by
                                                    if (c := machine_of(n)[1].split("@")[0]) in CONFIGS})
     if prof.exists():
         lines += ["", f"Top operators of one update per configuration: `benchmarks/results/{prof.name}`."]
-    if first and matmul:  # how far the update can go at its matmuls' measured speed
+    if firsts and matmul:  # how far the update can go at its matmuls' measured speed
         lines += ["", "Matrix multiplies (`aten::mm`, self CPU seconds of the profiled update) and the step if everything "
                   "else in the update cost nothing, generation and evaluation unchanged:", ""]
         for name, m in by.items():
