@@ -556,6 +556,41 @@ MEASURED = dict(model="smollm2-135m", task="words", max_new_tokens=32, prompts_p
                 micro_batch_size=4, kl_coef=0.05, temperature=0.7, lr=1e-5, threads=2)  # one small CPU step
 
 
+def allocator_peak(fn) -> int:
+    """Peak bytes the CPU allocator holds during fn() beyond what it held before: every allocation torch's profiler
+    records (profile_memory), and the frees of those allocations, summed in time order. Exact bytes asked of the
+    allocator: no fragmentation, no Python objects. A free of memory allocated before fn() is left out: the garbage
+    collector may release an earlier object's tensors at any moment, which would otherwise lower the count."""
+    import gc
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+
+    def walk(nodes):
+        for n in nodes:
+            if n.tag == torch._C._profiler._EventType.Allocation:
+                events.append((n.start_time_ns, n.extra_fields.ptr, n.extra_fields.alloc_size))
+            walk(n.children)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree())
+    live, cur, peak = set(), 0, 0
+    for _, ptr, size in sorted(events, key=lambda e: e[0]):
+        if size > 0:
+            live.add(ptr)
+        elif ptr in live:
+            live.discard(ptr)
+        else:
+            continue
+        cur += size
+        peak = max(peak, cur)
+    return peak
+
+
 def measure_step(rank: int) -> dict:
     """One steady-state GRPO update step of algos/grpo.py (the second: gradients and AdamW state exist) on
     SmolLM2-135M on CPU (fp32), full fine-tuning (rank 0) or LoRA: the bytes of weights, gradients, AdamW state and
@@ -563,7 +598,6 @@ def measure_step(rank: int) -> dict:
     allocation and free, summed in time order). Appends them to benchmarks/results/lora_memory.csv."""
     import numpy as np
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     import common
     from algos import _llm as llm
@@ -575,27 +609,15 @@ def measure_step(rank: int) -> dict:
     torch.set_num_threads(args.threads)
     common.set_seed(0)
     model, tok, ref, sampler = llm.load_policy(args, accel, with_ref=True)
-    opt, task, events = llm.make_optimizer(model.parameters(), args), llm.make_task(args.task), []
+    opt, task = llm.make_optimizer(model.parameters(), args), llm.make_task(args.task)
     for step in (1, 2):
         torch.manual_seed(step)
         batch = grpo.rollout(sampler, tok, task, args, np.random.default_rng(step), "cpu")
         if step == 1:  # allocates the gradients and AdamW state
             grpo.update(model, opt, batch, grpo.grpo_loss, args, step, accel, sampler, ref)
             continue
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            grpo.update(model, opt, batch, grpo.grpo_loss, args, step, accel, sampler, ref)
+        peak = allocator_peak(lambda: grpo.update(model, opt, batch, grpo.grpo_loss, args, step, accel, sampler, ref))
 
-    def walk(nodes):
-        for n in nodes:
-            if n.tag == torch._C._profiler._EventType.Allocation:
-                events.append((n.start_time_ns, n.extra_fields.alloc_size))
-            walk(n.children)
-
-    walk(prof.profiler.kineto_results.experimental_event_tree())
-    cur = peak = 0
-    for _, size in sorted(events):
-        cur += size
-        peak = max(peak, cur)
     size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     out = {"weights": size(model.parameters()), "grads": size(p.grad for p in model.parameters() if p.grad is not None),
            "adamw": size(t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)),
