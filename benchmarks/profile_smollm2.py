@@ -42,6 +42,9 @@ CONFIGS = {
     "bf16": (["--dtype", "bf16", "--micro-batch-size", "8"], 10.0, "bf16 autocast (fp32 weights, AdamW and losses)"),
     "bf16-mb32": (["--dtype", "bf16", "--micro-batch-size", "32"], 10.0,
                   "bf16, the whole batch of 32 in one micro-batch (4 prompts' groups share each prompt pass)"),
+    "bf16-eval20": (["--dtype", "bf16", "--micro-batch-size", "8"], 5.0,
+                    "bf16, 100 held-out problems every 20 steps instead of every 10 (the final evaluation unchanged: "
+                    "a run always evaluates at its last step)"),
 }
 BASE = ["--model", "smollm2-135m", "--task", "words", "--max-new-tokens", "48", "--prompts-per-step", "8",
         "--group-size", "4", "--temperature", "0.7", "--lr", "1e-5", "--pass-k", "0", "--no-eval-hard"]
