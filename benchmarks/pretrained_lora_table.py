@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, by_config_seed  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, by_config_seed, read_rows  # noqa: E402
 
 CSV, NAME, SEEDS = "pretrained_lora.csv", "pretrained_lora", (0, 1, 2)
 TASK = "rg:leg_counting:min_animals=1:max_animals=2:max_instances=4"
@@ -53,6 +53,7 @@ GRPO_FLAGS = ["--model", str(WARM.relative_to(ROOT)), "--task", TASK, "--dtype",
               "--prompts-per-step", "8", "--group-size", "8", "--micro-batch-size", "16", "--temperature", "1.0",
               "--steps", str(STEPS), "--eval-every", str(STEPS), "--eval-examples", "200", "--pass-k", "0",
               "--no-eval-hard", "--threads", "2"]
+WARM_CONFIG = "warm start (sft, own split)"
 ARMS = {"full fine-tuning": ["--lr", FULL_LR], "LoRA": ["--lr", LORA_LR, "--lora-rank", "16", "--lora-alpha", "32"]}
 KEYS = ("eval_acc_start", "eval_acc_end", "train_reward_first", "train_reward_last", "wall_s")
 
@@ -84,10 +85,19 @@ def warm_start() -> None:
         for ex in task.train:
             f.write(json.dumps({"prompt": ex.prompt, "answer": str(ex.answer),
                                 "solution": worked_solution(ex.answer.entry)}) + "\n")
-    cmd = ["algos/sft.py", *WARM_FLAGS, "--out-dir", str(OUT), "--exp-name", "sft", "--save-to", str(WARM)]
+    cmd = ["algos/sft.py", *WARM_FLAGS, "--out-dir", str(OUT.relative_to(ROOT)), "--exp-name", "sft", "--save-to",
+           str(WARM.relative_to(ROOT))]
     subprocess.run([sys.executable, *cmd], cwd=ROOT, check=True)
+    record_warm_start(cmd)
+
+
+def record_warm_start(cmd: list[str]) -> None:
+    """The warm start's accuracy on its own split (80 problems of the JSONL), before and when it stopped, its wall time
+    and its step count, as a row of the CSV."""
     summary = json.loads((OUT / "sft" / "summary.json").read_text())
-    print("warm start:", {k: v for k, v in summary.items() if "acc" in k or k == "wall_s"})
+    steps = [json.loads(line)["step"] for line in (OUT / "sft" / "metrics.jsonl").read_text().splitlines()]
+    append_rows(CSV, NAME, "algos/sft.py", WARM_CONFIG, 0, {k: summary[k] for k in ("eval_acc_start", "eval_acc_end",
+                "wall_s")} | {"steps": max(steps)}, "python " + " ".join(cmd))
 
 
 def run(seeds, arms) -> None:
@@ -130,15 +140,21 @@ def report() -> None:
                      f"{mean('train_reward_first', 1, 2)} / {mean('train_reward_last', 1, 2)} | "
                      f"{mean('wall_s', 1, 0)} | {len(runs)} |")
     row = next(iter(meta.values()))
+    warm = by.get(WARM_CONFIG, {}).get("0")
+    warm_text = f" The warm start stopped after {warm['steps']:.0f} steps at {100 * warm['eval_acc_end']:.1f}% of 80 " \
+        f"problems of its own split (from {100 * warm['eval_acc_start']:.1f}%, {warm['wall_s']:.0f} s)." if warm else ""
+    gains = {label: ", ".join(f"{100 * (r['eval_acc_end'] - r['eval_acc_start']):+.1f}" for _, r in
+                              sorted(by.get(label, {}).items())) for label in ARMS}
+    commits = ", ".join(sorted({r["commit"] for r in read_rows(CSV)}))
     lines += ["", f"Means over seeds of held-out greedy accuracy on the same 200 problems of `--task {TASK}` "
               f"(binomial standard error about 3 points each). Every run starts from one warm start, made once by "
               f"`algos/sft.py` on worked solutions of the training split (see the header of "
-              f"`benchmarks/pretrained_lora_table.py`); start accuracies differ between arms only through bf16 "
-              f"rounding. GRPO: {STEPS} rollout batches of 8 prompts x 8 completions, 64 new tokens, temperature 1, "
+              f"`benchmarks/pretrained_lora_table.py`), so every run measures the same start. GRPO: {STEPS} rollout batches of 8 prompts x 8 completions, 64 new tokens, temperature 1, "
               f"bf16 autocast; full fine-tuning lr {FULL_LR}, LoRA rank 16 (alpha 32, every attention and MLP "
-              f"projection) lr {LORA_LR}. The interval is Student's t over the seeds' gains (end minus start).",
+              f"projection) lr {LORA_LR}. The interval is Student's t over the seeds' gains (end minus start); "
+              f"gains per seed: {'; '.join(f'{k} {v}' for k, v in gains.items() if v)}.{warm_text}",
               "", f"Command: `python benchmarks/pretrained_lora_table.py`. Hardware: {row['hardware']}; "
-              f"{row['versions']}; commit {row['commit']}. Rows: `benchmarks/results/{CSV}`."]
+              f"{row['versions']}; commits {commits}. Rows: `benchmarks/results/{CSV}`."]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
