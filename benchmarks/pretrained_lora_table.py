@@ -9,13 +9,13 @@ of animal and one to four of each (TASK below): "how many legs are there in tota
 4 jellyfishs? Put the final answer in \\boxed{}." The answer check is the task's own (one boxed answer, scored by
 the generator's scorer), so a response without `\\boxed{}` scores 0.
 
-1. Warm start (once). Zero-shot the model never writes `\\boxed{}` (0 of 40 held-out problems), so GRPO would see
-   no reward. `algos/sft.py` trains it on the task's training split, each target written out from the problem's
-   own metadata: "grasshopper: 6 legs x 3 = 18. jellyfish: 0 legs x 4 = 0. 18 + 0 = 18. \\boxed{18}"
+1. Warm start (once). Zero-shot the model never wrote `\\boxed{}` (0 of 40 held-out problems in a probe, greedy),
+   so GRPO would see no reward. `algos/sft.py` trains it on the task's training split, each target written out from
+   the problem's own metadata: "grasshopper: 6 legs x 3 = 18. jellyfish: 0 legs x 4 = 0. 18 + 0 = 18. \\boxed{18}"
    (WARM_FLAGS below). It stops at the first evaluation (every 5 steps, 80 problems of its own split) that reaches
-   60%, as the shipped tiny models were left partly competent: fully trained (40 steps) it answers 93.5% of the
-   held-out problems, which leaves GRPO little to show. The held-out problems are generated with another seed and
-   never appear in training.
+   60%, as the shipped tiny models were left partly competent: fully trained (40 steps) it answered 93.5% of the
+   held-out problems in a trial run, which leaves GRPO little to show (neither probe is a recorded result). The
+   held-out problems are generated with another seed and never appear in training.
 2. GRPO from that warm start, `algos/grpo.py` (GRPO_FLAGS below), for each seed:
      full fine-tuning   every weight trains, lr FULL_LR
      LoRA               `--lora-rank 16 --lora-alpha 32` on every attention and MLP projection, lr LORA_LR (adapters
@@ -149,7 +149,8 @@ def report() -> None:
     lines += ["", f"Means over seeds of held-out greedy accuracy on the same 200 problems of `--task {TASK}` "
               f"(binomial standard error about 3 points each). Every run starts from one warm start, made once by "
               f"`algos/sft.py` on worked solutions of the training split (see the header of "
-              f"`benchmarks/pretrained_lora_table.py`), so every run measures the same start. GRPO: {STEPS} rollout batches of 8 prompts x 8 completions, 64 new tokens, temperature 1, "
+              f"`benchmarks/pretrained_lora_table.py`), so every run measures the same start. GRPO: {STEPS} "
+              f"rollout batches of 8 prompts x 8 completions, 64 new tokens, temperature 1, "
               f"bf16 autocast; full fine-tuning lr {FULL_LR}, LoRA rank 16 (alpha 32, every attention and MLP "
               f"projection) lr {LORA_LR}. The interval is Student's t over the seeds' gains (end minus start); "
               f"gains per seed: {'; '.join(f'{k} {v}' for k, v in gains.items() if v)}.{warm_text}",
