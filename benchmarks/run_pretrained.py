@@ -4,6 +4,7 @@ trained by algos/grpo.py with its chat template on generated word problems (`--t
 
     python benchmarks/run_pretrained.py                  # one seed (about 40 min on 2 free CPU cores)
     python benchmarks/run_pretrained.py --seeds 0 1 2
+    python benchmarks/run_pretrained.py --dtype bf16     # bf16 autocast (fp32 weights, AdamW, log-softmax, losses)
     python benchmarks/run_pretrained.py --report-only    # rebuild benchmarks/results/pretrained.md
 
 Each seed runs the command below in a subprocess and appends its summary to benchmarks/results/pretrained.csv
@@ -30,12 +31,18 @@ CSV, OUT = "pretrained.csv", ROOT / "runs" / "pretrained"
 KEYS = ("eval_acc_start", "eval_acc_end", "train_reward_first", "train_reward_last", "gen_tokens", "wall_s")
 
 
-def run(seed: int, done: Path | None = None) -> None:
+def config_name(dtype: str) -> str:
+    """The CSV's config of a run: the fp32 rows (the default on CPU) carry no suffix."""
+    return "smollm2-135m words" + ("" if dtype == "fp32" else f" {dtype}")
+
+
+def run(seed: int, done: Path | None = None, dtype: str = "fp32") -> None:
     """Run one seed (or, with `done`, record the run folder of that same command already made)."""
-    cmd = ["algos/grpo.py", *FLAGS, "--seed", str(seed), "--out-dir", str(OUT), "--exp-name", f"seed{seed}"]
+    name = f"seed{seed}" + ("" if dtype == "fp32" else f"_{dtype}")
+    cmd = ["algos/grpo.py", *FLAGS, "--dtype", dtype, "--seed", str(seed), "--out-dir", str(OUT), "--exp-name", name]
     if done is None:
         subprocess.run([sys.executable, *cmd], cwd=ROOT, check=True)
-    run_dir = done or OUT / f"seed{seed}"
+    run_dir = done or OUT / name
     config = json.loads((run_dir / "config.json").read_text())
     for i, flag in enumerate(FLAGS):  # a recorded run must be this command's (valued flags, threads aside)
         key, value = flag[2:].replace("-", "_"), FLAGS[i + 1] if i + 1 < len(FLAGS) else ""
@@ -43,37 +50,35 @@ def run(seed: int, done: Path | None = None) -> None:
                 and float(config[key]) != float(value):
             raise SystemExit(f"{run_dir} was run with --{flag[2:]} {config[key]}, not {value}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    append_rows(CSV, "pretrained", "algos/grpo.py", "smollm2-135m words", seed,
+    append_rows(CSV, "pretrained", "algos/grpo.py", config_name(dtype), seed,
                 {k: summary[k] for k in KEYS}, command="python " + " ".join(cmd[:-4]))
 
 
 def report() -> str:
-    rows = read_rows(CSV)
-    by_seed = {}
-    for r in rows:
-        by_seed.setdefault(r["seed"], {})[r["metric"]] = float(r["value"])
-    if not by_seed:
+    runs = {}  # (config, commit, seed) -> metrics: a run of the same seed at another commit or dtype is another row
+    for r in read_rows(CSV):
+        runs.setdefault((r["config"], r["commit"], r["seed"]), {})[r["metric"]] = float(r["value"])
+    if not runs:
         return ""
     lines = ["# A pretrained model learns (CPU)", "",
              "SmolLM2-135M-Instruct trained by `algos/grpo.py` on generated word problems (`--task words`), its chat",
              "template applied, held-out greedy accuracy on 100 fixed problems. The weights are the package's Q4_1 GGUF",
              "file de-quantised to fp32 on load (`common.resolve_model_path`), not the original bf16 checkpoint. Command",
-             "(one seed):", "",
+             "(one seed; `--dtype bf16` for the bf16 rows):", "",
              f"    python algos/grpo.py {' '.join(FLAGS)} --seed 0", "",
-             "| seed | held-out acc. start | end | change (points) | train reward first / last | wall (s) |",
-             "|---|---|---|---|---|---|"]
-    gains = []
-    for seed, m in sorted(by_seed.items()):
-        gains.append(100 * (m["eval_acc_end"] - m["eval_acc_start"]))
-        lines.append(f"| {seed} | {100 * m['eval_acc_start']:.0f}% | {100 * m['eval_acc_end']:.0f}% | "
-                     f"{gains[-1]:+.0f} | {m['train_reward_first']:.2f} / {m['train_reward_last']:.2f} | "
-                     f"{m['wall_s']:.0f} |")
-    spread = f" ± {statistics.stdev(gains):.1f}" if len(gains) > 1 else " (one seed)"
-    lines += ["", f"Mean change {statistics.mean(gains):+.1f}{spread} points over {len(gains)} seed(s). On 100 problems "
-              "each accuracy has a binomial standard error of about 4-5 points, so one seed's change is a few standard "
-              "errors at most; one seed because a seed takes over 20 minutes on 2 CPU cores (23 min here, shared "
-              "with other jobs). Seed 0's completions hit the 48-token budget less often as it trains (56% of them at step 1, "
-              f"6-50% at steps 2-10, 16% at step 10). Hardware and commit of each row: `benchmarks/results/{CSV}`."]
+             "| configuration | commit | seed | held-out acc. start | end | change (points) | train reward first / last "
+             "| wall (s) |", "|---|---|---|---|---|---|---|---|"]
+    for (config, commit, seed), m in runs.items():  # in the order they were run
+        gain = 100 * (m["eval_acc_end"] - m["eval_acc_start"])
+        lines.append(f"| {config} | {commit} | {seed} | {100 * m['eval_acc_start']:.0f}% | "
+                     f"{100 * m['eval_acc_end']:.0f}% | {gain:+.0f} | {m['train_reward_first']:.2f} / "
+                     f"{m['train_reward_last']:.2f} | {m['wall_s']:.0f} |")
+    lines += ["", "On 100 problems each accuracy has a binomial standard error of about 4-5 points (about 7 for the "
+              "difference of two), so one run's change is a few standard errors at most. The first run's completions "
+              "hit the 48-token budget less often as it trained (56% of them at step 1, 6-50% at steps 2-10, 16% at "
+              "step 10); it took 23 min on 2 CPU cores shared with other jobs. The bf16 row is the check that bf16 "
+              "autocast (`benchmarks/results/smollm2_step.md`: 2.6x faster a step on a CPU with AVX512-BF16) leaves "
+              f"the held-out result within that error. Hardware and versions of each row: `benchmarks/results/{CSV}`."]
     return "\n".join(lines) + "\n"
 
 
@@ -83,9 +88,11 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="only rebuild benchmarks/results/pretrained.md")
     ap.add_argument("--record", type=Path, default=None,
                     help="record a finished run folder of the same command (one seed) instead of running it")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="compute dtype of the runs (fp32: the CPU default; bf16: autocast, fp32 master weights)")
     args = ap.parse_args()
     for seed in [] if args.report_only else args.seeds:
-        run(seed, args.record)
+        run(seed, args.record, args.dtype)
     (RESULTS / "pretrained.md").write_text(report())
 
 
