@@ -2,7 +2,7 @@
 trained by algos/grpo.py with its chat template on generated word problems (`--task words`: one or two steps of
 +, - or x written as text; the reward reads the last number of the response, as GSM8K graders do).
 
-    python benchmarks/run_pretrained.py                  # one seed (about 40 min on 2 free CPU cores)
+    python benchmarks/run_pretrained.py                  # one seed (about 5 min on 2 idle cores of a recent CPU)
     python benchmarks/run_pretrained.py --seeds 0 1 2
     python benchmarks/run_pretrained.py --dtype bf16     # bf16 autocast (fp32 weights, AdamW, log-softmax, losses)
     python benchmarks/run_pretrained.py --report-only    # rebuild benchmarks/results/pretrained.md
