@@ -594,7 +594,8 @@ def allocator_peak(fn) -> int:
 def measure_step(rank: int) -> dict:
     """One steady-state GRPO update step of algos/grpo.py (the second: gradients and AdamW state exist) on
     SmolLM2-135M on CPU (fp32), full fine-tuning (rank 0) or LoRA: the bytes of weights, gradients, AdamW state and
-    reference, and the CPU allocator's peak during the update above what it held before (allocator_peak). Appends them to benchmarks/results/lora_memory.csv."""
+    reference, and the CPU allocator's peak during the update above what it held before (allocator_peak). Appends
+    them to benchmarks/results/lora_memory.csv."""
     import numpy as np
     import torch
 
