@@ -126,12 +126,13 @@ def report() -> None:
     lines = ["# A pretrained model, full fine-tuning against LoRA (CPU)", "",
              "| arm | held-out acc. start | end | gain (points) | 95% interval of the gain | excludes 0 | "
              "train reward first / last | wall s | seeds |", "|---|---|---|---|---|---|---|---|---|"]
+    gains_of = {label: [100 * (r["eval_acc_end"] - r["eval_acc_start"]) for _, r in sorted(by.get(label, {}).items())]
+                for label in ARMS}  # points, in seed order
     for label in ARMS:
-        runs = by.get(label, {})
+        runs, gains = by.get(label, {}), gains_of[label]
         if not runs:
             continue
         get = lambda k: [r[k] for r in runs.values()]  # noqa: E731
-        gains = [100 * (r["eval_acc_end"] - r["eval_acc_start"]) for r in runs.values()]
         mean = lambda k, s=100, d=1: f"{statistics.mean(get(k)) * s:.{d}f}"  # noqa: E731
         lo, hi = gain_interval(gains) if len(gains) > 1 else (float("nan"), float("nan"))
         verdict = "n/a (one seed)" if len(gains) < 2 else ("yes" if lo > 0 or hi < 0 else "no")
@@ -143,8 +144,8 @@ def report() -> None:
     warm = by.get(WARM_CONFIG, {}).get("0")
     warm_text = f" The warm start stopped after {warm['steps']:.0f} steps at {100 * warm['eval_acc_end']:.1f}% of 80 " \
         f"problems of its own split (from {100 * warm['eval_acc_start']:.1f}%, {warm['wall_s']:.0f} s)." if warm else ""
-    gains = {label: ", ".join(f"{100 * (r['eval_acc_end'] - r['eval_acc_start']):+.1f}" for _, r in
-                              sorted(by.get(label, {}).items())) for label in ARMS}
+    per_seed = "; ".join(f"{label} {', '.join(f'{g:+.1f}' for g in gains)}"
+                         for label, gains in gains_of.items() if gains)
     commits = ", ".join(sorted({r["commit"] for r in read_rows(CSV)}))
     lines += ["", f"Means over seeds of held-out greedy accuracy on the same 200 problems of `--task {TASK}` "
               f"(binomial standard error about 3 points each). Every run starts from one warm start, made once by "
@@ -153,7 +154,7 @@ def report() -> None:
               f"rollout batches of 8 prompts x 8 completions, 64 new tokens, temperature 1, "
               f"bf16 autocast; full fine-tuning lr {FULL_LR}, LoRA rank 16 (alpha 32, every attention and MLP "
               f"projection) lr {LORA_LR}. The interval is Student's t over the seeds' gains (end minus start); "
-              f"gains per seed: {'; '.join(f'{k} {v}' for k, v in gains.items() if v)}.{warm_text}",
+              f"gains per seed: {per_seed}.{warm_text}",
               "", f"Command: `python benchmarks/pretrained_lora_table.py`. Hardware: {row['hardware']}; "
               f"{row['versions']}; commits {commits}. Rows: `benchmarks/results/{CSV}`."]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")

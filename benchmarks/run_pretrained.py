@@ -49,6 +49,8 @@ def run(seed: int, done: Path | None = None, dtype: str = "fp32") -> None:
         if key in config and key != "threads" and not value.startswith("--") and str(config[key]) != value \
                 and float(config[key]) != float(value):
             raise SystemExit(f"{run_dir} was run with --{flag[2:]} {config[key]}, not {value}")
+    if (config.get("dtype", "auto") == "bf16") != (dtype == "bf16"):  # 'auto' is fp32 on CPU
+        raise SystemExit(f"{run_dir} was run with --dtype {config.get('dtype', 'auto')}, not {dtype}")
     summary = json.loads((run_dir / "summary.json").read_text())
     append_rows(CSV, "pretrained", "algos/grpo.py", config_name(dtype), seed,
                 {k: summary[k] for k in KEYS}, command="python " + " ".join(cmd[:-4]))
@@ -66,8 +68,8 @@ def report() -> str:
              "file de-quantised to fp32 on load (`common.resolve_model_path`), not the original bf16 checkpoint. Command",
              "(one seed; `--dtype bf16` for the bf16 rows):", "",
              f"    python algos/grpo.py {' '.join(FLAGS)} --seed 0", "",
-             "| configuration | commit | seed | held-out acc. start | end | change (points) | train reward first / last "
-             "| wall (s) |", "|---|---|---|---|---|---|---|---|"]
+             "| configuration | commit | seed | held-out acc. start | end | change (points) | "
+             "train reward first / last | wall (s) |", "|---|---|---|---|---|---|---|---|"]
     for (config, commit, seed), m in runs.items():  # in the order they were run
         gain = 100 * (m["eval_acc_end"] - m["eval_acc_start"])
         lines.append(f"| {config} | {commit} | {seed} | {100 * m['eval_acc_start']:.0f}% | "
