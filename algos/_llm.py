@@ -516,6 +516,12 @@ class LLMArgs:
     """torch CPU threads per process"""
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """compute dtype: auto = bf16 autocast on CUDA (fp32 weights, optimiser, log-softmax and losses), fp32 on CPU"""
+    attention_fp32: bool = False
+    """under bf16 autocast, attention (SDPA) in fp32 while every projection stays a bf16 matmul: on CPU PyTorch's bf16
+    flash-attention kernel is the slower one (fp32_attention); one process only"""
+    fused_adamw: bool = False
+    """AdamW's fused kernel: one pass over all parameters, the same update up to rounding (on CPU 6x faster than the
+    default per-parameter loop for SmolLM2-135M); off by default, so that runs repeat the committed results exactly"""
     engine: Literal["hf", "vllm"] = "hf"
     """rollout engine: Hugging Face generate (CPU or GPU) or vLLM (GPU)"""
     vllm_gpu_memory: float = 0.3
@@ -588,11 +594,15 @@ def load_policy(args: LLMArgs, accel, with_ref: bool = False):
 
         engine = VLLMEngine(common.resolve_model_path(args.model), args.vllm_gpu_memory, args.vllm_max_model_len,
                             seed=args.seed + accel.process_index, sleep=args.vllm_sleep)
+    if args.attention_fp32 and accel.num_processes > 1:
+        raise SystemExit("--attention-fp32 runs in one process only")
     if accel.num_processes > 1 and not args.lora_rank:
         amp = args.dtype == "bf16" or args.dtype == "auto" and accel.device.type == "cuda"  # as common.load_model
         return load_sharded(args.model, accel, amp, args.grad_checkpointing, with_ref, engine)
     model, tok = common.load_model(args.model, accel.device, args.dtype)
     model.train()
+    if args.attention_fp32:
+        fp32_attention(model)
     if args.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_rank:
@@ -603,6 +613,30 @@ def load_policy(args: LLMArgs, accel, with_ref: bool = False):
     sampler = (LoRASampler if args.lora_rank else common.Sampler)(model, engine, sharded=accel.num_processes > 1)
     ref_model = ref_model if args.lora_rank else common.shard(ref_model, accel)  # AdaptersOff: sharded with the policy
     return common.shard(model, accel), tok, ref_model, sampler
+
+
+def fp32_attention(model) -> None:
+    """--attention-fp32: the model's scaled-dot-product attention takes fp32 queries, keys and values (outside autocast)
+    and returns its output in their dtype, so only the attention kernel changes precision, in generation and in the
+    update alike. Why: on CPU, PyTorch's bf16 flash-attention forward + backward of SmolLM2-135M's shape took twice the
+    fp32 kernel's time (benchmarks/results/smollm2_step.md), while bf16 matmuls ran 4x faster than fp32 ones."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if getattr(model, "amp_dtype", None) is None:
+        raise SystemExit("--attention-fp32 changes bf16 attention only: use it with --dtype bf16")
+
+    def sdpa_fp32(module, query, key, value, attention_mask, **kw):
+        mask = attention_mask.float() if attention_mask is not None and attention_mask.is_floating_point() else \
+            attention_mask
+        with torch.autocast(query.device.type, enabled=False):
+            out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask, **kw)
+        return out.to(query.dtype), weights
+
+    AttentionInterface.register("sdpa_fp32", sdpa_fp32)
+    AttentionMaskInterface.register("sdpa_fp32", sdpa_mask)  # else a name Hugging Face does not know gets no mask
+    model.set_attn_implementation("sdpa_fp32")
 
 
 def add_lora(model, args: LLMArgs):
@@ -702,8 +736,9 @@ def optimizer_step(model, opt, args: LLMArgs, step: int, total: int, sampler=Non
 
 
 def make_optimizer(params, args: LLMArgs) -> torch.optim.Optimizer:
-    """AdamW at --lr with --weight-decay (the schedule is applied by optimizer_step)."""
-    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    """AdamW at --lr with --weight-decay (the schedule is applied by optimizer_step); its fused kernel with
+    --fused-adamw."""
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, fused=args.fused_adamw or None)
 
 
 # ---- the bookkeeping of a training run ----

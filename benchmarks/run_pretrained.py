@@ -5,6 +5,7 @@ trained by algos/grpo.py with its chat template on generated word problems (`--t
     python benchmarks/run_pretrained.py                  # one seed (about 5 min on 2 idle cores of a recent CPU)
     python benchmarks/run_pretrained.py --seeds 0 1 2
     python benchmarks/run_pretrained.py --dtype bf16     # bf16 autocast (fp32 weights, AdamW, log-softmax, losses)
+    python benchmarks/run_pretrained.py --dtype bf16-fast  # and fp32 attention, fused AdamW (smollm2_step.md)
     python benchmarks/run_pretrained.py --report-only    # rebuild benchmarks/results/pretrained.md
 
 Each seed runs the command below in a subprocess and appends its summary to benchmarks/results/pretrained.csv
@@ -28,6 +29,9 @@ FLAGS = ["--model", "smollm2-135m", "--task", "words", "--max-new-tokens", "48",
          "--group-size", "4", "--micro-batch-size", "8", "--temperature", "0.7", "--lr", "1e-5", "--steps", "10",
          "--eval-every", "10", "--eval-examples", "100", "--pass-k", "0", "--no-eval-hard", "--threads", "2"]
 CSV, OUT = "pretrained.csv", ROOT / "runs" / "pretrained"
+# --dtype of this benchmark -> grpo.py's flags for it
+DTYPES = {"fp32": ["--dtype", "fp32"], "bf16": ["--dtype", "bf16"],
+          "bf16-fast": ["--dtype", "bf16", "--attention-fp32", "--fused-adamw"]}
 KEYS = ("eval_acc_start", "eval_acc_end", "train_reward_first", "train_reward_last", "gen_tokens", "wall_s")
 
 
@@ -39,7 +43,7 @@ def config_name(dtype: str) -> str:
 def run(seed: int, done: Path | None = None, dtype: str = "fp32") -> None:
     """Run one seed (or, with `done`, record the run folder of that same command already made)."""
     name = f"seed{seed}" + ("" if dtype == "fp32" else f"_{dtype}")
-    cmd = ["algos/grpo.py", *FLAGS, "--dtype", dtype, "--seed", str(seed), "--out-dir", str(OUT), "--exp-name", name]
+    cmd = ["algos/grpo.py", *FLAGS, *DTYPES[dtype], "--seed", str(seed), "--out-dir", str(OUT), "--exp-name", name]
     if done is None:
         subprocess.run([sys.executable, *cmd], cwd=ROOT, check=True)
     run_dir = done or OUT / name
@@ -49,8 +53,10 @@ def run(seed: int, done: Path | None = None, dtype: str = "fp32") -> None:
         if key in config and key != "threads" and not value.startswith("--") and str(config[key]) != value \
                 and float(config[key]) != float(value):
             raise SystemExit(f"{run_dir} was run with --{flag[2:]} {config[key]}, not {value}")
-    if (config.get("dtype", "auto") == "bf16") != (dtype == "bf16"):  # 'auto' is fp32 on CPU
-        raise SystemExit(f"{run_dir} was run with --dtype {config.get('dtype', 'auto')}, not {dtype}")
+    ran = "bf16" if config.get("dtype", "auto") == "bf16" else "fp32"  # 'auto' is fp32 on CPU
+    ran += "-fast" if config.get("attention_fp32") and config.get("fused_adamw") else ""
+    if ran != dtype:
+        raise SystemExit(f"{run_dir} was run as --dtype {ran}, not {dtype}")
     summary = json.loads((run_dir / "summary.json").read_text())
     append_rows(CSV, "pretrained", "algos/grpo.py", config_name(dtype), seed,
                 {k: summary[k] for k in KEYS}, command="python " + " ".join(cmd[:-4]))
@@ -66,7 +72,7 @@ def report() -> str:
              "SmolLM2-135M-Instruct trained by `algos/grpo.py` on generated word problems (`--task words`), its chat",
              "template applied, held-out greedy accuracy on 100 fixed problems. The weights are the package's Q4_1 GGUF",
              "file de-quantised to fp32 on load (`common.resolve_model_path`), not the original bf16 checkpoint. Command",
-             "(one seed; `--dtype bf16` for the bf16 rows):", "",
+             "(one seed; `--dtype bf16` for the bf16 rows, and `--attention-fp32 --fused-adamw` for bf16-fast):", "",
              f"    python algos/grpo.py {' '.join(FLAGS)} --seed 0", "",
              "| configuration | commit | seed | held-out acc. start | end | change (points) | "
              "train reward first / last | wall (s) |", "|---|---|---|---|---|---|---|---|"]
@@ -90,8 +96,9 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="only rebuild benchmarks/results/pretrained.md")
     ap.add_argument("--record", type=Path, default=None,
                     help="record a finished run folder of the same command (one seed) instead of running it")
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                    help="compute dtype of the runs (fp32: the CPU default; bf16: autocast, fp32 master weights)")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+                    help="compute dtype of the runs (fp32: the CPU default; bf16: autocast, fp32 master weights; "
+                         "bf16-fast: bf16 with fp32 attention and fused AdamW)")
     args = ap.parse_args()
     for seed in [] if args.report_only else args.seeds:
         run(seed, args.record, args.dtype)

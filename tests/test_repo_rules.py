@@ -1,5 +1,6 @@
 """Repository rules: self-contained scripts, complete headers, a small tested common.py, a README that stands alone."""
 import ast
+import functools
 import io
 import re
 import subprocess
@@ -90,13 +91,19 @@ def args_reads(tree: ast.AST, names=("args",)) -> set[str]:
     return out
 
 
+@functools.cache
+def helper_tree(module: str) -> ast.Module:
+    """common.py or algos/_llm.py parsed once for the whole session (every script's flag check walks them)."""
+    return ast.parse(HELPER_MODULES[module].read_text())
+
+
 def helper_reads(module: str, function: str, seen=None) -> set[str]:
     """The args fields a common.py / algos/_llm.py function reads, through the helpers it passes args to as well."""
     seen = set() if seen is None else seen
     if (module, function) in seen:
         return set()
     seen.add((module, function))
-    tree = ast.parse(HELPER_MODULES[module].read_text())
+    tree = helper_tree(module)
     fn = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == function), None)
     if fn is None:
         return set()
