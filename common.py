@@ -390,7 +390,7 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
             lp, ent = fused_fn(h.to(dt), head.weight.to(dt), targets, temperature)
         else:
             def chunk_logprobs(hc, tc):
-                logp = torch.log_softmax(head(hc).float() / temperature, -1)
+                logp = torch.log_softmax(head(hc).float().div_(temperature), -1)  # in place: no second chunk
                 ent = -(logp.exp() * logp).sum(-1).detach() if with_entropy else hc.new_zeros(0)
                 return logp.gather(-1, tc[:, None]).squeeze(-1), ent  # the entropy is a statistic: no graph
 

@@ -737,8 +737,8 @@ def optimizer_step(model, opt, args: LLMArgs, step: int, total: int, sampler=Non
 
 def make_optimizer(params, args: LLMArgs) -> torch.optim.Optimizer:
     """AdamW at --lr with --weight-decay (the schedule is applied by optimizer_step); its fused kernel with
-    --fused-adamw."""
-    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, fused=args.fused_adamw or None)
+    --fused-adamw (flags of another script's own Args without it: the default loop)."""
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, fused=getattr(args, "fused_adamw", False) or None)
 
 
 # ---- the bookkeeping of a training run ----

@@ -22,7 +22,9 @@ The first committed rows were measured on an idle Xeon with AVX-512 and AVX512-B
 capability AVX512): there bf16 autocast is slower than fp32, in generation and in the update. The `epyc/` rows
 (`--machine epyc`) were measured on an idle AMD EPYC with AVX-512 and AVX512-BF16 (capability AVX512 too), where a
 bf16 matmul of the model's shapes runs about 4.8x faster than fp32 (530 vs 110 GFLOP/s on one thread) and bf16
-autocast cuts the step 2.6x.
+autocast cuts the step 2.6x. The `epyc-b/` rows are the same kind of machine on another day, when the host ran
+slower (one thread's fp32 matmul of the model's shapes: 90 instead of 110 GFLOP/s; bf16: 410 instead of 530), so the
+baseline (fp32 at 64eccf4, through --code) was measured again beside the new configurations, interleaved with them.
 """
 from __future__ import annotations
 
@@ -105,17 +107,19 @@ def report() -> str:
     rows = read_rows(CSV)
     if not rows:
         return ""
-    by = {}
+    runs = {}  # label -> metric -> one value per measurement: a label measured again is averaged, its count shown
     for r in rows:
-        by.setdefault(r["bench"], {})[r["metric"]] = float(r["value"])
+        runs.setdefault(r["bench"], {}).setdefault(r["metric"], []).append(float(r["value"]))
+    by = {name: {k: statistics.mean(v) for k, v in m.items()} for name, m in runs.items()}
     lines = ["# One GRPO step of SmolLM2-135M-Instruct on CPU", "",
              "Phases of one step at the pretrained benchmark's setting (`benchmarks/run_pretrained.py`), measured by "
              "`benchmarks/profile_smollm2.py` (mean of the timed steps after a warm-up; evaluation per problem from "
              "one greedy pass over the held-out problems), in CPU seconds of one thread. step = generation + update + "
              "evaluated problems per step x evaluation per problem.", "",
-             "Rows are grouped by machine; a row's speed-up is against the first row measured on its machine.", "",
-             "| machine | configuration | code | generation (CPU s) | update (CPU s) | eval per problem (CPU s) | "
-             "eval problems per step | step (CPU s) | speed-up |", "|---|---|---|---|---|---|---|---|---|"]
+             "Rows are grouped by machine; a row's speed-up is against the first row measured on its machine. A "
+             "configuration measured more than once shows the mean of its measurements (runs).", "",
+             "| machine | configuration | code | runs | generation (CPU s) | update (CPU s) | eval per problem (CPU s) | "
+             "eval problems per step | step (CPU s) | speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
     prof = ROOT / "benchmarks" / "results" / "smollm2_step_profile.txt"
     matmul = matmul_seconds(prof.read_text()) if prof.exists() else {}
     firsts, steps = {}, {}
@@ -124,7 +128,7 @@ def report() -> str:
         machine, row = machine_of(name)
         first = firsts.setdefault(machine, step)
         config, code = row.split("@")[0], row.split("@")[-1]
-        lines.append(f"| {machine} | {config} | {code} | {m['gen_s']:.1f} | {m['train_s']:.1f} | "
+        lines.append(f"| {machine} | {config} | {code} | {len(runs[name]['gen_s'])} | {m['gen_s']:.1f} | {m['train_s']:.1f} | "
                      f"{m['eval_s_per_problem']:.2f} | {m['eval_per_step']:.0f} | {step:.1f} | {first / step:.2f}x |")
     lines += ["", "Configurations:", ""] + sorted({f"- `{c}`: {CONFIGS[c][2]}" for n in by
                                                    if (c := machine_of(n)[1].split("@")[0]) in CONFIGS})

@@ -99,7 +99,7 @@ def test_load_policy_gives_a_trainer_sampler_and_a_reference_only_when_asked():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
 
 
-def test_attention_fp32_feeds_the_attention_kernel_fp32_and_keeps_the_padding_mask(monkeypatch):
+def test_fp32_attention_feeds_the_attention_kernel_fp32_and_keeps_the_padding_mask(monkeypatch):
     """--attention-fp32 under bf16 autocast: the SDPA call receives fp32 queries, keys and values outside autocast
     (spied; under autocast the kernel would cast them to bf16, as it does for the bf16 model), and the
     token log-probs of a batch with a left-padded row stay within bf16 rounding of the fp32 model's. Tolerance 0.5
