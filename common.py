@@ -221,16 +221,17 @@ def _completion_mask(ids: torch.Tensor, eos: int | list[int]) -> torch.Tensor:
 
 class _BehaviourLogprobs:
     """A logits processor after temperature and top-p: it keeps the log-softmax of the scores the sampler draws
-    from for one step and reads the drawn token's log-prob at the next (O(B V) memory, not all [B, C, V] scores)."""
+    from for one step and reads the drawn token's log-prob at the next (O(B V) memory, not all [B, C, V] scores).
+    With `draw` (Sampler.draw: log-probs -> [B, 1] tokens) it draws the token itself, and generate takes the argmax."""
 
-    def __init__(self):
-        self.prev, self.cols = None, []
+    def __init__(self, draw=None):
+        self.prev, self.cols, self.draw = None, [], draw
 
     def __call__(self, input_ids, scores):
         if self.prev is not None:
             self.cols.append(self.prev.gather(1, input_ids[:, -1:]))
         self.prev = torch.log_softmax(scores.float(), -1)
-        return scores
+        return scores if self.draw is None else torch.full_like(scores, -torch.inf).scatter_(1, self.draw(self.prev), 0)
 
     def logprobs(self, completion_ids: torch.Tensor) -> torch.Tensor:
         return torch.cat(self.cols + [self.prev.gather(1, completion_ids[:, -1:])], 1)
@@ -246,6 +247,7 @@ class Sampler:
       parameter at a time by refresh() after every optimiser step (a collective: every rank calls it);
     - a vLLM engine (algos/_vllm.py), whose weights refresh() sends after every optimiser step.
     Build it before common.shard(model): a deep copy (of a meta model: algos/_shard.py). LoRA: llm.LoRASampler."""
+    draw = None  # how generate draws a token from its log-probs: None = torch.multinomial (llm.inverse_cdf_draw)
 
     def __init__(self, model, engine=None, sharded: bool = False, fast: bool | None = None):
         cuda = next(model.parameters()).device.type == "cuda" or sharded and torch.cuda.is_available()
@@ -310,11 +312,11 @@ def generate(policy, tok, prompts: list[list[int]], group_size: int = 1, max_new
     # its own warpers after every user processor); with these settings generate adds none of its own.
     warpers = [] if greedy else [TemperatureLogitsWarper(temperature)] * (temperature != 1.0) + \
         [TopPLogitsWarper(top_p)] * (top_p < 1.0)  # each only when it changes the scores
-    recorder = _BehaviourLogprobs()
+    recorder = _BehaviourLogprobs(None if greedy else sampler.draw)
     # only what we set: generate() would fill unset fields (repetition_penalty...) from the model's own config
     eos = eos_ids(tok, model)
     gc = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=eos,
-                          do_sample=not greedy, temperature=1.0, top_p=1.0, top_k=0,
+                          do_sample=not greedy and recorder.draw is None, temperature=1.0, top_p=1.0, top_k=0,
                           cache_implementation="static" if fast else None)
     own, module.generation_config = module.generation_config, gc
     try:
@@ -478,9 +480,7 @@ def held_out_sets(task, n: int, hard_task=None) -> dict[str, list]:
     """The fixed held-out prompts of every script: `n` from the task, min(n, 300) from the harder task."""
     rng = np.random.default_rng(12345)  # the same prompts in every script and every run
     sets = {"main": task.sample("test", n, rng)}
-    if hard_task is not None:
-        sets["hard"] = hard_task.sample("test", min(n, 300), rng)
-    return sets
+    return sets | ({"hard": hard_task.sample("test", min(n, 300), rng)} if hard_task is not None else {})
 
 
 SAMPLES_LOGGED = 8  # held-out completions written to samples.jsonl at each evaluation
@@ -529,8 +529,7 @@ def summarize(history: list[dict], gen_tokens: int, gen_time: float, wall_s: flo
            "gen_tokens": gen_tokens, "tokens_per_s": gen_tokens / max(gen_time, 1e-9), "wall_s": wall_s}
     for key in ("logprob_mismatch", "zero_var_group_frac"):
         vals = [h[f"rollout/{key}"] for h in train if h.get(f"rollout/{key}") is not None]
-        if vals:
-            out[key] = float(np.mean(vals))
+        out |= {key: float(np.mean(vals))} if vals else {}
     for key in [k[len("eval/"):] for k in evals[-1] if k.startswith("eval/") and k not in ("eval/acc", "eval/samples")]:
         if f"eval/{key}" in evals[0]:
             out[f"eval_{key}_start"], out[f"eval_{key}_end"] = evals[0][f"eval/{key}"], evals[-1][f"eval/{key}"]

@@ -50,6 +50,11 @@ CONFIGS = {
     "bf16-eval20-attn32-fused": (["--dtype", "bf16", "--micro-batch-size", "8", "--attention-fp32", "--fused-adamw"],
                                  5.0, "bf16-eval20, with attention in fp32 (--attention-fp32: on CPU the bf16 "
                                  "flash-attention kernel is the slower one) and AdamW's fused kernel (--fused-adamw)"),
+    "bf16-eval20-attn32-fused-icdf": (["--dtype", "bf16", "--micro-batch-size", "8", "--attention-fp32",
+                                       "--fused-adamw", "--inverse-cdf-sampling"], 5.0,
+                                      "bf16-eval20-attn32-fused, each sampled token drawn by inverse CDF "
+                                      "(--inverse-cdf-sampling) instead of torch.multinomial's exponential per "
+                                      "vocabulary entry"),
 }
 BASE = ["--model", "smollm2-135m", "--task", "words", "--max-new-tokens", "48", "--prompts-per-step", "8",
         "--group-size", "4", "--temperature", "0.7", "--lr", "1e-5", "--pass-k", "0", "--no-eval-hard"]

@@ -6,6 +6,7 @@ trained by algos/grpo.py with its chat template on generated word problems (`--t
     python benchmarks/run_pretrained.py --seeds 0 1 2
     python benchmarks/run_pretrained.py --dtype bf16     # bf16 autocast (fp32 weights, AdamW, log-softmax, losses)
     python benchmarks/run_pretrained.py --dtype bf16-fast  # and fp32 attention, fused AdamW (smollm2_step.md)
+    python benchmarks/run_pretrained.py --dtype bf16-fast-icdf  # and tokens drawn by inverse CDF
     python benchmarks/run_pretrained.py --report-only    # rebuild benchmarks/results/pretrained.md
 
 Each seed runs the command below in a subprocess and appends its summary to benchmarks/results/pretrained.csv
@@ -31,7 +32,8 @@ FLAGS = ["--model", "smollm2-135m", "--task", "words", "--max-new-tokens", "48",
 CSV, OUT = "pretrained.csv", ROOT / "runs" / "pretrained"
 # --dtype of this benchmark -> grpo.py's flags for it
 DTYPES = {"fp32": ["--dtype", "fp32"], "bf16": ["--dtype", "bf16"],
-          "bf16-fast": ["--dtype", "bf16", "--attention-fp32", "--fused-adamw"]}
+          "bf16-fast": ["--dtype", "bf16", "--attention-fp32", "--fused-adamw"],
+          "bf16-fast-icdf": ["--dtype", "bf16", "--attention-fp32", "--fused-adamw", "--inverse-cdf-sampling"]}
 KEYS = ("eval_acc_start", "eval_acc_end", "train_reward_first", "train_reward_last", "gen_tokens", "wall_s")
 
 
@@ -55,6 +57,7 @@ def run(seed: int, done: Path | None = None, dtype: str = "fp32") -> None:
             raise SystemExit(f"{run_dir} was run with --{flag[2:]} {config[key]}, not {value}")
     ran = "bf16" if config.get("dtype", "auto") == "bf16" else "fp32"  # 'auto' is fp32 on CPU
     ran += "-fast" if config.get("attention_fp32") and config.get("fused_adamw") else ""
+    ran += "-icdf" if config.get("inverse_cdf_sampling") else ""
     if ran != dtype:
         raise SystemExit(f"{run_dir} was run as --dtype {ran}, not {dtype}")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -72,7 +75,8 @@ def report() -> str:
              "SmolLM2-135M-Instruct trained by `algos/grpo.py` on generated word problems (`--task words`), its chat",
              "template applied, held-out greedy accuracy on 100 fixed problems. The weights are the package's Q4_1 GGUF",
              "file de-quantised to fp32 on load (`common.resolve_model_path`), not the original bf16 checkpoint. Command",
-             "(one seed; `--dtype bf16` for the bf16 rows, and `--attention-fp32 --fused-adamw` for bf16-fast):", "",
+             "(one seed; `--dtype bf16` for the bf16 rows, `--attention-fp32 --fused-adamw` for bf16-fast, and "
+             "`--inverse-cdf-sampling` for -icdf):", "",
              f"    python algos/grpo.py {' '.join(FLAGS)} --seed 0", "",
              "| configuration | commit | seed | held-out acc. start | end | change (points) | "
              "train reward first / last | wall (s) |", "|---|---|---|---|---|---|---|---|"]
@@ -99,7 +103,8 @@ def main() -> None:
                     help="record a finished run folder of the same command (one seed) instead of running it")
     ap.add_argument("--dtype", choices=list(DTYPES), default="fp32",
                     help="compute dtype of the runs (fp32: the CPU default; bf16: autocast, fp32 master weights; "
-                         "bf16-fast: bf16 with fp32 attention and fused AdamW)")
+                         "bf16-fast: bf16 with fp32 attention and fused AdamW; bf16-fast-icdf: and tokens drawn by "
+                         "inverse CDF)")
     args = ap.parse_args()
     for seed in [] if args.report_only else args.seeds:
         run(seed, args.record, args.dtype)
