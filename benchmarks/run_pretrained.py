@@ -89,9 +89,9 @@ def report() -> str:
               "difference of two), so one run's change is a few standard errors at most. The first run's completions "
               "hit the 48-token budget less often as it trained (56% of them at step 1, 6-50% at steps 2-10, 16% at "
               "step 10); it took 23 min on 2 CPU cores shared with other jobs. The bf16 rows are the check that bf16 "
-              "autocast (`benchmarks/results/smollm2_step.md`: 2.6x faster a step on a CPU with AVX512-BF16), and "
-              "bf16-fast (bf16 with fp32 attention and fused AdamW, about 3x) leave the held-out result within that "
-              f"error. Hardware and versions of each row: `benchmarks/results/{CSV}`."]
+              "autocast (`benchmarks/results/smollm2_step.md`: 2.6x faster a step on a CPU with AVX512-BF16), "
+              "bf16-fast (with fp32 attention and fused AdamW) and bf16-fast-icdf (and tokens drawn by inverse CDF; "
+              f"each about 2.9x) leave the held-out result within that error. Hardware and versions of each row: `benchmarks/results/{CSV}`."]
     return "\n".join(lines) + "\n"
 
 
