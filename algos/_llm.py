@@ -632,8 +632,9 @@ def inverse_cdf_draw(logprobs: torch.Tensor) -> torch.Tensor:
 def fp32_attention(model) -> None:
     """--attention-fp32: the model's scaled-dot-product attention takes fp32 queries, keys and values (outside autocast)
     and returns its output in their dtype, so only the attention kernel changes precision, in generation and in the
-    update alike. Why: on CPU, PyTorch's bf16 flash-attention forward + backward of SmolLM2-135M's shape took twice the
-    fp32 kernel's time (benchmarks/results/smollm2_step.md), while bf16 matmuls ran 4x faster than fp32 ones."""
+    update alike. Why: on CPU, PyTorch's bf16 flash-attention kernel is slower than its fp32 one while bf16 matmuls run
+    4x faster than fp32 ones; in one update of SmolLM2-135M its backward took 1.48 s in bf16 and 0.62 s in fp32
+    (benchmarks/results/smollm2_step_profile.txt)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask

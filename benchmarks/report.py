@@ -50,15 +50,22 @@ DIRECTIONS = VERDICTS + ("descriptive",)  # the values of claims.csv's `directio
 
 # ---- figures from the results CSVs ----
 def figure_values(ref: str) -> list[float]:
-    """The per-seed values of `file#script#config#metric#scale` (one per (bench, seed); a later row replaces)."""
-    name, script, config, metric, scale = ref.split("#")
+    """The per-seed values of `file#script#config#metric#scale` (one per (bench, seed); a later row replaces).
+    Optional filters after the scale select a plan's fresh runs from a CSV that also holds older ones:
+    `#bench=NAME` (rows of that bench only) and `#seeds=A-B` (seeds A to B, both included)."""
+    name, script, config, metric, scale, *filters = ref.split("#")
+    keep = dict(f.split("=", 1) for f in filters)
+    if set(keep) - {"bench", "seeds"}:
+        raise ValueError(f"{ref}: unknown filter {sorted(set(keep) - {'bench', 'seeds'})} (bench=NAME, seeds=A-B)")
+    lo, hi = map(int, keep["seeds"].split("-")) if "seeds" in keep else (-math.inf, math.inf)
     path = RESULTS / name
     if not path.exists():
         raise ValueError(f"{ref}: no file benchmarks/results/{name}")
     by_seed = {}
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
-            if r["script"] == script and r["config"] == config and r["metric"] == metric:
+            if r["script"] == script and r["config"] == config and r["metric"] == metric \
+                    and keep.get("bench", r["bench"]) == r["bench"] and lo <= int(r["seed"]) <= hi:
                 by_seed[(r["bench"], r["seed"])] = float(r["value"]) * float(scale)  # a later row replaces
     vals = list(by_seed.values())
     if not vals:
@@ -638,6 +645,7 @@ def render(text: str) -> str:
             path = RESULTS / f"{name}.md"
             body = path.read_text().rstrip() + "\n" if path.exists() else f"*(no results yet: {path.name})*\n"
             body = body.replace("](benchmarks/results/", "](results/")  # links relative to benchmarks/README.md
+            body = re.sub(r"\A# .*\n+", "", body)  # a standalone page's title: the section's heading stands for it
         return m.group(1) + body + m.group(4)
 
     return BLOCK.sub(fill, text)

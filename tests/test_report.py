@@ -312,6 +312,21 @@ def test_figure_reads_the_later_of_duplicate_rows(tmp_path, monkeypatch):
         report.figure("x.csv#s#missing#m#1")
 
 
+def test_figure_filters_select_a_plans_fresh_runs(tmp_path, monkeypatch):
+    """`#bench=` and `#seeds=A-B` keep the fresh runs apart from the older rows of the same CSV; an unknown filter is
+    refused."""
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    rows = ["old,s,c,0,m,1.0,,,,,", "old,s,c,1,m,3.0,,,,,", "fresh,s,c,0,m,10.0,,,,,", "fresh,s,c,5,m,20.0,,,,,",
+            "fresh,s,c,6,m,30.0,,,,,"]
+    (tmp_path / "x.csv").write_text(HEAD + "\n".join(rows) + "\n")
+    assert sorted(report.figure_values("x.csv#s#c#m#1")) == [1.0, 3.0, 10.0, 20.0, 30.0]
+    assert sorted(report.figure_values("x.csv#s#c#m#1#bench=fresh")) == [10.0, 20.0, 30.0]
+    assert sorted(report.figure_values("x.csv#s#c#m#1#bench=fresh#seeds=5-6")) == [20.0, 30.0]
+    assert sorted(report.figure_values("x.csv#s#c#m#2#seeds=0-1")) == [2.0, 6.0, 20.0]
+    with pytest.raises(ValueError, match="unknown filter"):
+        report.figure_values("x.csv#s#c#m#1#commit=abc")
+
+
 def test_read_plan_refuses_malformed_lines(tmp_path):
     path = tmp_path / "plan.csv"
     good = {f: "" for f in report.PLAN_FIELDS} | {"arxiv": "1", "claim": "c", "command": "python x.py", "test": "0>1",
@@ -362,3 +377,15 @@ def test_provenance_marks_code_that_differs_from_its_commit(tmp_path, monkeypatc
     assert R.provenance()["commit"] == clean
     (tmp_path / "code.py").write_text("a = 2\n")
     assert R.provenance()["commit"] == clean + "+dirty"
+
+
+def test_a_results_block_drops_the_pages_own_title_and_keeps_the_rest(tmp_path, monkeypatch):
+    """A results page that stands alone (its first line a '# title') is embedded under the section's own heading:
+    the title goes, the text and links (made relative to benchmarks/README.md) stay; a page without one is unchanged."""
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    (tmp_path / "page.md").write_text("# A page\n\nText, [a link](benchmarks/results/x.csv).\n# not a title\n")
+    (tmp_path / "plain.md").write_text("| a |\n|---|\n")
+    out = report.render("<!-- results:page -->\n<!-- /results:page -->\n<!-- results:plain -->\nold\n"
+                        "<!-- /results:plain -->\n")
+    assert out == ("<!-- results:page -->\nText, [a link](results/x.csv).\n# not a title\n<!-- /results:page -->\n"
+                   "<!-- results:plain -->\n| a |\n|---|\n<!-- /results:plain -->\n")
