@@ -383,9 +383,9 @@ def test_a_results_block_drops_the_pages_own_title_and_keeps_the_rest(tmp_path, 
     """A results page that stands alone (its first line a '# title') is embedded under the section's own heading:
     the title goes, the text and links (made relative to benchmarks/README.md) stay; a page without one is unchanged."""
     monkeypatch.setattr(report, "RESULTS", tmp_path)
-    (tmp_path / "page.md").write_text("# A page\n\nText, [a link](benchmarks/results/x.csv).\n# not a title\n")
+    (tmp_path / "page.md").write_text("# A page\n\nText, [a link](benchmarks/results/pretrained.csv).\n# not a title\n")
     (tmp_path / "plain.md").write_text("| a |\n|---|\n")
     out = report.render("<!-- results:page -->\n<!-- /results:page -->\n<!-- results:plain -->\nold\n"
                         "<!-- /results:plain -->\n")
-    assert out == ("<!-- results:page -->\nText, [a link](results/x.csv).\n# not a title\n<!-- /results:page -->\n"
+    assert out == ("<!-- results:page -->\nText, [a link](results/pretrained.csv).\n# not a title\n<!-- /results:page -->\n"
                    "<!-- results:plain -->\n| a |\n|---|\n<!-- /results:plain -->\n")
