@@ -387,5 +387,5 @@ def test_a_results_block_drops_the_pages_own_title_and_keeps_the_rest(tmp_path, 
     (tmp_path / "plain.md").write_text("| a |\n|---|\n")
     out = report.render("<!-- results:page -->\n<!-- /results:page -->\n<!-- results:plain -->\nold\n"
                         "<!-- /results:plain -->\n")
-    assert out == ("<!-- results:page -->\nText, [a link](results/pretrained.csv).\n# not a title\n<!-- /results:page -->\n"
-                   "<!-- results:plain -->\n| a |\n|---|\n<!-- /results:plain -->\n")
+    assert out == ("<!-- results:page -->\nText, [a link](results/pretrained.csv).\n# not a title\n"
+                   "<!-- /results:page -->\n<!-- results:plain -->\n| a |\n|---|\n<!-- /results:plain -->\n")
