@@ -642,11 +642,10 @@ def fp32_attention(model) -> None:
     if getattr(model, "amp_dtype", None) is None:
         raise SystemExit("--attention-fp32 changes bf16 attention only: use it with --dtype bf16")
 
-    def sdpa_fp32(module, query, key, value, attention_mask, **kw):
-        mask = attention_mask.float() if attention_mask is not None and attention_mask.is_floating_point() else \
-            attention_mask
+    def sdpa_fp32(module, query, key, value, attention_mask, **kw):  # sdpa_mask's masks are boolean (or None)
         with torch.autocast(query.device.type, enabled=False):
-            out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask, **kw)
+            out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
+                                                  **kw)
         return out.to(query.dtype), weights
 
     AttentionInterface.register("sdpa_fp32", sdpa_fp32)

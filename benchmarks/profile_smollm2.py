@@ -133,8 +133,8 @@ def report() -> str:
         machine, row = machine_of(name)
         first = firsts.setdefault(machine, step)
         config, code = row.split("@")[0], row.split("@")[-1]
-        lines.append(f"| {machine} | {config} | {code} | {len(runs[name]['gen_s'])} | {m['gen_s']:.1f} | {m['train_s']:.1f} | "
-                     f"{m['eval_s_per_problem']:.2f} | {m['eval_per_step']:.0f} | {step:.1f} | {first / step:.2f}x |")
+        lines.append(f"| {machine} | {config} | {code} | {len(runs[name]['gen_s'])} | {m['gen_s']:.1f} | "
+                     f"{m['train_s']:.1f} | {m['eval_s_per_problem']:.2f} | {m['eval_per_step']:.0f} | {step:.1f} | {first / step:.2f}x |")
     lines += ["", "Configurations:", ""] + sorted({f"- `{c}`: {CONFIGS[c][2]}" for n in by
                                                    if (c := machine_of(n)[1].split("@")[0]) in CONFIGS})
     if prof.exists():

@@ -55,11 +55,11 @@ def run(seed: int, done: Path | None = None, dtype: str = "fp32") -> None:
         if key in config and key != "threads" and not value.startswith("--") and str(config[key]) != value \
                 and float(config[key]) != float(value):
             raise SystemExit(f"{run_dir} was run with --{flag[2:]} {config[key]}, not {value}")
-    ran = "bf16" if config.get("dtype", "auto") == "bf16" else "fp32"  # 'auto' is fp32 on CPU
-    ran += "-fast" if config.get("attention_fp32") and config.get("fused_adamw") else ""
-    ran += "-icdf" if config.get("inverse_cdf_sampling") else ""
-    if ran != dtype:
-        raise SystemExit(f"{run_dir} was run as --dtype {ran}, not {dtype}")
+    switches = [f"--{k.replace('_', '-')}" for k in ("attention_fp32", "fused_adamw", "inverse_cdf_sampling")
+                if config.get(k)]  # 'auto' is fp32 on CPU
+    if ["--dtype", "bf16" if config.get("dtype") == "bf16" else "fp32", *switches] != DTYPES[dtype]:
+        raise SystemExit(f"{run_dir} was run with --dtype {config.get('dtype', 'auto')} {' '.join(switches)}, "
+                         f"not as --dtype {dtype} of this benchmark ({' '.join(DTYPES[dtype])})")
     summary = json.loads((run_dir / "summary.json").read_text())
     append_rows(CSV, "pretrained", "algos/grpo.py", config_name(dtype), seed,
                 {k: summary[k] for k in KEYS}, command="python " + " ".join(cmd[:-4]))
@@ -89,9 +89,9 @@ def report() -> str:
               "difference of two), so one run's change is a few standard errors at most. The first run's completions "
               "hit the 48-token budget less often as it trained (56% of them at step 1, 6-50% at steps 2-10, 16% at "
               "step 10); it took 23 min on 2 CPU cores shared with other jobs. The bf16 rows are the check that bf16 "
-              "autocast (`benchmarks/results/smollm2_step.md`: 2.6x faster a step on a CPU with AVX512-BF16), "
-              "bf16-fast (with fp32 attention and fused AdamW) and bf16-fast-icdf (and tokens drawn by inverse CDF; "
-              f"each about 2.9x) leave the held-out result within that error. Hardware and versions of each row: `benchmarks/results/{CSV}`."]
+              "autocast, bf16-fast (with fp32 attention and fused AdamW) and bf16-fast-icdf (and tokens drawn by "
+              "inverse CDF), whose step times are in `benchmarks/results/smollm2_step.md`, leave the held-out result "
+              f"within that error. Hardware and versions of each row: `benchmarks/results/{CSV}`."]
     return "\n".join(lines) + "\n"
 
 
