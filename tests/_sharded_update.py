@@ -1,21 +1,26 @@
 """A script's `update` for a few optimiser steps on one fixed global batch: in one process, or split over the ranks
-of a two-process launch where common.shard wraps the policy (and reference / critic) with FSDP2.
+of a two-process launch where common.shard wraps the policy (and reference / critic) with FSDP2. One process runs
+several jobs in turn (a process start costs more than a job's steps), each into OUT/JOB:
 
-    python tests/_sharded_update.py grpo OUT                                   # one process, the whole batch
-    accelerate launch --multi_gpu --num_processes 2 ... tests/_sharded_update.py grpo OUT   # each rank half of it
-    python tests/_sharded_update.py grpo OUT lora                              # LoRA adapters (peft before FSDP2)
-    python tests/_sharded_update.py grpo OUT variant [average]   # token-mean, 2 epochs x 2 mini-batches, checkpointing
-                                                                 # [average: the bug, gradients averaged over ranks]
+    python tests/_sharded_update.py OUT grpo ppo grpo-lora             # one process, the whole batch
+    accelerate launch --multi_gpu --num_processes 2 ... tests/_sharded_update.py OUT grpo ppo   # each rank half of it
 
-Rank 0 writes OUT/stats.json (the logged statistics of every step) and OUT/params.safetensors (the full
-parameters after the steps); every rank writes its part of OUT/checkpoint (common.save_checkpoint: shards when
+    grpo, ppo             the script's update
+    grpo-lora             LoRA adapters (peft before FSDP2)
+    grpo-variant          token-mean, 2 epochs x 2 mini-batches, gradient checkpointing
+    grpo-variant-average  the same with the bug planted: gradients averaged over ranks (FSDP2's default)
+    reshard               tests/_sharded_reshard.py (a sharded bf16 reference scored under no_grad)
+
+Rank 0 writes OUT/JOB/stats.json (the logged statistics of every step) and OUT/JOB/params.safetensors (the full
+parameters after the steps); every rank writes its part of OUT/JOB/checkpoint (common.save_checkpoint: shards when
 sharded). tests/test_sharding.py compares the two: same losses, same parameters, and exports both checkpoints.
 With LoRA the reference is the policy with its adapters disabled (common.AdaptersOff) and the adapters' B starts
 non-zero (seeded), so that policy and reference differ from the first step.
 The optimiser is plain SGD without clipping, so a parameter moves by exactly lr x its gradient: a gradient averaged
 over ranks instead of summed moves it half as far (AdamW and clipping to a norm would both hide a constant factor).
 Several mini-batches: each rank splits its rows in order, and one process takes the same global mini-batches (the
-union of the ranks' m-th parts) by a fixed order in place of torch.randperm.
+union of the ranks' m-th parts) by a fixed order in place of torch.randperm (put back after the job, as is the
+planted bug).
 """
 import copy
 import importlib
@@ -58,7 +63,7 @@ def main(script: str, out: str, lora: bool = False, steps: int = 3, variant: boo
         args = replace(args, loss_agg="token-mean", ppo_epochs=2, minibatches=2, grad_checkpointing=True)
     if average:  # the planted bug: FSDP2's default, gradients averaged over ranks instead of summed
         from torch.distributed.fsdp import FSDPModule
-        FSDPModule.set_gradient_divide_factor = lambda self, factor: None
+        FSDPModule.set_gradient_divide_factor = lambda self, factor: None  # put back by run_jobs
     common.set_seed(0)
     model, tok = common.load_model("tiny-0.6m", "cpu")
     model.train()
@@ -107,6 +112,31 @@ def main(script: str, out: str, lora: bool = False, steps: int = 3, variant: boo
         save_file({k: v.contiguous() for k, v in init.items()}, str(Path(out, "init.safetensors")))  # the policy's
 
 
+JOBS = ("grpo", "ppo", "grpo-lora", "grpo-variant", "grpo-variant-average", "reshard")
+
+
+def run_jobs(out: str, jobs: list) -> None:
+    """Each job in turn into OUT/JOB, with what a job patches (torch.randperm, FSDP2's divide factor) put back."""
+    from torch.distributed.fsdp import FSDPModule
+
+    unknown = [j for j in jobs if j not in JOBS]
+    if unknown or not jobs:
+        raise SystemExit(f"jobs {unknown or '(none)'}: choose from {JOBS}")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    randperm, divide = torch.randperm, FSDPModule.set_gradient_divide_factor
+    for job in jobs:
+        try:
+            if job == "reshard":
+                import _sharded_reshard  # tests/, this script's folder
+
+                _sharded_reshard.main(str(Path(out) / "reshard.txt"))
+            else:
+                script, *flags = job.split("-")
+                main(script, str(Path(out) / job), lora="lora" in flags, variant="variant" in flags,
+                     average="average" in flags)
+        finally:
+            torch.randperm, FSDPModule.set_gradient_divide_factor = randperm, divide
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], lora="lora" in sys.argv[3:], variant="variant" in sys.argv[3:],
-         average="average" in sys.argv[3:])
+    run_jobs(sys.argv[1], sys.argv[2:])

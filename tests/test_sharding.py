@@ -38,72 +38,78 @@ def run(cmd: list, timeout: int = 400) -> str:
     return out
 
 
+ONE_PROCESS = ["grpo", "ppo", "grpo-variant", "grpo-lora"]
+TWO_RANKS = [*ONE_PROCESS, "grpo-variant-average", "reshard"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every job of tests/_sharded_update.py, once in one process (the whole batch) and once in one two-rank launch
+    (each rank half of it): two process starts instead of ten. Returns a job's pair of output folders."""
+    base = tmp_path_factory.mktemp("sharded")
+    harness = os.path.join("tests", "_sharded_update.py")
+    run([sys.executable, harness, str(base / "one"), *ONE_PROCESS])
+    run([*LAUNCH, harness, str(base / "two"), *TWO_RANKS])
+    return lambda job, ranks="two": (base / "one" / job, base / ranks / job)
+
+
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
-def test_sharded_update_equals_one_process(tmp_path, script):
+def test_sharded_update_equals_one_process(tmp_path, runs, script):
     """3 optimiser steps on one global batch of 16 sequences (micro-batches of 3, a reference model; PPO: a critic
     and advantages whitened over the whole batch): two ranks of 8 each under FSDP2 against one process of 16.
     Plain SGD, no clipping (tests/_sharded_update.py): a parameter moves by lr x its gradient. Tolerance: fp32
     summation order only (measured: parameters equal to 1.5e-8 for GRPO, 1.2e-7 for PPO, after moving 2.5e-3 and
     4.3e-3; with the gradients averaged over ranks instead of summed they end 1.0e-3 and 1.7e-3 apart).
-    The sharded checkpoint (torch.distributed.checkpoint; PPO's policy beside its critic) exports with
-    `python common.py export` to a folder whose from_pretrained logits are the trained policy's."""
-    harness = os.path.join("tests", "_sharded_update.py")
-    run([sys.executable, harness, script, str(tmp_path / "one")])
-    run([*LAUNCH, harness, script, str(tmp_path / "two")])
-    assert_same_update(tmp_path)
-    assert (tmp_path / "two" / "checkpoint" / ".metadata").exists()
-    run([sys.executable, "common.py", "export", str(tmp_path / "two" / "checkpoint"), str(tmp_path / "hf")])
-    assert_exported_logits(tmp_path / "hf", load_file(str(tmp_path / "two" / "params.safetensors")))
+    The sharded checkpoint (torch.distributed.checkpoint; PPO's policy beside its critic) exports to a folder whose
+    from_pretrained logits are the trained policy's (the command line `python common.py export`: the LoRA test)."""
+    one, two = runs(script)
+    assert_same_update(one, two)
+    assert (two / "checkpoint" / ".metadata").exists()
+    common.export_checkpoint(two / "checkpoint", tmp_path / "hf")
+    assert_exported_logits(tmp_path / "hf", load_file(str(two / "params.safetensors")))
 
 
-def test_sharded_update_equals_one_process_token_mean_epochs_checkpointing_and_fails_averaged(tmp_path):
+def test_sharded_update_equals_one_process_token_mean_epochs_checkpointing_and_fails_averaged(runs):
     """grpo.py's update with token-mean aggregation, two epochs of two mini-batches each (four optimiser steps per
     rollout batch, pi_old scored before the first) and gradient checkpointing: two ranks equal one process. With
     FSDP2's default of averaging the gradients over ranks (planted: the divide factor left alone) the same comparison
     fails on the parameters themselves: the harness steps with plain SGD and no clipping, so a halved gradient moves
     every parameter half as far (AdamW, or clipping to a norm, would hide a constant factor), and on the gradient norm.
     The mini-batches are the same global ones in both runs (tests/_sharded_update.py fixes their order)."""
-    harness = os.path.join("tests", "_sharded_update.py")
-    run([sys.executable, harness, "grpo", str(tmp_path / "one"), "variant"])
-    run([*LAUNCH, harness, "grpo", str(tmp_path / "two"), "variant"])
-    assert_same_update(tmp_path)
-    run([*LAUNCH, harness, "grpo", str(tmp_path / "avg"), "variant", "average"])
-    (tmp_path / "two").rename(tmp_path / "summed")
-    (tmp_path / "avg").rename(tmp_path / "two")
+    one, two = runs("grpo-variant")
+    assert_same_update(one, two)
+    averaged = runs("grpo-variant-average")[1]
     with pytest.raises(AssertionError, match="loss/"):  # the gradient norm, or a loss after the first of four steps
-        assert_same_stats(tmp_path)
+        assert_same_stats(one, averaged)
     with pytest.raises(AssertionError, match="parameters"):
-        assert_same_params(tmp_path)
+        assert_same_params(one, averaged)
 
 
-def test_sharded_reference_is_resharded_after_scoring(tmp_path):
+def test_sharded_reference_is_resharded_after_scoring(runs):
     """A bf16 run's sharded reference (algos/_shard.py: stored in bf16) scored under no_grad gives its gathered root
     weights back (each rank keeps its shard): FSDP2 reshards no root after a forward without backward, token_logprobs
-    does. Planted on a scratch copy, the reshard() line removed: the test reports lm_head and the embeddings."""
-    run([*LAUNCH, os.path.join("tests", "_sharded_reshard.py"), str(tmp_path / "out.txt")])
-    assert (tmp_path / "out.txt").read_text() == "sharded bf16"
+    does (tests/_sharded_reshard.py). Planted on a scratch copy, the reshard() line removed: the test reports lm_head
+    and the embeddings."""
+    assert runs("reshard.txt")[1].read_text() == "sharded bf16"
 
 
-def test_sharded_lora_update_equals_one_process(tmp_path):
+def test_sharded_lora_update_equals_one_process(tmp_path, runs):
     """LoRA under FSDP2 (peft wraps the layers, then common.shard): the same 3 GRPO steps in two ranks and in one
     process, the reference being the policy with its adapters disabled (no second copy). Only the adapters move; the
     sharded checkpoint (the adapters' shards and their gathered peft file) exports with --merge-lora to a plain folder
     whose logits are the trained policy's (merged: W + alpha / r B A). Plain SGD: parameters equal to 1.5e-8 after
     moving 1.4e-3; 7e-4 apart with averaged gradients."""
-    harness = os.path.join("tests", "_sharded_update.py")
-    run([sys.executable, harness, "grpo", str(tmp_path / "one"), "lora"])
-    run([*LAUNCH, harness, "grpo", str(tmp_path / "two"), "lora"])
-    assert_same_update(tmp_path)
-    params = load_file(str(tmp_path / "two" / "params.safetensors"))
+    one, two = runs("grpo-lora")
+    assert_same_update(one, two)
+    params = load_file(str(two / "params.safetensors"))
     base = dict(common.load_model("tiny-0.6m")[0].named_parameters())
     for name, p in params.items():  # the frozen base weights are untouched
         if "lora_" not in name:
             assert torch.equal(p, base[name.replace("base_model.model.", "").replace(".base_layer", "")]), name
-    ckpt = tmp_path / "two" / "checkpoint"
+    ckpt = two / "checkpoint"
     assert (ckpt / ".metadata").exists() and (ckpt / "adapter_model.safetensors").exists()
-    out = subprocess.run([sys.executable, "common.py", "export", str(ckpt), str(tmp_path / "x")], cwd=ROOT,
-                         capture_output=True, text=True)
-    assert out.returncode != 0 and "--merge-lora" in out.stderr and "Traceback" not in out.stderr
+    with pytest.raises(SystemExit, match="--merge-lora"):
+        common.export_checkpoint(ckpt, tmp_path / "x")
     run([sys.executable, "common.py", "export", str(ckpt), str(tmp_path / "hf"), "--merge-lora"])
     assert_exported_logits(tmp_path / "hf", params, lora=True)
 
@@ -127,15 +133,15 @@ def assert_exported_logits(folder, params: dict, lora: bool = False) -> None:
         assert torch.allclose(exported(ids).logits, model(ids).logits, atol=1e-5)
 
 
-def assert_same_update(tmp_path) -> None:
-    """tmp_path/one and tmp_path/two logged the same statistics and hold the same parameters (fp32 tolerance)."""
-    assert_same_stats(tmp_path)
-    assert_same_params(tmp_path)
+def assert_same_update(one, two) -> None:
+    """Folders one and two logged the same statistics and hold the same parameters (fp32 tolerance)."""
+    assert_same_stats(one, two)
+    assert_same_params(one, two)
 
 
-def assert_same_stats(tmp_path) -> None:
+def assert_same_stats(one, two) -> None:
     """The logged statistics of every step agree (relative 1e-4: fp32 sums in another order)."""
-    one, two = (json.loads((tmp_path / d / "stats.json").read_text()) for d in ("one", "two"))
+    one, two = (json.loads((d / "stats.json").read_text()) for d in (one, two))
     assert len(one) == len(two) == 3
     for a, b in zip(one, two):  # the logged statistics of the whole batch, not rank 0's half
         for k in a:
@@ -144,11 +150,11 @@ def assert_same_stats(tmp_path) -> None:
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (k, a[k], b[k])
 
 
-def assert_same_params(tmp_path) -> None:
+def assert_same_params(one, two) -> None:
     """The parameters after the steps agree to 1e-5, while SGD moved them at least 50 times as far from the start
-    (tmp_path/one/init.safetensors; measured 1.4e-3 to 5e-3), so a step that did nothing, or half of one, cannot pass."""
-    pa, pb = (load_file(str(tmp_path / d / "params.safetensors")) for d in ("one", "two"))
-    init = load_file(str(tmp_path / "one" / "init.safetensors"))
+    (one/init.safetensors; measured 1.4e-3 to 5e-3), so a step that did nothing, or half of one, cannot pass."""
+    pa, pb = (load_file(str(d / "params.safetensors")) for d in (one, two))
+    init = load_file(str(one / "init.safetensors"))
     assert set(pa) == set(pb)
     moved = max((pa[k] - init[k]).abs().max().item() for k in init)
     diff = max((pa[k] - pb[k]).abs().max().item() for k in pa)
