@@ -523,6 +523,10 @@ class LLMArgs:
     """draw each sampled token by inverse CDF (one uniform per row, inverse_cdf_draw) instead of torch.multinomial's
     exponential per vocabulary entry: the same distribution, another random stream; on CPU the exponentials were a
     sixth of SmolLM2-135M's generation time (a 49,152-token vocabulary); HF engine only"""
+    keep_freed_memory: bool = False
+    """glibc's malloc keeps what the process frees instead of returning it to the system (keep_freed_memory): with a
+    real vocabulary each decoding step's [batch x vocab] tensors then reuse warm pages instead of faulting in fresh
+    ones (SmolLM2-135M: a rollout 30% faster on CPU); resident memory stays at its peak; Linux with glibc"""
     fused_adamw: bool = False
     """AdamW's fused kernel: one pass over all parameters, the same update up to rounding (on CPU 6x faster than the
     default per-parameter loop for SmolLM2-135M); off by default, so that runs repeat the committed results exactly"""
@@ -627,6 +631,27 @@ def inverse_cdf_draw(logprobs: torch.Tensor) -> torch.Tensor:
     cdf = logprobs.double().exp().cumsum(-1)
     u = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)
+
+
+def keep_freed_memory() -> None:
+    """--keep-freed-memory: glibc's malloc keeps the memory this process frees for its next allocations instead of
+    handing it back to the system. Why: with a real vocabulary every decoding step allocates and frees several
+    [batch x vocab] fp32 tensors (6 MiB at 32 x 49,152: logits, temperature, log-softmax, the sampling draw), above
+    glibc's threshold for serving a block by a mapping of its own, so each is mapped, faulted in page by page
+    (zero-filled by the kernel) and unmapped again. Measured on one rollout of SmolLM2-135M (bf16, one thread): 70,000
+    to 100,000 page faults and 9.5 s, against none and 6.6 s. It changes no computation. The price: the process's
+    resident memory stays at its peak. Blocks up to 32 MiB (glibc's most) come from the heap, which is never trimmed."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        raise SystemExit("--keep-freed-memory needs Linux with glibc (its mallopt)")
+    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's malloc.h
+    if not (mallopt(M_MMAP_THRESHOLD, 32 << 20) and mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+            and mallopt(M_TOP_PAD, 64 << 20)):
+        raise SystemExit("--keep-freed-memory: glibc's mallopt refused the settings")
 
 
 def fp32_attention(model) -> None:
@@ -781,6 +806,8 @@ class Run:
                                  not torch.cuda.is_available())
         self.rank, self.is_main = self.accel.process_index, self.accel.is_main_process
         torch.set_num_threads(args.threads)
+        if getattr(args, "keep_freed_memory", False):
+            keep_freed_memory()
         common.set_seed(args.seed)
         self.task = self.hard_task = None
         if tasks:

@@ -55,6 +55,11 @@ CONFIGS = {
                                       "bf16-eval20-attn32-fused, each sampled token drawn by inverse CDF "
                                       "(--inverse-cdf-sampling) instead of torch.multinomial's exponential per "
                                       "vocabulary entry"),
+    "bf16-eval20-attn32-fused-keep": (["--dtype", "bf16", "--micro-batch-size", "8", "--attention-fp32",
+                                       "--fused-adamw", "--keep-freed-memory"], 5.0,
+                                      "bf16-eval20-attn32-fused, with freed memory kept by the process "
+                                      "(--keep-freed-memory: no page faults for each decoding step's [batch x vocab] "
+                                      "tensors)"),
 }
 BASE = ["--model", "smollm2-135m", "--task", "words", "--max-new-tokens", "48", "--prompts-per-step", "8",
         "--group-size", "4", "--temperature", "0.7", "--lr", "1e-5", "--pass-k", "0", "--no-eval-hard"]
