@@ -3,6 +3,11 @@ reach GRPO's peak.
 
     python benchmarks/replay_table.py                  # GRPO + RLEP (3 seeds), the replay grid (GRID_SEEDS)
     python benchmarks/replay_table.py --report-only    # rebuilds the tables from the CSV
+    python benchmarks/replay_table.py --plan --seeds 10 11 12 13 14 15 16 17 18 19   # the claims plan's fresh run
+
+--plan: the fresh seeds that benchmarks/claims_plan.csv asks for (GRPO and reuse 2, age 1 only, rows under the bench
+`replay_plan`, reported in a table of their own), so that they neither pool with the first runs' seeds nor stand in
+for them.
 
 The claims: the replay-buffer study (Arnal et al., "Efficient RL Training for LLMs with Experience Replay",
 arXiv:2604.08706): a well-designed buffer cuts inference compute without degrading final accuracy, and keeps the
@@ -66,11 +71,16 @@ def updates_to(points: list, target: float) -> tuple[float, bool]:
     return float(points[-1][0]), False
 
 
-def run(seeds, grid_seeds) -> None:
+PLAN, PLAN_ARMS = "replay_plan", ("reuse 2, age 1",)  # --plan: its bench and the replay arms it runs
+
+
+def run(seeds, grid_seeds, plan: bool = False) -> None:
+    """GRPO, then RLEP from its successes, then the grid (at grid_seeds); with `plan`, GRPO and PLAN_ARMS only."""
     from algos import grpo_replay as rp
 
+    bench, grid = (PLAN, {k: GRID[k] for k in PLAN_ARMS}) if plan else (NAME, GRID)
     for seed in seeds:
-        out = Path(f"runs/bench_replay/s{seed}")
+        out = Path(f"runs/bench_{bench}/s{seed}")
         out.mkdir(parents=True, exist_ok=True)
         exp = out / "experience.json"
         g = rp.main(rp.Args(reuse=1, max_age=0, experience_out=str(exp), seed=seed, out_dir=str(out), exp_name="grpo",
@@ -78,22 +88,24 @@ def run(seeds, grid_seeds) -> None:
         grpo_curve = curve(out / "grpo")
         peak = g["eval_acc_best"]
         g_up, _ = updates_to(grpo_curve, peak)
-        append_rows(CSV, NAME, SCRIPT, "GRPO", seed, {**g, "updates_to_grpo_peak": g_up, "reached_grpo_peak": 1.0},
+        append_rows(CSV, bench, SCRIPT, "GRPO", seed, {**g, "updates_to_grpo_peak": g_up, "reached_grpo_peak": 1.0},
                     f"python {SCRIPT} --reuse 1 --max-age 0 --experience-out EXP.json {COMMON} --seed {seed}")
+        for label, (reuse, age) in grid.items() if plan or seed in grid_seeds else []:
+            s = rp.main(rp.Args(reuse=reuse, max_age=age, seed=seed, out_dir=str(out), exp_name=f"r{reuse}a{age}",
+                                **FLAGS))
+            grpo_same = acc_at_tokens(grpo_curve, s["gen_tokens"])
+            append_rows(CSV, bench, SCRIPT, label, seed,
+                        {**s, "grpo_acc_at_equal_tokens": grpo_same, "gain_at_equal_tokens": s["eval_acc_end"] - grpo_same,
+                         "token_fraction": s["gen_tokens"] / g["gen_tokens"]},
+                        f"python {SCRIPT} --reuse {reuse} --max-age {age} {COMMON} --seed {seed}")
+        if plan:
+            continue
         r = rp.main(rp.Args(reuse=1, max_age=0, experience_in=str(exp), seed=seed, out_dir=str(out), exp_name="rlep",
                             **FLAGS))
         up, reached = updates_to(curve(out / "rlep"), peak)
         append_rows(CSV, NAME, SCRIPT, "RLEP", seed, {**r, "updates_to_grpo_peak": up, "reached_grpo_peak": float(reached),
                                                       "grpo_peak": peak},
                     f"python {SCRIPT} --reuse 1 --max-age 0 --experience-in EXP.json {COMMON} --seed {seed}")
-        for label, (reuse, age) in GRID.items() if seed in grid_seeds else []:
-            s = rp.main(rp.Args(reuse=reuse, max_age=age, seed=seed, out_dir=str(out), exp_name=f"r{reuse}a{age}",
-                                **FLAGS))
-            grpo_same = acc_at_tokens(grpo_curve, s["gen_tokens"])
-            append_rows(CSV, NAME, SCRIPT, label, seed,
-                        {**s, "grpo_acc_at_equal_tokens": grpo_same, "gain_at_equal_tokens": s["eval_acc_end"] - grpo_same,
-                         "token_fraction": s["gen_tokens"] / g["gen_tokens"]},
-                        f"python {SCRIPT} --reuse {reuse} --max-age {age} {COMMON} --seed {seed}")
 
 
 def verdict(a: list, b: list, spec: str) -> str:
@@ -107,9 +119,9 @@ def verdict(a: list, b: list, spec: str) -> str:
 
 
 def report() -> None:
-    by, meta = defaultdict(dict), {}  # config -> seed -> metrics (a later row wins)
+    by, meta, fresh = defaultdict(dict), {}, defaultdict(dict)  # config -> seed -> metrics (a later row wins)
     for r in read_rows(CSV):
-        by[r["config"]].setdefault(r["seed"], {})[r["metric"]] = float(r["value"])
+        (fresh if r["bench"] == PLAN else by)[r["config"]].setdefault(r["seed"], {})[r["metric"]] = float(r["value"])
         meta[r["config"]] = r
     lines = ["| run | held-out acc end | best | generated tokens | tokens vs GRPO | GRPO's acc at equal tokens | "
              "entropy first -> last | replayed rows | seeds |", "|---|---|---|---|---|---|---|---|---|"]
@@ -154,6 +166,16 @@ def report() -> None:
                   f"{verdict(get(r2, 'eval_acc_end'), get('GRPO', 'eval_acc_end'), '0~1')}; keeps its entropy: "
                   f"{verdict(get(r2, 'entropy_last'), get('GRPO', 'entropy_last'), '0~1')}; RLEP reaches GRPO's peak "
                   f"in fewer updates: {verdict(get('RLEP', 'updates_to_grpo_peak'), get('GRPO', 'updates_to_grpo_peak'), '0<1')}."]
+    if fresh:
+        lines += ["", "The claims plan's fresh run (`--plan`: its own seeds, GRPO and reuse 2, age 1 only):", "",
+                  "| run | held-out acc end | GRPO's acc at equal tokens | entropy last | seeds |", "|---|---|---|---|---|"]
+        for label in ("GRPO", *PLAN_ARMS):
+            runs = list(fresh.get(label, {}).values())
+            get = lambda k: [r[k] for r in runs if k in r]  # noqa: E731
+            if runs:
+                lines.append(f"| {label} | {mean_std(get('eval_acc_end'), 100)} | "
+                             f"{mean_std(get('grpo_acc_at_equal_tokens'), 100) if label != 'GRPO' else '-'} | "
+                             f"{mean_std(get('entropy_last'), 1, 3)} | {', '.join(sorted(fresh[label], key=int))} |")
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -163,7 +185,9 @@ if __name__ == "__main__":
     ap.add_argument("--report-only", action="store_true", help="only rebuild the tables from the CSV")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--grid-seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--plan", action="store_true",
+                    help="the claims plan's fresh run: GRPO and reuse 2, age 1 at --seeds, under the bench replay_plan")
     a = ap.parse_args()
     if not a.report_only:
-        run(a.seeds, a.grid_seeds)
+        run(a.seeds, a.grid_seeds, a.plan)
     report()

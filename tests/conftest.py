@@ -40,7 +40,7 @@ NUMERICS = re.compile(r"learn|equal|match|same|unchanged|precision|agree|close|i
 # The longest test files (seconds of one idle core, measured on the suite), sent to the two workers first so that no
 # long file starts last and runs alone (pytest.ini: --no-loadscope-reorder keeps this order); the rest follow by
 # their number of tests, as pytest-xdist orders them by default. A scheduling hint only: it changes no test.
-LONGEST_FILES = ["test_sharding.py", "test_step_correction.py", "test_tree_rollout_grpo.py",
+LONGEST_FILES = ["test_step_correction.py", "test_sharding.py", "test_tree_rollout_grpo.py",
                  "test_semi_online.py", "test_spec_rl.py", "test_espo.py", "test_spec_decode.py", "test_sfpo.py",
                  "test_dapo.py"]
 
