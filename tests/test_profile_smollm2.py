@@ -1,5 +1,6 @@
 """benchmarks/profile_smollm2.py's table on planted rows: a step is generation + update + its share of evaluation, a
-speed-up is only taken against the first row of the same machine, and a configuration measured twice is averaged."""
+speed-up is only taken against the same machine's baseline row (fp32 at the code before the speed-ups; else its first
+row), and a configuration measured twice is averaged."""
 import sys
 from pathlib import Path
 
@@ -25,7 +26,9 @@ def test_speed_ups_within_a_machine_and_the_matmul_bound(tmp_path, monkeypatch):
                                    "eval_per_step": 10}
     plant(tmp_path, {"fp32@old": row(20.0, 40.0, 0.4),          # xeon: step 64
                      "epyc/fp32@old": row(10.0, 30.0, 1.0),     # epyc: step 50, its machine's first row
-                     "epyc/bf16@new": [row(4.0, 12.0, 1.0), row(6.0, 8.0, 1.0)]},  # epyc: mean step 25
+                     "epyc/bf16@new": [row(4.0, 12.0, 1.0), row(6.0, 8.0, 1.0)],  # epyc: mean step 25
+                     "epyc-c/bf16@new": row(5.0, 10.0, 0.5),    # epyc-c: step 20, measured before its baseline
+                     f"epyc-c/{prof.BASELINE}": row(20.0, 35.0, 0.5)},  # epyc-c: step 60
           "## epyc/bf16@new (threads 1)\n  aten::mm   40.00%   4.000s   40.00%   4.000s   1ms   10\n")
     assert prof.machine_of("epyc/bf16@new") == ("epyc", "bf16@new")
     assert prof.machine_of("fp32@old") == ("xeon", "fp32@old")
@@ -34,8 +37,9 @@ def test_speed_ups_within_a_machine_and_the_matmul_bound(tmp_path, monkeypatch):
     table = prof.report()
     lines = {line.split(" | ")[0] + "|" + line.split(" | ")[1]: line for line in table.splitlines()
              if line.startswith("| xeon") or line.startswith("| epyc")}
+    assert lines["| epyc-c|bf16"].endswith("| 20.0 | 3.00x |")  # against epyc-c's baseline, not its first row
     assert lines["| xeon|fp32"].endswith("| 64.0 | 1.00x |")
     assert lines["| epyc|fp32"].endswith("| 50.0 | 1.00x |")
     assert lines["| epyc|bf16"].endswith("| 25.0 | 2.00x |") and "| new | 2 | 5.0 | 10.0 |" in lines["| epyc|bf16"]  # against epyc's first row, not the xeon's
     # the update's non-matmul time removed: 25 - 10 + 4 = 19 s, 50 / 19 = 2.63x
-    assert "`epyc/bf16@new`: 4.0 s of 10.0 s; step at least 19.0 s, at most 2.63x its machine's first row" in table
+    assert "`epyc/bf16@new`: 4.0 s of 10.0 s; step at least 19.0 s, at most 2.63x its machine's baseline" in table
