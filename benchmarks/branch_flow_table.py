@@ -2,6 +2,11 @@
 
     python benchmarks/branch_flow_table.py                  # 3 seeds x 6 arms of training + the timing runs
     python benchmarks/branch_flow_table.py --report-only    # rebuilds the table from the CSV
+    python benchmarks/branch_flow_table.py --plan --seeds 10 11 12   # the claims plan's fresh run
+
+--plan: the fresh seeds that benchmarks/claims_plan.csv asks for (the training of DanceGRPO, BranchGRPO, + pruning
+and Mix only; rows under the bench `branch_flow_plan`, reported in a table of their own), so that they neither pool
+with the first runs' seeds nor stand in for them.
 
 The claims ("BranchGRPO: Stable and Efficient GRPO with Structured Branching in Diffusion Models",
 arXiv:2509.06040): tree rollouts with shared prefixes, reward fusion and depth-wise advantages align better than
@@ -44,6 +49,7 @@ ARMS = {"DanceGRPO": {"mode": "dance"}, "BranchGRPO": {}, "BranchGRPO + pruning"
 TIMED = ("DanceGRPO", "BranchGRPO", "BranchGRPO + pruning", "BranchGRPO-Mix")
 TIME_FLAGS = {"prompts_per_iter": 64, "iters": 10, "eval_every": 1000, "eval_per_mode": 8}
 SEEDS = (0, 1, 2)
+PLAN, PLAN_ARMS = "branch_flow_plan", ("DanceGRPO", "BranchGRPO", "BranchGRPO + pruning", "BranchGRPO-Mix")
 
 
 def flags_of(kw: dict) -> str:
@@ -57,9 +63,19 @@ def exp_name(label: str) -> str:
     return label.replace(" ", "_").replace(",", "").replace(".", "")
 
 
-def run(seeds, timing_only: bool) -> None:
+def run(seeds, timing_only: bool, plan: bool = False) -> None:
     from algos import branch_grpo_flow as bf
 
+    if plan:  # the claims plan's fresh seeds: training only, under a bench of their own
+        for seed in seeds:
+            shutil.rmtree(RUNS / f"plan_s{seed}", ignore_errors=True)
+            for label in PLAN_ARMS:
+                kw = ARMS[label]
+                s = bf.main(bf.Args(seed=seed, threads=1, out_dir=str(RUNS / f"plan_s{seed}"), save_png=False,
+                                    exp_name=exp_name(label), **kw))
+                cmd = f"python algos/branch_grpo_flow.py {flags_of(kw)} --threads 1 --seed {seed}".replace("  ", " ")
+                append_rows(CSV, PLAN, "algos/branch_grpo_flow.py", f"train | {label}", seed, s, cmd)
+        return
     for seed in seeds:
         for sub in ([] if timing_only else [f"s{seed}"]) + [f"time_s{seed}"]:
             shutil.rmtree(RUNS / sub, ignore_errors=True)  # the tracker appends to metrics.jsonl
@@ -82,8 +98,14 @@ def run(seeds, timing_only: bool) -> None:
             append_rows(CSV, "branch_flow_time", "algos/branch_grpo_flow.py", f"time P=64 | {label}", seed, s, cmd)
 
 
-def collect():
-    return by_config_seed(CSV)
+def collect(benches=("branch_flow_train", "branch_flow_time")):
+    """config -> seed -> metrics of the given benches (the first runs: the plan's fresh seeds apart), and provenance."""
+    by, meta = {}, {}
+    for bench in benches:
+        b, m = by_config_seed(CSV, bench)
+        by.update(b)
+        meta.update(m)
+    return by, meta
 
 
 def report() -> None:
@@ -126,6 +148,13 @@ def report() -> None:
               f"other jobs; one thread per run); {row['versions']}; commit {row['commit']}. Rows: "
               f"`benchmarks/results/{CSV}`; command: `python benchmarks/branch_flow_table.py`."]
     lines += verdicts(by)
+    fresh = collect((PLAN,))[0]
+    if fresh:
+        lines += ["", "The claims plan's fresh run (`--plan`: its own seeds, training only):", "",
+                  "| arm | reward end | seeds |", "|---|---|---|"]
+        lines += [f"| {label} | {f([r['reward_end'] for r in fresh[f'train | {label}'].values()], 1, 3)} | "
+                  f"{', '.join(sorted(fresh[f'train | {label}'], key=int))} |" for label in PLAN_ARMS
+                  if f"train | {label}" in fresh]
     if plot() or (RESULTS / f"{NAME}.png").exists():  # without runs/ the committed plot stays
         lines += ["", "![reward against iterations and rollout model calls](results/branch_flow.png)"]
     samples = RUNS / "s0" / "BranchGRPO" / "branch_grpo_flow.png"
@@ -212,7 +241,10 @@ if __name__ == "__main__":
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
     ap.add_argument("--timing-only", action="store_true", help="only the timing runs (64 prompts per iteration)")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    ap.add_argument("--plan", action="store_true",
+                    help="the claims plan's fresh run: training of its four arms at --seeds, under the bench "
+                         "branch_flow_plan")
     a = ap.parse_args()
     if not a.report_only:
-        run(a.seeds, a.timing_only)
+        run(a.seeds, a.timing_only, a.plan)
     report()
