@@ -7,6 +7,7 @@ trained by algos/grpo.py with its chat template on generated word problems (`--t
     python benchmarks/run_pretrained.py --dtype bf16     # bf16 autocast (fp32 weights, AdamW, log-softmax, losses)
     python benchmarks/run_pretrained.py --dtype bf16-fast  # and fp32 attention, fused AdamW (smollm2_step.md)
     python benchmarks/run_pretrained.py --dtype bf16-fast-icdf  # and tokens drawn by inverse CDF
+    python benchmarks/run_pretrained.py --dtype bf16-fast-keep  # bf16-fast, freed memory kept (no page faults)
     python benchmarks/run_pretrained.py --report-only    # rebuild benchmarks/results/pretrained.md
 
 Each seed runs the command below in a subprocess and appends its summary to benchmarks/results/pretrained.csv
@@ -33,7 +34,8 @@ CSV, OUT = "pretrained.csv", ROOT / "runs" / "pretrained"
 # --dtype of this benchmark -> grpo.py's flags for it
 DTYPES = {"fp32": ["--dtype", "fp32"], "bf16": ["--dtype", "bf16"],
           "bf16-fast": ["--dtype", "bf16", "--attention-fp32", "--fused-adamw"],
-          "bf16-fast-icdf": ["--dtype", "bf16", "--attention-fp32", "--fused-adamw", "--inverse-cdf-sampling"]}
+          "bf16-fast-icdf": ["--dtype", "bf16", "--attention-fp32", "--fused-adamw", "--inverse-cdf-sampling"],
+          "bf16-fast-keep": ["--dtype", "bf16", "--attention-fp32", "--fused-adamw", "--keep-freed-memory"]}
 KEYS = ("eval_acc_start", "eval_acc_end", "train_reward_first", "train_reward_last", "gen_tokens", "wall_s")
 
 
@@ -55,8 +57,8 @@ def run(seed: int, done: Path | None = None, dtype: str = "fp32") -> None:
         if key in config and key != "threads" and not value.startswith("--") and str(config[key]) != value \
                 and float(config[key]) != float(value):
             raise SystemExit(f"{run_dir} was run with --{flag[2:]} {config[key]}, not {value}")
-    switches = [f"--{k.replace('_', '-')}" for k in ("attention_fp32", "fused_adamw", "inverse_cdf_sampling")
-                if config.get(k)]  # 'auto' is fp32 on CPU
+    switches = [f"--{k.replace('_', '-')}" for k in ("attention_fp32", "fused_adamw", "inverse_cdf_sampling",
+                                                     "keep_freed_memory") if config.get(k)]  # 'auto' is fp32 on CPU
     if ["--dtype", "bf16" if config.get("dtype") == "bf16" else "fp32", *switches] != DTYPES[dtype]:
         raise SystemExit(f"{run_dir} was run with --dtype {config.get('dtype', 'auto')} {' '.join(switches)}, "
                          f"not as --dtype {dtype} of this benchmark ({' '.join(DTYPES[dtype])})")
@@ -75,8 +77,8 @@ def report() -> str:
              "SmolLM2-135M-Instruct trained by `algos/grpo.py` on generated word problems (`--task words`), its chat",
              "template applied, held-out greedy accuracy on 100 fixed problems. The weights are the package's Q4_1 GGUF",
              "file de-quantised to fp32 on load (`common.resolve_model_path`), not the original bf16 checkpoint. Command",
-             "(one seed; `--dtype bf16` for the bf16 rows, `--attention-fp32 --fused-adamw` for bf16-fast, and "
-             "`--inverse-cdf-sampling` for -icdf):", "",
+             "(one seed; `--dtype bf16` for the bf16 rows, `--attention-fp32 --fused-adamw` for bf16-fast, "
+             "`--inverse-cdf-sampling` for -icdf and `--keep-freed-memory` for -keep):", "",
              f"    python algos/grpo.py {' '.join(FLAGS)} --seed 0", "",
              "| configuration | commit | seed | held-out acc. start | end | change (points) | "
              "train reward first / last | wall (s) |", "|---|---|---|---|---|---|---|---|"]
@@ -89,9 +91,11 @@ def report() -> str:
               "difference of two), so one run's change is a few standard errors at most. The first run's completions "
               "hit the 48-token budget less often as it trained (56% of them at step 1, 6-50% at steps 2-10, 16% at "
               "step 10); it took 23 min on 2 CPU cores shared with other jobs. The bf16 rows are the check that bf16 "
-              "autocast, bf16-fast (with fp32 attention and fused AdamW) and bf16-fast-icdf (and tokens drawn by "
-              "inverse CDF), whose step times are in `benchmarks/results/smollm2_step.md`, leave the held-out result "
-              f"within that error. Hardware and versions of each row: `benchmarks/results/{CSV}`."]
+              "autocast, bf16-fast (with fp32 attention and fused AdamW), bf16-fast-icdf (and tokens drawn by "
+              "inverse CDF) and bf16-fast-keep (bf16-fast with freed memory kept: where memory comes from, not what "
+              "is computed, so its figures should be bf16-fast's), whose step times are in "
+              "`benchmarks/results/smollm2_step.md`, leave the held-out result within that error. Hardware and "
+              f"versions of each row: `benchmarks/results/{CSV}`."]
     return "\n".join(lines) + "\n"
 
 
@@ -104,7 +108,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=list(DTYPES), default="fp32",
                     help="compute dtype of the runs (fp32: the CPU default; bf16: autocast, fp32 master weights; "
                          "bf16-fast: bf16 with fp32 attention and fused AdamW; bf16-fast-icdf: and tokens drawn by "
-                         "inverse CDF)")
+                         "inverse CDF; bf16-fast-keep: bf16-fast with freed memory kept)")
     args = ap.parse_args()
     for seed in [] if args.report_only else args.seeds:
         run(seed, args.record, args.dtype)
