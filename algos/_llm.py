@@ -599,6 +599,8 @@ def load_policy(args: LLMArgs, accel, with_ref: bool = False):
     for flag in ("attention_fp32", "inverse_cdf_sampling"):  # the CPU speed-ups of benchmarks/profile_smollm2.py
         if getattr(args, flag) and (accel.num_processes > 1 or args.engine != "hf"):
             raise SystemExit(f"--{flag.replace('_', '-')} runs in one process with --engine hf")
+    if args.keep_freed_memory:  # before the weights and every tensor after them
+        keep_freed_memory()
     engine = None
     if args.engine == "vllm":
         from algos._vllm import VLLMEngine
@@ -806,8 +808,6 @@ class Run:
                                  not torch.cuda.is_available())
         self.rank, self.is_main = self.accel.process_index, self.accel.is_main_process
         torch.set_num_threads(args.threads)
-        if getattr(args, "keep_freed_memory", False):
-            keep_freed_memory()
         common.set_seed(args.seed)
         self.task = self.hard_task = None
         if tasks:

@@ -25,6 +25,10 @@ bf16 matmul of the model's shapes runs about 4.8x faster than fp32 (530 vs 110 G
 autocast cuts the step 2.6x. The `epyc-b/` rows are the same kind of machine on another day, when the host ran
 slower (one thread's fp32 matmul of the model's shapes: 90 instead of 110 GFLOP/s; bf16: 410 instead of 530), so the
 baseline (fp32 at 64eccf4, through --code) was measured again beside the new configurations, interleaved with them.
+The `epyc-c/` rows are a third day (the baseline's step 68.5 s against 61.5 s on the `epyc-b` day): fp32 at 64eccf4
+twice, interleaved with --keep-freed-memory twice, at --steps 5 (a warm-up, three timed steps, the profiled one); the
+row at 232463a is the flag's first version, which only raised glibc's mapping threshold to its 32 MiB maximum, so an
+update's 75 MiB [positions x vocab] blocks still faulted.
 """
 from __future__ import annotations
 

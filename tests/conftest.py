@@ -31,6 +31,23 @@ def _share_cores_among_workers() -> None:
 _share_cores_among_workers()
 
 
+def _keep_freed_memory() -> None:
+    """Every test process keeps the memory it frees (llm.keep_freed_memory, the scripts' --keep-freed-memory: where
+    memory comes from changes, nothing computed does): the suite's many short runs otherwise fault their tensors'
+    pages in again and again (SCOPE's learning test: 2.2 million page faults and 58 s, against 0.3 million and 56 s).
+    Memory bounds are measured in processes of their own (tests/test_real_vocab_memory.py, tests/_sharded_load.py)."""
+    if sys.platform.startswith("linux"):
+        from algos._llm import keep_freed_memory
+
+        try:
+            keep_freed_memory()
+        except SystemExit:  # not glibc: the allocator as it is
+            pass
+
+
+_keep_freed_memory()
+
+
 # Tests whose outcome depends on floating-point reduction order or the CPU's vector path: learning tests (a gain
 # against a margin) and equalities between two computations (within a tolerance). They carry the `numerics` mark,
 # and .ci/run runs them a second time under ATEN_CPU_CAPABILITY=avx2, the kernels an AVX2-only CPU takes.

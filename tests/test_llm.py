@@ -189,6 +189,7 @@ def test_fused_adamw_takes_the_loop_adamws_step_up_to_rounding():
 _FAULTS = """
 import json, resource
 import torch
+from accelerate import Accelerator
 from transformers import LlamaConfig, LlamaForCausalLM
 import common
 from algos import _llm as llm
@@ -203,7 +204,7 @@ class Tok:
 runs = {}
 for mode in ("plain", "keep"):  # glibc's defaults first: the flag cannot be undone
     if mode == "keep":
-        llm.Run(llm.LLMArgs(keep_freed_memory=True, threads=1), tasks=False)  # the flag, as a script's Run applies it
+        llm.load_policy(llm.LLMArgs(keep_freed_memory=True), Accelerator(cpu=True))  # the flag, as scripts apply it
     for _ in range(2):  # warm-up: the heap grows to what one call needs
         common.generate(model, Tok(), [[1, 5, 6]] * 4, 8, max_new_tokens=8, temperature=0.7)
     torch.manual_seed(1)
@@ -217,7 +218,7 @@ print(json.dumps(runs))
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_keep_freed_memory_stops_the_page_faults_of_a_real_vocabulary_and_changes_no_sample():
-    """--keep-freed-memory (llm.keep_freed_memory, applied by Run): one sampled generate call of 32 sequences x 8
+    """--keep-freed-memory (llm.keep_freed_memory, applied by load_policy): one sampled generate call of 32 sequences x 8
     tokens over a 49,152-token vocabulary (SmolLM2's; a one-layer model), after two warm-up calls, in a fresh
     process, first with glibc's defaults, then with the flag. Without it the process faults its [batch x vocab]
     tensors' pages in again at every decoding step (measured 13,800 and 15,300 minor page faults in the call); with
