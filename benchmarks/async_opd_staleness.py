@@ -5,6 +5,7 @@ Paper: "AsyncOPD: How Stale Can On-Policy Distillation Be?", arXiv:2606.24143.
     python benchmarks/async_opd_staleness.py                  # about 12 minutes per seed on 2 shared cores
     python benchmarks/async_opd_staleness.py --only cache --seeds 0 1 2   # part 2 only, 3 seeds (about a minute)
     python benchmarks/async_opd_staleness.py --report-only    # rebuild the table from the committed CSV
+    python benchmarks/async_opd_staleness.py --plan --seeds 10 11 12 13 14 15 16 17 18   # the claims plan's run
     python benchmarks/report.py                               # paste it into benchmarks/README.md
 
 Part 1: algos/async_opd.py for variants fkl, rkl-stale, rkl-recompute, rkl-mc at staleness k in {0, 2, 8}.
@@ -15,6 +16,8 @@ The Monte-Carlo rows' raw bias (squared distance of the mean of n = DRAWS draws 
 contains the noise floor Var/n that even an unbiased estimator keeps; the table also gives the bias net of it,
 raw - Var_hat/(n - 1), computed from the rows' rel_bias, rel_var and draws (rows without a `draws` figure were
 made with DRAWS draws).
+--plan: part 2 at the fresh seeds that benchmarks/claims_plan.csv asks for, under the bench `async_opd_cache_plan`
+and in a table of its own, so that they neither pool with the first runs' seeds nor stand in for them.
 Rows: benchmarks/results/async_opd.csv; table: benchmarks/results/async_opd.md.
 """
 from __future__ import annotations
@@ -35,9 +38,10 @@ VARIANTS = ("fkl", "rkl-stale", "rkl-recompute", "rkl-mc")
 STALENESS = (0, 2, 8)
 STEPS, EVAL = 40, 300
 DRAWS, CACHE_PROMPTS = 256, 64  # part 2: draws per MC estimator, rollouts in the batch
+PLAN = "async_opd_cache_plan"  # --plan: the bench of the claims plan's fresh part-2 seeds
 
 
-def run(seeds, parts=("train", "cache")) -> None:
+def run(seeds, parts=("train", "cache"), cache_bench: str = "async_opd_cache") -> None:
     from algos import async_opd as ao
 
     for seed in seeds if "train" in parts else []:
@@ -49,7 +53,7 @@ def run(seeds, parts=("train", "cache")) -> None:
                             f"python algos/async_opd.py --variant {variant} --staleness {k} --steps {STEPS} --seed {seed}")
     for seed in seeds if "cache" in parts else []:
         for r in cache_rows(seed=seed):
-            append_rows(CSV, "async_opd_cache", "algos/async_opd.py", f"{r['estimator']}|k={r['k']}|M={r['M']}", seed,
+            append_rows(CSV, cache_bench, "algos/async_opd.py", f"{r['estimator']}|k={r['k']}|M={r['M']}", seed,
                         {m: r[m] for m in ("rel_bias", "rel_var", "draws")},
                         f"python benchmarks/async_opd_staleness.py --only cache --seeds {seed} (cache_bias_variance)")
 
@@ -117,14 +121,14 @@ def fmt(vals, scale=100.0):
 def report() -> None:
     rows = read_rows(CSV)
     latest = {(r["bench"], r["config"], r["metric"], r["seed"]): float(r["value"]) for r in rows}  # a later row wins
-    by = defaultdict(lambda: defaultdict(list))
-    for (_, config, metric, _), v in latest.items():
-        by[config][metric].append(v)
+    by, fresh = defaultdict(lambda: defaultdict(list)), defaultdict(lambda: defaultdict(list))
+    for (bench, config, metric, _), v in latest.items():
+        (fresh if bench == PLAN else by)[config][metric].append(v)
     meta, meta_cache = None, None
     for r in rows:
         if r["bench"] == "async_opd":
             meta = r
-        else:
+        elif r["bench"] != PLAN:
             meta_cache = r
     lines = ["| variant | acc k=0 | acc k=2 | acc k=8 | KL(s‖t) k=0 | KL(s‖t) k=2 | KL(s‖t) k=8 |",
              "|---|---|---|---|---|---|---|"]
@@ -157,6 +161,10 @@ def report() -> None:
                   + (f" (bottom: commit {meta_cache['commit']})" if meta_cache and
                      meta_cache["commit"] != meta["commit"] else "") + ". "
                   f"Rows: `benchmarks/results/{CSV}`; command: `python benchmarks/async_opd_staleness.py`."]
+    if fresh:
+        seeds = sorted({int(s) for (b, _, _, s) in latest if b == PLAN})
+        lines += ["", f"The claims plan's fresh run of part 2 (`--plan`, seeds {seeds[0]}-{seeds[-1]}):", ""]
+        lines += cache_table(fresh)
     (RESULTS / "async_opd.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -166,7 +174,11 @@ if __name__ == "__main__":
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--only", choices=["train", "cache"], default=None, help="run one of the two parts")
+    ap.add_argument("--plan", action="store_true",
+                    help="the claims plan's fresh run: part 2 at --seeds, under the bench async_opd_cache_plan")
     a = ap.parse_args()
-    if not a.report_only:
+    if a.plan:
+        run(a.seeds, ("cache",), PLAN)
+    elif not a.report_only:
         run(a.seeds, ("train", "cache") if a.only is None else (a.only,))
     report()

@@ -122,7 +122,8 @@ def report() -> None:
     by, meta, fresh = defaultdict(dict), {}, defaultdict(dict)  # config -> seed -> metrics (a later row wins)
     for r in read_rows(CSV):
         (fresh if r["bench"] == PLAN else by)[r["config"]].setdefault(r["seed"], {})[r["metric"]] = float(r["value"])
-        meta[r["config"]] = r
+        if r["bench"] != PLAN:  # the first runs' provenance (the fresh run's rows carry their own)
+            meta[r["config"]] = r
     lines = ["| run | held-out acc end | best | generated tokens | tokens vs GRPO | GRPO's acc at equal tokens | "
              "entropy first -> last | replayed rows | seeds |", "|---|---|---|---|---|---|---|---|---|"]
     for label in ["GRPO", *GRID]:

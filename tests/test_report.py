@@ -77,7 +77,7 @@ def test_every_plan_line_has_a_row_and_reads_as_a_plan():
 def test_plan_seeds_follow_their_power_estimate(key):
     """The recorded seeds_needed is the power estimate of its recorded inputs, and the planned seeds are it wherever
     a row can afford it (rows that already had enough seeds keep theirs; rows that cannot afford it keep theirs too,
-    and are underpowered)."""
+    and are underpowered); a planned run once done (its note names the fresh run) keeps the seeds it was planned with."""
     p = PLAN[key]
     inputs = dict(part.strip().split("=") for part in p["pilot"].split(";"))
     sds = tuple(float(x) for x in inputs["sd"].split(","))
@@ -88,6 +88,8 @@ def test_plan_seeds_follow_their_power_estimate(key):
     seeds = report.plan_seeds(p)
     if p["redecide"]:
         assert p["status"] == "planned" and seeds == (2 * (min(needed or 10**9, report.MAX_SEEDS),))
+    elif p["status"] == "measured" and "fresh run" in p["note"]:  # a planned run done: its seeds, as planned
+        assert seeds == (2 * (min(needed or 10**9, report.MAX_SEEDS),))
     elif p["status"] == "planned":
         assert min(measured) < needed <= report.MAX_SEEDS and seeds == (needed, needed)
     elif needed is not None and needed <= min(measured):
