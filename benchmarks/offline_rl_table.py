@@ -16,6 +16,11 @@ runs already in the CSV, so an interrupted benchmark resumes.
     python benchmarks/offline_rl_table.py                 # everything (~40 min)
     python benchmarks/offline_rl_table.py --only ravl     # one table
     python benchmarks/offline_rl_table.py --report-only   # rebuild the .md files from the CSV
+    python benchmarks/offline_rl_table.py --plan 10 11 12 13 14   # the claims plan's fresh DriftQL seeds
+
+--plan SEED...: the fresh seeds that benchmarks/claims_plan.csv asks for (DriftQL's drift and MSE regularisers at
+rho = 0, rows under the bench `driftql_plan`), which the tables leave out: they neither pool with the first runs'
+seeds nor stand in for them.
 """
 from __future__ import annotations
 
@@ -88,24 +93,27 @@ def ravl_jobs(seed):
                 f"python algos/ravl.py --model {model} --pessimism {pess} --seed {seed} --total-steps {RAVL_STEPS}"
 
 
-def driftql_jobs(seed):
+def driftql_jobs(seed, rhos=(0.0, 0.5), bench="driftql"):
     from algos import driftql
 
     for reg in ("drift", "mse"):
-        for rho in (0.0, 0.5):
+        for rho in rhos:
             args = driftql.Args(reg=reg, rho=rho, seed=seed, total_steps=DRIFT_STEPS, eval_every=500,
-                                out_dir=f"runs/bench/driftql-{reg}-rho{rho}-s{seed}")
-            yield ("driftql", "driftql", f"{reg}/rho{rho}", seed), driftql.main, args, \
+                                out_dir=f"runs/bench/{bench}-{reg}-rho{rho}-s{seed}")
+            yield (bench, "driftql", f"{reg}/rho{rho}", seed), driftql.main, args, \
                 f"python algos/driftql.py --reg {reg} --rho {rho} --seed {seed} --total-steps {DRIFT_STEPS}"
 
 
-def run(only, seeds, datasets):
-    """Seed-major order (every table's seed 0 first), skipping runs already in the CSV."""
+def run(only, seeds, datasets, plan: bool = False):
+    """Seed-major order (every table's seed 0 first), skipping runs already in the CSV; `plan`: DriftQL at rho = 0
+    only, under the bench driftql_plan."""
     done = done_runs()
-    if only in (None, "corl"):
+    if only in (None, "corl") and not plan:
         record_datasets(datasets, done)
     for seed in seeds:
         gens = {"corl": corl_jobs(seed, datasets), "ravl": ravl_jobs(seed), "driftql": driftql_jobs(seed)}
+        if plan:
+            gens = {"driftql": driftql_jobs(seed, (0.0,), "driftql_plan")}
         for table, jobs in gens.items():
             if only not in (None, table):
                 continue
@@ -226,6 +234,9 @@ def main():
     ap.add_argument("--datasets", nargs="+", default=DEFAULT_DATASETS,
                     help="datasets of the CORL-style table")
     ap.add_argument("--report-only", action="store_true", help="rebuild the .md files from the CSV")
+    ap.add_argument("--plan", type=int, nargs="+", metavar="SEED",
+                    help="the claims plan's fresh run: DriftQL's two regularisers at rho = 0 at these seeds, under "
+                         "the bench driftql_plan")
     args = ap.parse_args()
     if args.seeds < 1:
         ap.error(f"--seeds must be >= 1, got {args.seeds}")
@@ -234,7 +245,8 @@ def main():
 
         torch.set_num_threads(1)
         os.environ.setdefault("WANDB_MODE", "offline")
-        run(args.only, list(range(args.seeds)), args.datasets)
+        run("driftql" if args.plan else args.only, args.plan or list(range(args.seeds)), args.datasets,
+            bool(args.plan))
     report()
 
 
