@@ -3,6 +3,11 @@
     python benchmarks/step_correction_table.py                  # 3 arms x 3 seeds (about 25 minutes on 2 cores)
     python benchmarks/step_correction_table.py --arms SCOPE --seeds 0   # some runs
     python benchmarks/step_correction_table.py --report-only    # rebuilds the table from the CSV
+    python benchmarks/step_correction_table.py --plan --seeds 10 11 12 13 14 15   # the claims plan's fresh run
+
+--plan: GRPO and R^3L at the fresh seeds that benchmarks/claims_plan.csv asks for, rows under the bench
+`step_correction_plan`, reported in a table of their own, so that they neither pool with the first runs' seeds nor
+stand in for them.
 
 The claims: SCOPE ("Recycling Failures: Salvaging Exploration in RLVR via Fine-Grained Off-Policy Guidance",
 arXiv:2602.24110) locates a failed rollout's first wrong step with a process reward model, keeps the correct prefix
@@ -74,22 +79,25 @@ def run_figures(run_dir: Path, summary: dict) -> dict:
     return out
 
 
-def run(seeds, arms) -> None:
+PLAN, PLAN_ARMS = "step_correction_plan", ("GRPO", "R^3L")  # --plan: its bench and arms
+
+
+def run(seeds, arms, bench: str = NAME) -> None:
     import importlib
 
     for seed in seeds:
         for label in arms:
             script, extra, flag = ARMS[label]
             mod = importlib.import_module(f"algos.{script}")
-            out, exp = f"runs/bench_step_correction/s{seed}", label.replace("^", "")
+            out, exp = f"runs/bench_{bench}/s{seed}", label.replace("^", "")
             s = mod.main(mod.Args(seed=seed, out_dir=out, exp_name=exp, **COMMON, **extra))
             s.update(run_figures(Path(out) / exp, s))
-            append_rows(CSV, NAME, f"algos/{script}.py", label, seed, s,
+            append_rows(CSV, bench, f"algos/{script}.py", label, seed, s,
                         f"python algos/{script}.py {FLAGS} --seed {seed}{flag}")
 
 
 def report() -> None:
-    by, meta = by_config_seed(CSV)
+    by, meta = by_config_seed(CSV, NAME)
     if not by:
         print(f"no rows in benchmarks/results/{CSV}")
         return
@@ -117,6 +125,16 @@ def report() -> None:
               f"The correction arms train on G + corrections rows per prompt (up to 2 corrections per group). "
               f"Hardware: {row['hardware']} (shared); {row['versions']}; commit {row['commit']}. Rows: "
               f"`benchmarks/results/{CSV}`; command: `python benchmarks/step_correction_table.py`."]
+    fresh = by_config_seed(CSV, PLAN)[0]
+    if fresh:
+        lines += ["", "The claims plan's fresh run (`--plan`: its own seeds, GRPO and R^3L only):", "",
+                  "| arm | held-out acc end | tokens per success | seeds |", "|---|---|---|---|"]
+        for label in PLAN_ARMS:
+            runs = fresh.get(label, {})
+            get = lambda k: [r[k] for r in runs.values() if k in r]  # noqa: E731
+            if runs:
+                lines.append(f"| {label} | {mean_std(get('eval_acc_end'), 100)} | "
+                             f"{mean_std(get('tokens_per_success'), 1, 1)} | {', '.join(sorted(runs, key=int))} |")
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -126,7 +144,11 @@ if __name__ == "__main__":
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--plan", action="store_true",
+                    help="the claims plan's fresh run: GRPO and R^3L at --seeds, under the bench step_correction_plan")
     a = ap.parse_args()
-    if not a.report_only:
+    if a.plan:
+        run(a.seeds, PLAN_ARMS, PLAN)
+    elif not a.report_only:
         run(a.seeds, a.arms)
     report()
