@@ -63,29 +63,29 @@ def exp_name(label: str) -> str:
     return label.replace(" ", "_").replace(",", "").replace(".", "")
 
 
+def train(seed: int, arms, bench: str, sub: str, save_png: bool) -> None:
+    """Each arm's training run at the script defaults, one row set per arm under `bench`."""
+    from algos import branch_grpo_flow as bf
+
+    shutil.rmtree(RUNS / sub, ignore_errors=True)  # the tracker appends to metrics.jsonl
+    for label in arms:
+        kw = ARMS[label]
+        s = bf.main(bf.Args(seed=seed, threads=1, out_dir=str(RUNS / sub), save_png=save_png,
+                            exp_name=exp_name(label), **kw))
+        cmd = f"python algos/branch_grpo_flow.py {flags_of(kw)} --threads 1 --seed {seed}".replace("  ", " ")
+        append_rows(CSV, bench, "algos/branch_grpo_flow.py", f"train | {label}", seed, s, cmd)
+
+
 def run(seeds, timing_only: bool, plan: bool = False) -> None:
     from algos import branch_grpo_flow as bf
 
-    if plan:  # the claims plan's fresh seeds: training only, under a bench of their own
-        for seed in seeds:
-            shutil.rmtree(RUNS / f"plan_s{seed}", ignore_errors=True)
-            for label in PLAN_ARMS:
-                kw = ARMS[label]
-                s = bf.main(bf.Args(seed=seed, threads=1, out_dir=str(RUNS / f"plan_s{seed}"), save_png=False,
-                                    exp_name=exp_name(label), **kw))
-                cmd = f"python algos/branch_grpo_flow.py {flags_of(kw)} --threads 1 --seed {seed}".replace("  ", " ")
-                append_rows(CSV, PLAN, "algos/branch_grpo_flow.py", f"train | {label}", seed, s, cmd)
-        return
     for seed in seeds:
-        for sub in ([] if timing_only else [f"s{seed}"]) + [f"time_s{seed}"]:
-            shutil.rmtree(RUNS / sub, ignore_errors=True)  # the tracker appends to metrics.jsonl
+        if plan:  # the claims plan's fresh seeds: training only, under a bench of their own
+            train(seed, PLAN_ARMS, PLAN, f"plan_s{seed}", False)
+            continue
         if not timing_only:
-            for label, kw in ARMS.items():
-                args = bf.Args(seed=seed, threads=1, out_dir=str(RUNS / f"s{seed}"), save_png=seed == 0,
-                               exp_name=exp_name(label), **kw)
-                s = bf.main(args)
-                cmd = f"python algos/branch_grpo_flow.py {flags_of(kw)} --threads 1 --seed {seed}".replace("  ", " ")
-                append_rows(CSV, "branch_flow_train", "algos/branch_grpo_flow.py", f"train | {label}", seed, s, cmd)
+            train(seed, ARMS, "branch_flow_train", f"s{seed}", seed == 0)
+        shutil.rmtree(RUNS / f"time_s{seed}", ignore_errors=True)
         dance_s = None
         for label in TIMED:  # DanceGRPO first: each arm's time is also written as a ratio to it (same seed, interleaved)
             kw = {**ARMS[label], **TIME_FLAGS}

@@ -62,8 +62,8 @@ CONFIGS = {
     "bf16-eval20-attn32-fused-keep": (["--dtype", "bf16", "--micro-batch-size", "8", "--attention-fp32",
                                        "--fused-adamw", "--keep-freed-memory"], 5.0,
                                       "bf16-eval20-attn32-fused, with freed memory kept by the process "
-                                      "(--keep-freed-memory: no page faults for each decoding step's [batch x vocab] "
-                                      "tensors)"),
+                                      "(--keep-freed-memory: no page faults for the [rows x vocab] tensors of "
+                                      "each decoding step and update)"),
 }
 BASE = ["--model", "smollm2-135m", "--task", "words", "--max-new-tokens", "48", "--prompts-per-step", "8",
         "--group-size", "4", "--temperature", "0.7", "--lr", "1e-5", "--pass-k", "0", "--no-eval-hard"]
@@ -147,7 +147,8 @@ def report() -> str:
         first = firsts[machine]
         config, code = row.split("@")[0], row.split("@")[-1]
         lines.append(f"| {machine} | {config} | {code} | {len(runs[name]['gen_s'])} | {m['gen_s']:.1f} | "
-                     f"{m['train_s']:.1f} | {m['eval_s_per_problem']:.2f} | {m['eval_per_step']:.0f} | {step:.1f} | {first / step:.2f}x |")
+                     f"{m['train_s']:.1f} | {m['eval_s_per_problem']:.2f} | {m['eval_per_step']:.0f} | {step:.1f} | "
+                     f"{first / step:.2f}x |")
     lines += ["", "Configurations:", ""] + sorted({f"- `{c}`: {CONFIGS[c][2]}" for n in by
                                                    if (c := machine_of(n)[1].split("@")[0]) in CONFIGS})
     if prof.exists():

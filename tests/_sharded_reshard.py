@@ -1,8 +1,8 @@
-"""Two processes (tests/_sharded_update.py's reshard job, or launched by itself): the reference of a bf16 run, loaded into its shards by
-algos/_shard.load_sharded, scores a batch under no_grad, and afterwards every parameter is back to its shard (a
-DTensor) and stored in bf16: no backward follows to reshard the root's gathered embeddings, final norm and lm_head, so
-common.token_logprobs must (the root's reshard()). Rank 0 writes OUT: "sharded bf16", or the names of the gathered
-parameters and the dtypes found."""
+"""Two processes (tests/_sharded_update.py's reshard job, or launched by itself): the reference of a bf16 run, loaded
+into its shards by algos/_shard.load_sharded, scores a batch under no_grad, and afterwards every parameter is back to
+its shard (a DTensor) and stored in bf16: no backward follows to reshard the root's gathered embeddings, final norm
+and lm_head, so common.token_logprobs must (the root's reshard()). Rank 0 writes OUT: "sharded bf16", or the names of
+the gathered parameters and the dtypes found."""
 import sys
 from pathlib import Path
 

@@ -218,8 +218,8 @@ print(json.dumps(runs))
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_keep_freed_memory_stops_the_page_faults_of_a_real_vocabulary_and_changes_no_sample():
-    """--keep-freed-memory (llm.keep_freed_memory, applied by load_policy): one sampled generate call of 32 sequences x 8
-    tokens over a 49,152-token vocabulary (SmolLM2's; a one-layer model), after two warm-up calls, in a fresh
+    """--keep-freed-memory (llm.keep_freed_memory, applied by load_policy): one sampled generate call of 32 sequences
+    x 8 tokens over a 49,152-token vocabulary (SmolLM2's; a one-layer model), after two warm-up calls, in a fresh
     process, first with glibc's defaults, then with the flag. Without it the process faults its [batch x vocab]
     tensors' pages in again at every decoding step (measured 13,800 and 15,300 minor page faults in the call); with
     it at most a quarter of that (measured 3; 6 to 3,100 with 16 tokens). The same tokens and log-probs, exactly:
