@@ -17,10 +17,12 @@ runs already in the CSV, so an interrupted benchmark resumes.
     python benchmarks/offline_rl_table.py --only ravl     # one table
     python benchmarks/offline_rl_table.py --report-only   # rebuild the .md files from the CSV
     python benchmarks/offline_rl_table.py --plan 10 11 12 13 14   # the claims plan's fresh DriftQL seeds
+    python benchmarks/offline_rl_table.py --only ravl --plan 10 11 12 13 14 15 16 17 18 19   # ... and RAVL's
 
 --plan SEED...: the fresh seeds that benchmarks/claims_plan.csv asks for (DriftQL's drift and MSE regularisers at
-rho = 0, rows under the bench `driftql_plan`), which the tables leave out: they neither pool with the first runs'
-seeds nor stand in for them.
+rho = 0, rows under the bench `driftql_plan`; with --only ravl, RAVL and no pessimism on the learned model, rows
+under the bench `ravl_plan`), which the tables leave out: they neither pool with the first runs' seeds nor stand
+in for them.
 """
 from __future__ import annotations
 
@@ -82,14 +84,14 @@ def record_datasets(datasets, done):
                     command=f"python -c \"from algos import _offline_data as D; print(D.get_dataset('{ds}')['meta'])\"")
 
 
-def ravl_jobs(seed):
+def ravl_jobs(seed, models=("true", "learned"), pessimisms=("none", "penalty", "ravl"), bench="ravl"):
     from algos import ravl
 
-    for model in ("true", "learned"):
-        for pess in ("none", "penalty", "ravl"):
+    for model in models:
+        for pess in pessimisms:
             args = ravl.Args(model=model, pessimism=pess, seed=seed, total_steps=RAVL_STEPS, eval_every=500,
-                             out_dir=f"runs/bench/ravl-{model}-{pess}-s{seed}")
-            yield ("ravl", "ravl", f"{model}/{pess}", seed), ravl.main, args, \
+                             out_dir=f"runs/bench/{bench}-{model}-{pess}-s{seed}")
+            yield (bench, "ravl", f"{model}/{pess}", seed), ravl.main, args, \
                 f"python algos/ravl.py --model {model} --pessimism {pess} --seed {seed} --total-steps {RAVL_STEPS}"
 
 
@@ -106,14 +108,15 @@ def driftql_jobs(seed, rhos=(0.0, 0.5), bench="driftql"):
 
 def run(only, seeds, datasets, plan: bool = False):
     """Seed-major order (every table's seed 0 first), skipping runs already in the CSV; `plan`: DriftQL at rho = 0
-    only, under the bench driftql_plan."""
+    under the bench driftql_plan, or RAVL and no pessimism on the learned model under the bench ravl_plan."""
     done = done_runs()
     if only in (None, "corl") and not plan:
         record_datasets(datasets, done)
     for seed in seeds:
         gens = {"corl": corl_jobs(seed, datasets), "ravl": ravl_jobs(seed), "driftql": driftql_jobs(seed)}
         if plan:
-            gens = {"driftql": driftql_jobs(seed, (0.0,), "driftql_plan")}
+            gens = {"driftql": driftql_jobs(seed, (0.0,), "driftql_plan"),
+                    "ravl": ravl_jobs(seed, ("learned",), ("none", "ravl"), "ravl_plan")}
         for table, jobs in gens.items():
             if only not in (None, table):
                 continue
@@ -235,9 +238,11 @@ def main():
                     help="datasets of the CORL-style table")
     ap.add_argument("--report-only", action="store_true", help="rebuild the .md files from the CSV")
     ap.add_argument("--plan", type=int, nargs="+", metavar="SEED",
-                    help="the claims plan's fresh run: DriftQL's two regularisers at rho = 0 at these seeds, under "
-                         "the bench driftql_plan")
+                    help="the claims plan's fresh run at these seeds: DriftQL's two regularisers at rho = 0 (bench "
+                         "driftql_plan), or with --only ravl RAVL and no pessimism on the learned model (ravl_plan)")
     args = ap.parse_args()
+    if args.plan and args.only == "corl":
+        ap.error("--plan runs DriftQL's or RAVL's fresh seeds: use it without --only or with --only driftql / ravl")
     if args.seeds < 1:
         ap.error(f"--seeds must be >= 1, got {args.seeds}")
     if not args.report_only:
@@ -245,8 +250,8 @@ def main():
 
         torch.set_num_threads(1)
         os.environ.setdefault("WANDB_MODE", "offline")
-        run("driftql" if args.plan else args.only, args.plan or list(range(args.seeds)), args.datasets,
-            bool(args.plan))
+        only = (args.only or "driftql") if args.plan else args.only
+        run(only, args.plan or list(range(args.seeds)), args.datasets, bool(args.plan))
     report()
 
 

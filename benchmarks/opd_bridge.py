@@ -38,7 +38,7 @@ TEACHER_LR = 3e-5  # GRPO's 1e-4 degrades the 5M teacher (measured: 71.7% -> 54%
 CONFIGS = ("grpo-student", "grpo-teacher+bridge", "bridge-pre-rl-teacher")
 
 
-def run(seeds) -> None:
+def run(seeds, configs=CONFIGS) -> None:
     from algos import grpo, opd
 
     base = Path("runs/bench_opd_bridge")
@@ -47,21 +47,25 @@ def run(seeds) -> None:
     b_common = dict(schedule="bridge", bridge_warmup=WARMUP, steps=OPD_STEPS, eval_every=WARMUP + OPD_STEPS,
                     eval_examples=EVAL, threads=1)
     for seed in seeds:
-        s = grpo.main(grpo.Args(seed=seed, out_dir=str(base / f"a_s{seed}"), **g_common))
-        s["labelled_prompts"] = GRPO_STEPS * PROMPTS
-        append_rows(CSV, NAME, "algos/grpo.py", "grpo-student", seed, s,
-                    f"python algos/grpo.py --seed {seed} --steps {GRPO_STEPS} --prompts-per-step {PROMPTS}")
-        t = grpo.main(grpo.Args(seed=seed, model="tiny-5m", lr=TEACHER_LR, out_dir=str(base / f"t_s{seed}"), **g_common))
-        ckpt = base / f"t_s{seed}" / "grpo" / "checkpoint"
-        s = opd.main(opd.Args(seed=seed, teacher=str(ckpt), out_dir=str(base / f"b_s{seed}"), **b_common))
-        s["labelled_prompts"] = GRPO_STEPS * PROMPTS
-        s["teacher_rl_acc_start"], s["teacher_rl_acc_end"] = t["eval_acc_start"], t["eval_acc_end"]
-        append_rows(CSV, NAME, "algos/opd.py", "grpo-teacher+bridge", seed, s,
-                    f"python algos/grpo.py --model tiny-5m --lr {TEACHER_LR} --seed {seed} ...; python algos/opd.py --schedule bridge "
-                    f"--teacher {ckpt}")
-        s = opd.main(opd.Args(seed=seed, teacher="tiny-5m", out_dir=str(base / f"c_s{seed}"), **b_common))
-        append_rows(CSV, NAME, "algos/opd.py", "bridge-pre-rl-teacher", seed, s,
-                    f"python algos/opd.py --schedule bridge --seed {seed}")
+        if "grpo-student" in configs:
+            s = grpo.main(grpo.Args(seed=seed, out_dir=str(base / f"a_s{seed}"), **g_common))
+            s["labelled_prompts"] = GRPO_STEPS * PROMPTS
+            append_rows(CSV, NAME, "algos/grpo.py", "grpo-student", seed, s,
+                        f"python algos/grpo.py --seed {seed} --steps {GRPO_STEPS} --prompts-per-step {PROMPTS}")
+        if "grpo-teacher+bridge" in configs:
+            t = grpo.main(grpo.Args(seed=seed, model="tiny-5m", lr=TEACHER_LR, out_dir=str(base / f"t_s{seed}"),
+                                    **g_common))
+            ckpt = base / f"t_s{seed}" / "grpo" / "checkpoint"
+            s = opd.main(opd.Args(seed=seed, teacher=str(ckpt), out_dir=str(base / f"b_s{seed}"), **b_common))
+            s["labelled_prompts"] = GRPO_STEPS * PROMPTS
+            s["teacher_rl_acc_start"], s["teacher_rl_acc_end"] = t["eval_acc_start"], t["eval_acc_end"]
+            append_rows(CSV, NAME, "algos/opd.py", "grpo-teacher+bridge", seed, s,
+                        f"python algos/grpo.py --model tiny-5m --lr {TEACHER_LR} --seed {seed} ...; "
+                        f"python algos/opd.py --schedule bridge --teacher {ckpt}")
+        if "bridge-pre-rl-teacher" in configs:
+            s = opd.main(opd.Args(seed=seed, teacher="tiny-5m", out_dir=str(base / f"c_s{seed}"), **b_common))
+            append_rows(CSV, NAME, "algos/opd.py", "bridge-pre-rl-teacher", seed, s,
+                        f"python algos/opd.py --schedule bridge --seed {seed}")
 
 
 def fmt(vals, scale=100.0, digits=1):
@@ -109,7 +113,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
+                    help="arms to run (default: all three)")
     a = ap.parse_args()
     if not a.report_only:
-        run(a.seeds)
+        run(a.seeds, a.configs)
     report()

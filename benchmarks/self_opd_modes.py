@@ -38,13 +38,13 @@ def flags(mode, over):
     return f"--mode {mode}" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in over.items())
 
 
-def run(seeds) -> None:
+def run(seeds, configs) -> None:
     from algos import self_opd
 
     done = {(r["config"], int(r["seed"])) for r in read_rows(CSV)}  # resumable
     for seed in seeds:
         for name, mode, over in CONFIGS:
-            if (name, seed) in done:
+            if (name, seed) in done or name not in configs:
                 continue
             s = self_opd.main(self_opd.Args(mode=mode, seed=seed, out_dir=f"runs/bench_self_opd/{name}_s{seed}",
                                             **over))
@@ -100,7 +100,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--configs", nargs="+", default=[c[0] for c in CONFIGS], choices=[c[0] for c in CONFIGS],
+                    help="configurations to run (default: all six)")
     a = ap.parse_args()
     if not a.report_only:
-        run(a.seeds)
+        run(a.seeds, a.configs)
     report()
