@@ -641,10 +641,9 @@ def keep_freed_memory() -> None:
     allocates and frees several [batch x vocab] fp32 tensors (6 MiB at 32 x 49,152: logits, temperature, log-softmax,
     the sampling draw) and each update several [positions x vocab] ones (75 MiB for 8 x 48 positions), above glibc's
     threshold for serving a block by a mapping of its own, so each is mapped, faulted in page by page (zero-filled by
-    the kernel) and unmapped again. Measured on SmolLM2-135M (bf16, one thread, steps 3 and 4 of a run): an update
-    took 1.1 to 1.3 million page faults and 11.6 to 13.8 s, against 3,000 to 16,000 and 7.3 to 7.6 s with it; a
-    rollout 6.6 to 7.2 s against 6.3 to 6.4 s. It changes no computation. The price: the process's resident memory
-    stays at its peak (4.4 GB against 4.1 GB there)."""
+    the kernel) and unmapped again; with it, they come from memory the process already holds (the test of this
+    function counts the page faults of a decoding call both ways; benchmarks/results/smollm2_step.md times SmolLM2's
+    step with and without it). It changes no computation. The price: resident memory stays at its peak."""
     import ctypes
 
     try:
