@@ -118,11 +118,13 @@ def regen_agreement(model, tok, task, batch, args, f, answers) -> dict:
             "pair_order_kept": kept / max(counted, 1), "pairs_counted": counted}
 
 
-def run_train(seeds) -> None:
+def run_train(seeds, arms=tuple(ARMS)) -> None:
     from algos import fp8_rollout as f
 
     for seed in seeds:
         for label, kw in ARMS.items():
+            if label not in arms:
+                continue
             args = f.Args(**TRAIN, **kw, seed=seed, out_dir=f"runs/bench_fp8_rollout/s{seed}",
                           exp_name=label.replace(" ", "_").replace(",", ""))
             s = f.main(args)
@@ -274,10 +276,12 @@ if __name__ == "__main__":
     ap.add_argument("--skip-train", action="store_true", help="only the mismatch measurements (no training)")
     ap.add_argument("--skip-mismatch", action="store_true", help="only the training arms")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
+                    help="training arms to run (default: all)")
     a = ap.parse_args()
     if not a.report_only:
         if not a.skip_mismatch:
             run_mismatch(a.seeds)
         if not a.skip_train:
-            run_train(a.seeds)
+            run_train(a.seeds, a.arms)
     report()

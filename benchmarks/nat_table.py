@@ -40,11 +40,13 @@ FLAGS = dict(steps=STEPS, eval_every=STEPS, eval_examples=300, pass_k=0, eval_ha
              threads=1)
 
 
-def run(seeds) -> None:
+def run(seeds, arms=tuple(ARMS)) -> None:
     from algos import nat
 
     for seed in seeds:
         for label, (selector, p) in ARMS.items():
+            if label not in arms:
+                continue
             args = nat.Args(selector=selector, keep_prob=p, seed=seed, out_dir=f"runs/bench_nat/s{seed}",
                             exp_name=selector, **FLAGS)
             s = nat.main(args)
@@ -102,7 +104,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="arms to run (default: all)")
     a = ap.parse_args()
     if not a.report_only:
-        run(a.seeds)
+        run(a.seeds, a.arms)
     report()
