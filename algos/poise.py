@@ -46,8 +46,9 @@ Commands:
   accelerate launch --num_processes 4 algos/poise.py --model ... --device cuda        # several GPUs
 Expected: held-out greedy accuracy on 2-digit addition 38.8 -> 63.6 (+24.8 points) in the default run (200 rollout
 batches of 128 prompts x 2; 62 s on a shared 2-core machine, benchmarks/results/defaults.md).
-After 40 batches with the same generated tokens as GRPO (G = 8 x 32 prompts): 52.8 ± 1.3 vs 46.8 ± 6.1; with a
-quarter of them (2 x 32 prompts) 43.0 ± 6.3 (3 seeds, benchmarks/results/poise_unique.md).
+After 40 batches with the same generated tokens as GRPO (G = 8 x 32 prompts): 51.5 ± 2.7 vs 46.8 ± 3.9; with a
+quarter of them (2 x 32 prompts) 44.4 ± 3.8 (10 seeds, 10-19, the claims table's POISE row; the first 3 seeds read
+52.8, 46.8 and 43.0; benchmarks/results/poise_unique.md).
 """
 from __future__ import annotations
 

@@ -46,7 +46,9 @@ Expected (the paper): with the true dynamics, pessimism none/penalty shows Q(edg
 return and collapses; RAVL keeps Q(edge) - MC small and scores well. Measured here (the RAVL table of
 benchmarks/README.md, 3 seeds): with the true dynamics the collapse does not appear at this scale (Q - MC is
 about the same on edge-of-reach and dataset states, and none/penalty score about 67); with the learned
-ensemble, none/penalty collapse (score near 0, Q(edge) - MC about 64) and RAVL does not (about 53).
+ensemble, none/penalty collapse (score near 0, Q(edge) - MC about 64) and RAVL does not (about 53). A fresh run
+of 10 seeds per arm did not repeat the gap: RAVL 16.6 ± 39.5 vs no pessimism 8.0 ± 29.1 (the claims table's RAVL
+row; the scores scatter widely from seed to seed).
 """
 from __future__ import annotations
 
