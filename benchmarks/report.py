@@ -185,15 +185,18 @@ def parse_margin(margin: str, mi: float, mj: float) -> float:
 
 
 def welch_se_dof(a: tuple[float, float, int], b: tuple[float, float, int]) -> tuple[float, float]:
-    """Standard error of mean(a) - mean(b) and its Welch-Satterthwaite degrees of freedom (inf when both spreads are 0)."""
+    """Standard error of mean(a) - mean(b) and its Welch-Satterthwaite degrees of freedom (inf when both spreads are
+    0)."""
     (_, sa, na), (_, sb, nb) = a, b
     va, vb = sa * sa / na, sb * sb / nb
     if va + vb == 0.0:
         return 0.0, math.inf
-    return math.sqrt(va + vb), (va + vb) ** 2 / ((va * va / (na - 1) if va else 0.0) + (vb * vb / (nb - 1) if vb else 0.0))
+    dof_den = (va * va / (na - 1) if va else 0.0) + (vb * vb / (nb - 1) if vb else 0.0)
+    return math.sqrt(va + vb), (va + vb) ** 2 / dof_den
 
 
-def welch_interval(a: tuple[float, float, int], b: tuple[float, float, int], level: float = 0.95) -> tuple[float, float]:
+def welch_interval(a: tuple[float, float, int], b: tuple[float, float, int],
+                   level: float = 0.95) -> tuple[float, float]:
     """Welch's interval for mean(a) - mean(b) from (mean, sample std, n) of each arm (n >= 2 where std > 0)."""
     from scipy import stats
 
@@ -517,8 +520,8 @@ def claims_table() -> str:
     jds = claims_judgements(rows)
     family = sum(not math.isnan(jd.q) for jd in jds)
     lines = [RULE.format(min_seeds=MIN_SEEDS, max_seeds=MAX_SEEDS, family=family),
-             "| paper | claim | the paper's figure | ours | difference (95% interval) | p, BH q | plan | direction holds "
-             "| command |", "|---|---|---|---|---|---|---|---|---|"]
+             "| paper | claim | the paper's figure | ours | difference (95% interval) | p, BH q | plan | "
+             "direction holds | command |", "|---|---|---|---|---|---|---|---|---|"]
     cell = lambda s: s.replace("|", "\\|")  # noqa: E731
     for r, jd in zip(rows, jds):
         diff = "-" if jd.decision is None else f"{fmt_decision(jd.decision, row_digits(r))} ({r['kind'].split()[0]})"
@@ -536,8 +539,8 @@ def claims_table() -> str:
               "from its plan. Rows: `benchmarks/results/claims.csv` (its `figures` column names the results rows each "
               "figure is computed from, `compare`, `kind` and `margin` give the rule its inputs); plans: "
               "`benchmarks/claims_plan.csv` (metric, test, effect or margin with its justification, seeds per arm "
-              "with the pilot's effect, spreads and seeds they were estimated from, status); tests/test_report.py recomputes every "
-              "figure and verdict."]
+              "with the pilot's effect, spreads and seeds they were estimated from, status); tests/test_report.py "
+              "recomputes every figure and verdict."]
     return "\n".join(lines) + "\n"
 
 
@@ -615,8 +618,9 @@ def headline_table() -> str:
     verdicts = [jd.verdict for jd in claims_judgements(claims)]
     c = verdict_counts(verdicts)
     total = " / ".join(str(c[v]) for v in VERDICTS)
-    lines = ["| group | headline figures (mean ± std over seeds) | paper claims: yes / no / inconclusive / underpowered "
-             f"(all {len(claims) - c['descriptive']} judged claims: {total}; {c['descriptive']} descriptive) |",
+    lines = ["| group | headline figures (mean ± std over seeds) | paper claims: yes / no / inconclusive / "
+             f"underpowered (all {len(claims) - c['descriptive']} judged claims: {total}; "
+             f"{c['descriptive']} descriptive) |",
              "|---|---|---|"]
     for group, anchor, template, refs in HEADLINE:
         figs = []
