@@ -113,10 +113,11 @@ def run(only, seeds, datasets, plan: bool = False):
     if only in (None, "corl") and not plan:
         record_datasets(datasets, done)
     for seed in seeds:
-        gens = {"corl": corl_jobs(seed, datasets), "ravl": ravl_jobs(seed), "driftql": driftql_jobs(seed)}
         if plan:
             gens = {"driftql": driftql_jobs(seed, (0.0,), "driftql_plan"),
                     "ravl": ravl_jobs(seed, ("learned",), ("none", "ravl"), "ravl_plan")}
+        else:
+            gens = {"corl": corl_jobs(seed, datasets), "ravl": ravl_jobs(seed), "driftql": driftql_jobs(seed)}
         for table, jobs in gens.items():
             if only not in (None, table):
                 continue

@@ -87,12 +87,12 @@ def test_plan_seeds_follow_their_power_estimate(key):
     needed = report.seeds_needed(op, float(inputs["delta"]), sds)
     assert p["seeds_needed"] == (str(needed) if needed else ">100000")
     seeds = report.plan_seeds(p)
+    affordable = min(needed or 10**9, report.MAX_SEEDS)  # the seeds 80% power needs, or all a row can afford
     if p["redecide"]:
-        assert p["status"] == "planned" and seeds == (2 * (min(needed or 10**9, report.MAX_SEEDS),))
+        assert p["status"] == "planned" and seeds == (affordable, affordable)
     elif p["status"] == "measured" and "fresh run" in p["note"]:  # a planned run done: its seeds, as planned
-        assert seeds == (2 * (min(needed or 10**9, report.MAX_SEEDS),))
-    elif p["status"] == "planned":  # the seeds 80% power needs, or all a row can afford when that is more
-        affordable = min(needed or 10**9, report.MAX_SEEDS)
+        assert seeds == (affordable, affordable)
+    elif p["status"] == "planned":
         assert min(measured) < affordable and seeds == (affordable, affordable)
     elif needed is not None and needed <= min(measured):
         assert seeds == measured
