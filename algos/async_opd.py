@@ -236,7 +236,8 @@ def mc_rkl_loss(s_logp, z_ids, z_teacher, z_behav):
 def cache_bias_variance(s_logits, t_logp, ks=(1, 4, 16, 0), mc=(1, 4), draws: int = 64, seed: int = 0) -> list[dict]:
     """Bias and variance of per-position gradient estimators of KL(pi_s || pi_t) w.r.t. the student logits.
 
-    s_logits [N, V] (student), t_logp [N, V] (teacher). For each estimator, with g_bar the mean of `draws`
+    s_logits [N, V] (student), t_logp [N, V] (teacher); memory stays a few [N, V] tensors whatever `draws` is
+    (the draws' mean and spread are accumulated, not stacked). For each estimator, with g_bar the mean of `draws`
     draws: rel_bias = mean over positions of |g_bar - g_exact|^2, rel_var = mean over positions of the draws'
     spread mean_d |g_d - g_bar|^2, both relative to the mean |g_exact|^2. For a sampled estimator rel_bias is
     not its squared bias: E|g_bar - g_exact|^2 = bias^2 + Var/draws, and Var/draws is the noise floor that an
@@ -262,16 +263,17 @@ def cache_bias_variance(s_logits, t_logp, ks=(1, 4, 16, 0), mc=(1, 4), draws: in
         rows.append({"estimator": "sparse top-k", "k": k or t_logp.shape[-1], "M": 0, "draws": 1,
                      "rel_bias": bias, "rel_var": 0.0, "rel_bias_net": bias})
     for M in mc:
-        gs = []
-        for _ in range(draws):
+        mean, sq_dev = torch.zeros_like(exact), torch.zeros_like(exact)  # Welford: no [draws, N, V] stack is kept
+        for d in range(1, draws + 1):
             z = torch.multinomial(p, M, replacement=True, generator=gen)
             c = teacher_cache(t_logp, 1, z)
             b = torch.log_softmax(s_logits, -1).gather(-1, z)
-            gs.append(grad_of(lambda s: mc_rkl_loss(s, z, c["extra_vals"], b)))
-        gs = torch.stack(gs)
-        mean = gs.mean(0)
+            g = grad_of(lambda s: mc_rkl_loss(s, z, c["extra_vals"], b))
+            before = g - mean
+            mean += before / d
+            sq_dev += before * (g - mean)  # sum over draws of |g_d - g_bar|^2, per coordinate
         bias = (mean - exact).pow(2).sum(-1).mean().item() / scale
-        var = (gs - mean).pow(2).sum(-1).mean().item() / scale
+        var = sq_dev.sum(-1).mean().item() / draws / scale
         rows.append({"estimator": f"{M}-sample MC", "k": 0, "M": M, "draws": draws, "rel_bias": bias,
                      "rel_var": var, "rel_bias_net": bias - var / max(draws - 1, 1)})
     return rows
