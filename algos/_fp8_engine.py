@@ -22,6 +22,7 @@ from kernels.fp8_blockwise import TILE, fp8_blockwise_matmul, quantize_act, quan
 # ---- FP8 numerics (the quantisers are kernels/fp8_blockwise.py's: the Triton kernel on a GPU, its reference here) ----
 FP8_FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 EXACT_KL_MAX_VOCAB = 4096  # the full sampled distribution (exact KL, recorded noise) is kept up to this vocabulary
+EXACT_KL_MAX_MB = 512  # ...and while each of those two [B, C, V] fp32 tensors fits in this many MiB
 
 
 def dequantize(q, scales, rows: int):
@@ -151,7 +152,8 @@ def sample(model, tok, prompts: list[list[int]], group_size: int, max_new_tokens
     """Gumbel-max sampling over the model's KV cache: y_t = argmax_v (log softmax(z_t / T)_v + g_tv), g ~ Gumbel(0, 1).
 
     Returns (common.Rollout, full log-probs [B, C, V] of the distribution sampled, noise [B, C_max, V]); the last two
-    are None above EXACT_KL_MAX_VOCAB. Passing the noise back replays the same draws through another policy.
+    are None above EXACT_KL_MAX_VOCAB or when one [B, C_max, V] fp32 tensor would exceed EXACT_KL_MAX_MB (then one
+    [B, V] step exists at a time). Passing the noise back replays the same draws through another policy.
     """
     from transformers import DynamicCache
 
@@ -159,7 +161,7 @@ def sample(model, tok, prompts: list[list[int]], group_size: int, max_new_tokens
     ids, mask = common.left_pad([p for p in prompts for _ in range(group_size)], tok.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
     B, V = ids.shape[0], model.get_output_embeddings().weight.shape[0]
-    keep = V <= EXACT_KL_MAX_VOCAB
+    keep = V <= EXACT_KL_MAX_VOCAB and B * max_new_tokens * V * 4 <= EXACT_KL_MAX_MB * 2**20
     if noise is None and keep:
         noise = -torch.log(-torch.log(torch.rand(B, max_new_tokens, V, device=device).clamp(1e-20, 1 - 1e-7)))
     comp = torch.full((B, max_new_tokens), tok.pad_token_id, dtype=torch.long, device=device)

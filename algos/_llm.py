@@ -383,11 +383,14 @@ def make_task(name: str, digits: int = 2):
     (= sums5), 'words' (word problems for a pretrained chat model), 'jsonl:PATH', 'gsm8k' or
     'rg:NAME[:FIELD=VALUE...][,NAME...]'. `digits` only applies to the arithmetic tasks (tiny-sums is made for 'sums'
     with digits=1)."""
-    if name in ("add", "addsteps"):
-        return ArithmeticTask(name, digits)
-    if re.fullmatch(r"sums(\d+|mix)?", name):
-        ops = name[4:] or "5"
-        return SumsTask(ops if ops == "mix" else int(ops), digits)
+    try:  # a bad operand count or digit count: the task's ValueError, as a message naming the flags
+        if name in ("add", "addsteps"):
+            return ArithmeticTask(name, digits)
+        if re.fullmatch(r"sums(\d+|mix)?", name):
+            ops = name[4:] or "5"
+            return SumsTask(ops if ops == "mix" else int(ops), digits)
+    except ValueError as e:
+        raise SystemExit(f"--task {name} --digits {digits}: {e}") from None
     if name == "words":
         return WordProblemTask()
     if name.startswith("jsonl:"):
@@ -558,7 +561,7 @@ class LLMArgs:
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
-    """gradient clipping by global norm"""
+    """gradient clipping by global norm (> 0; a large value such as 1e9 turns it off)"""
     grad_checkpointing: bool = False
     """recompute each decoder layer in the backward (HF, non-reentrant): activations of one layer instead of all;
     off by default: the tiny CPU default needs no memory and its update takes 2.2x as long with it (0.20 vs 0.09 s
@@ -567,7 +570,7 @@ class LLMArgs:
     eval_every: int = 25
     """rollout batches between held-out evaluations"""
     eval_examples: int = 500
-    """held-out prompts for greedy accuracy"""
+    """held-out prompts for greedy accuracy (0 skips the evaluations: the accuracies read nan)"""
     pass_k: int = 8
     """k of pass@k (on the first 100 held-out prompts; 0 = off)"""
     eval_hard: bool = True
@@ -586,6 +589,32 @@ class LLMArgs:
     def __post_init__(self):
         if not self.exp_name:  # the script's file name: algos/grpo.py -> grpo
             self.exp_name = Path(getattr(sys.modules.get(type(self).__module__), "__file__", "run")).stem
+
+
+def check_plumbing(args: LLMArgs) -> None:
+    """Fail early on a bad plumbing flag, naming it, instead of deep inside torch or transformers (Run calls it; a
+    script without Run calls it from its check_args). Each script still checks its own flags."""
+    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    for name in ("threads", "micro_batch_size", "eval_every", "max_grad_norm", "temperature", "vllm_max_model_len"):
+        if not getattr(args, name) > 0:
+            hint = " (a large value such as 1e9 turns clipping off)" if name == "max_grad_norm" else ""
+            raise SystemExit(f"{flag(name)} {getattr(args, name)}: must be positive{hint}")
+    for name in ("lr", "warmup_steps", "weight_decay", "eval_examples", "pass_k", "save_every"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"{flag(name)} {getattr(args, name)}: must not be negative")
+    if not 0 < args.top_p <= 1:
+        raise SystemExit(f"--top-p {args.top_p}: must be in (0, 1] (1 = no nucleus cut)")
+    if not 0 < args.vllm_gpu_memory <= 1:
+        raise SystemExit(f"--vllm-gpu-memory {args.vllm_gpu_memory}: a fraction of the GPU's memory, in (0, 1]")
+    if args.lora_rank and not args.lora_alpha > 0:
+        raise SystemExit(f"--lora-alpha {args.lora_alpha}: must be positive")
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", args.device):
+        raise SystemExit(f"--device {args.device!r}: use auto, cpu, cuda, cuda:N or mps")
+    hardest = args.digits + (1 if getattr(args, "eval_hard", False) else 0)  # --eval-hard adds a digit
+    if re.fullmatch(r"add|addsteps|sums(\d+|mix)?", args.task) and not 1 <= args.digits <= hardest <= 9:
+        raise SystemExit(f"--digits {args.digits}: the arithmetic tasks take 1 to 9 digits"
+                         + (" (8 at most with --eval-hard, which evaluates one digit more)" if hardest > args.digits
+                            else ""))
 
 
 # ---- loading, LoRA, the optimiser step, step-global counts ----
@@ -802,6 +831,7 @@ class Run:
     def __init__(self, args: LLMArgs, eval_hard: bool | None = None, tasks: bool = True, total: int | None = None):
         from accelerate import Accelerator
 
+        check_plumbing(args)
         self.args = args
         self.accel = Accelerator(cpu=common.get_device(args.device).type == "cpu" or args.device == "cuda" and
                                  not torch.cuda.is_available())

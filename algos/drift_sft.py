@@ -103,6 +103,7 @@ class Args(LLMArgs):
 
 def check_args(args: Args) -> None:
     """Fail early, naming the flag, instead of deep inside torch."""
+    llm.check_plumbing(args)  # the plumbing flags (llm.Run checks them in the scripts that use it)
     if args.prompts < 1 or args.steps < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise SystemExit("--prompts, --steps, --batch-size and --max-new-tokens must be positive")
     if args.group_size < 1:

@@ -19,7 +19,7 @@ Deviations:
 - Sol-RL was proposed for diffusion with NVFP4 candidates; here the low-precision pool is FP8 text rollouts and the
   regeneration is fp32.
 - Replaying the noise needs the full sampled distribution: only for a vocabulary of at most 4096 tokens (the tiny
-  models); larger vocabularies are refused. --unified is refused (the regenerated samples are already on-policy).
+  models) and a [batch, length, vocab] noise tensor of at most 512 MiB; larger ones are refused. --unified is refused (the regenerated samples are already on-policy).
 - --sol-candidates 0 runs the parent's plain FP8 rollouts.
 - Everything of algos/fp8_rollout.py's deviations applies.
 
@@ -50,7 +50,7 @@ import tyro
 
 import common
 from algos import _llm as llm
-from algos._fp8_engine import EXACT_KL_MAX_VOCAB, FP8Engine, precision, sample, set_precision
+from algos._fp8_engine import EXACT_KL_MAX_MB, EXACT_KL_MAX_VOCAB, FP8Engine, precision, sample, set_precision
 from algos._llm import LLMArgs
 
 
@@ -421,7 +421,8 @@ def sol_rollout(model, tok, task, args: Args, rng, device, engine) -> dict:
     K, G = args.sol_candidates, args.group_size
     cand, _, noise = engine.sample(tok, prompts, K, args.max_new_tokens, args.temperature)
     if noise is None:
-        raise SystemExit(f"--sol-candidates replays recorded noise: only for a vocabulary <= {EXACT_KL_MAX_VOCAB}")
+        raise SystemExit(f"--sol-candidates replays recorded noise: only for a vocabulary <= {EXACT_KL_MAX_VOCAB} and "
+                         f"a [batch, length, vocab] noise tensor <= {EXACT_KL_MAX_MB} MiB (fewer prompts or tokens)")
     r_cand = score(task, examples, cand, K, args, "cpu")[0].view(-1, K)
     order = torch.sort(-r_cand, dim=1, stable=True).indices  # best first; ties keep the drawing order
     pick = torch.cat([order[:, :G // 2], order[:, K - (G - G // 2):]], 1)  # [P, G]

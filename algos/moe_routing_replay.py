@@ -189,6 +189,7 @@ class Args(LLMArgs):
 
 def check_args(args: Args) -> None:
     """Fail early, naming the flag, instead of deep inside torch."""
+    llm.check_plumbing(args)  # the plumbing flags (llm.Run checks them in the scripts that use it)
     if args.group_size < 2:
         raise SystemExit(f"--group-size must be at least 2 for a group baseline, got {args.group_size}")
     if args.prompts_per_step < 1 or args.steps < 1 or args.max_new_tokens < 1:

@@ -104,6 +104,7 @@ class Args(LLMArgs):
 
 def check_args(args: Args) -> None:
     """Fail early, naming the flag, instead of deep inside torch."""
+    llm.check_plumbing(args)  # the plumbing flags (llm.Run checks them in the scripts that use it)
     if args.candidates < 2:
         raise SystemExit(f"--candidates must be at least 2 for a group baseline, got {args.candidates}")
     if args.batch_size < 1 or args.steps < 1 or args.micro_batch_size < 1 or args.max_new_tokens < 1:

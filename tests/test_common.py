@@ -128,8 +128,10 @@ def test_sums_length_knob_and_bad_settings():
             assert all(s.count(";") == n - 1 for s in sols)
     assert llm.make_task("sums").name == "sums5d2" and llm.make_task("sumsmix", 1).name == "sumsmixd1"
     for bad in [("sums1", 2), ("sums17", 2), ("sums4", 0)]:
-        with pytest.raises(ValueError, match="operands in 2..16"):
+        with pytest.raises(SystemExit, match=f"--task {bad[0]} --digits {bad[1]}: sums needs operands in 2..16"):
             llm.make_task(*bad)
+        with pytest.raises(ValueError, match="operands in 2..16"):  # the class itself raises; make_task names flags
+            llm.SumsTask(int(bad[0][4:]), bad[1])
 
 
 @pytest.mark.parametrize("operands", [2, 3, "mix"])

@@ -188,6 +188,19 @@ def test_gumbel_sampler_draws_from_the_softmax(tiny):
     assert 0.5 * (emp - p).abs().sum() < 0.04, 0.5 * (emp - p).abs().sum()  # total variation
 
 
+def test_sampler_keeps_the_full_distribution_only_within_its_byte_budget(tiny, monkeypatch):
+    """The [B, C, V] distribution and noise are kept while one fits EXACT_KL_MAX_MB; past it (a large batch times a
+    long completion, whatever the vocabulary) they are None and the sampler draws one [B, V] step at a time."""
+    model, tok, _ = tiny
+    prompt = tok("12+34=")["input_ids"]
+    ro, full, noise = fe.sample(model, tok, [prompt], 4, 6)
+    V = model.get_output_embeddings().weight.shape[0]
+    assert full.shape == (4, ro.completion_ids.shape[1], V) and noise.shape == (4, 6, V)
+    monkeypatch.setattr(fe, "EXACT_KL_MAX_MB", 4 * 6 * V * 4 / 2**20 * 0.99)  # just below one [4, 6, V] fp32 tensor
+    ro, full, noise = fe.sample(model, tok, [prompt], 4, 6)
+    assert full is None and noise is None and ro.completion_mask.sum() > 0
+
+
 def test_kv_scales_frozen_within_a_step_and_recomputed_after_a_sync(tiny):
     model, tok, task = tiny
     trainer = copy.deepcopy(model)

@@ -42,6 +42,33 @@ def test_help_lists_inherited_flags_and_every_task():
     assert "sumsmix" in out.stdout and "words" in out.stdout  # the --task help comes from llm.TASKS
 
 
+@pytest.mark.parametrize("kw, msg", [
+    (dict(threads=0), "--threads 0"), (dict(eval_every=0), "--eval-every 0"), (dict(micro_batch_size=0), "--micro"),
+    (dict(max_grad_norm=0.0), "clipping off"), (dict(temperature=0.0), "--temperature"), (dict(lr=-1e-4), "--lr"),
+    (dict(pass_k=-1), "--pass-k"), (dict(save_every=-1), "--save-every"), (dict(warmup_steps=-1), "--warmup-steps"),
+    (dict(top_p=0.0), "--top-p"), (dict(top_p=1.5), "--top-p"), (dict(vllm_gpu_memory=1.5), "--vllm-gpu-memory"),
+    (dict(lora_rank=8, lora_alpha=0.0), "--lora-alpha"), (dict(device="tpu"), "--device 'tpu'"),
+    (dict(digits=0), "--digits 0"), (dict(digits=9), "8 at most with --eval-hard"),
+    (dict(task="sums", digits=10, eval_hard=False), "--digits 10")])
+def test_check_plumbing_names_each_bad_flag(kw, msg):
+    """A bad plumbing flag stops the run with a message naming it (before, several failed deep inside torch or
+    transformers, and --max-grad-norm 0 silently zeroed every gradient)."""
+    with pytest.raises(SystemExit, match=msg):
+        llm.check_plumbing(grpo.Args(**kw))
+
+
+def test_check_plumbing_passes_every_scripts_defaults_and_make_task_names_bad_sizes():
+    import importlib
+
+    for path in sorted((ROOT / "algos").glob("[a-z]*.py")):
+        mod = importlib.import_module(f"algos.{path.stem}")
+        if isinstance(getattr(mod, "Args", None), type) and issubclass(mod.Args, llm.LLMArgs):
+            llm.check_plumbing(mod.Args())  # raises on a default the check would refuse
+    llm.check_plumbing(grpo.Args(digits=9, eval_hard=False, task="sums", device="cuda:1", lr=0.0))
+    with pytest.raises(SystemExit, match="--task sums20 .*operands in 2..16"):
+        llm.make_task("sums20")
+
+
 def test_lr_factor_warmup_then_cosine_to_ten_percent():
     args = SimpleNamespace(warmup_steps=4, lr_schedule="cosine")
     assert [llm.lr_factor(s, 20, args) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
