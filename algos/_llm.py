@@ -613,7 +613,7 @@ def check_plumbing(args: LLMArgs) -> None:
     hardest = args.digits + (1 if getattr(args, "eval_hard", False) else 0)  # --eval-hard adds a digit
     if re.fullmatch(r"add|addsteps|sums(\d+|mix)?", args.task) and not 1 <= args.digits <= hardest <= 9:
         raise SystemExit(f"--digits {args.digits}: the arithmetic tasks take 1 to 9 digits"
-                         + (" (8 at most with --eval-hard, which evaluates one digit more)" if hardest > args.digits
+                         + (" (8 at most with --eval-hard, which evaluates one digit more)" if 1 <= args.digits <= 9
                             else ""))
 
 

@@ -190,6 +190,10 @@ def test_variants_run(tmp_path, loss_agg, extra):
     ({"task": "subtract"}, "unknown task"),
     ({"model": "tiny-nope"}, "unknown tiny model"),
     ({"temperature": 0.0}, "temperature"),
+    ({"minibatches": 0}, "--minibatches"),
+    ({"ppo_epochs": 0}, "--ppo-epochs"),
+    ({"kl_coef": -0.1}, "--kl-coef"),
+    ({"max_grad_norm": 0.0}, "--max-grad-norm"),
 ])
 def test_bad_input(tmp_path, change, msg):
     with pytest.raises(SystemExit, match=msg):
