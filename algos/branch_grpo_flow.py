@@ -218,6 +218,8 @@ def check_args(args: Args) -> None:
         raise SystemExit("--epochs, --minibatches, --lr, --clip-eps and --eta must be positive")
     if not 0 < args.pretrain_label_acc <= 1 or args.reward_scale <= 0:
         raise SystemExit("--pretrain-label-acc must be in (0, 1] and --reward-scale positive")
+    if min(args.threads, args.hidden, args.eval_every, args.eval_per_mode) < 1:
+        raise SystemExit("--threads, --hidden, --eval-every and --eval-per-mode must be >= 1")
 
 
 # ---- task and the pretrained flow ----

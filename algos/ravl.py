@@ -131,6 +131,9 @@ def check_args(args: Args) -> Args:
         raise ValueError(f"--pessimism must be 'none', 'penalty' or 'ravl', got {args.pessimism!r}")
     if args.reward_scale <= 0:
         raise ValueError(f"--reward-scale must be positive, got {args.reward_scale}")
+    if args.penalty_coef < 0:
+        raise ValueError(f"--penalty-coef must be >= 0 (a negative one rewards model uncertainty), "
+                         f"got {args.penalty_coef}")
     if args.data_episodes < 0:
         raise ValueError(f"--data-episodes must be >= 0, got {args.data_episodes}")
     if not 0 <= args.real_ratio <= 1:

@@ -114,8 +114,10 @@ class Args:
 
 
 def check_args(args: Args) -> None:
-    if args.steps < 1 or args.batch_size < 1:
-        raise SystemExit("--steps and --batch-size must be positive")
+    if args.steps < 1 or args.batch_size < 1 or args.threads < 1 or args.eval_every < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--steps, --batch-size, --threads, --eval-every and --max-new-tokens must be positive")
+    if args.lr < 0 or args.warmup_steps < 0 or args.eval_examples < 0 or args.pass_k < 0:
+        raise SystemExit("--lr, --warmup-steps, --eval-examples and --pass-k must not be negative")
     if not args.tasks:
         raise SystemExit("--tasks needs at least one task")
 

@@ -133,8 +133,8 @@ class Args:
 
 
 def check_args(args: Args) -> None:
-    if args.gamma < 0 or args.prompts < 1 or args.group_size < 1 or args.max_new_tokens < 1:
-        raise SystemExit("--gamma must be >= 0 and --prompts, --group-size, --max-new-tokens positive")
+    if args.gamma < 0 or args.prompts < 1 or args.group_size < 1 or args.max_new_tokens < 1 or args.threads < 1:
+        raise SystemExit("--gamma must be >= 0 and --prompts, --group-size, --max-new-tokens, --threads positive")
     if args.temperature <= 0:
         raise SystemExit("--temperature must be > 0 (use --greedy for greedy decoding)")
     if not 0 < args.top_p <= 1:

@@ -314,7 +314,8 @@ BAD = [({"branch_steps": ()}, "branch-steps"), ({"branch_steps": (3, 1)}, "branc
        ({"branch_steps": (20,)}, "branch-steps"), ({"branch_factor": 1}, "branch-factor"),
        ({"width_keep": 0.0}, "width-keep"), ({"mode": "dance", "width_keep": 0.5}, "width-keep"),
        ({"depth_prune": (0,)}, "depth-prune"), ({"mix_window": 21}, "mix-window"),
-       ({"mode": "dance", "group_size": 1}, "group-size"), ({"eta": 0.0}, "eta")]
+       ({"mode": "dance", "group_size": 1}, "group-size"), ({"eta": 0.0}, "eta"), ({"hidden": 0}, "--hidden"),
+       ({"eval_every": 0}, "--eval-every")]
 
 
 @pytest.mark.parametrize("change,msg", BAD)

@@ -119,7 +119,8 @@ def test_learns_with_true_dynamics(tmp_path):
 
 @pytest.mark.parametrize("kw,msg", [({"model": "perfect"}, "--model"), ({"pessimism": "max"}, "--pessimism"),
                                     ({"dataset": "toy-multimodal"}, "pendulum dataset"),
-                                    ({"n_critics": 1}, "--n-critics"), ({"real_ratio": 1.5}, "--real-ratio")])
+                                    ({"n_critics": 1}, "--n-critics"), ({"real_ratio": 1.5}, "--real-ratio"),
+                                    ({"penalty_coef": -1.0}, "--penalty-coef")])
 def test_bad_args(kw, msg, tmp_path):
     with pytest.raises(ValueError, match=msg):
         ravl.main(ravl.Args(out_dir=str(tmp_path), **kw))

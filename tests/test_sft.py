@@ -126,7 +126,8 @@ def test_sft_from_scratch_saves_loadable_model(tmp_path):
 
 
 @pytest.mark.parametrize("change,msg", [({"steps": 0}, "positive"), ({"tasks": []}, "at least one"),
-                                        ({"tasks": ["nope"]}, "unknown task")])
+                                        ({"tasks": ["nope"]}, "unknown task"), ({"eval_every": 0}, "--eval-every"),
+                                        ({"lr": -1e-3}, "--lr")])
 def test_bad_input(tmp_path, change, msg):
     with pytest.raises(SystemExit, match=msg):
         sft.main(replace(sft.Args(out_dir=str(tmp_path)), **change))

@@ -331,7 +331,7 @@ def test_ngram_waves_run(tmp_path):
 
 @pytest.mark.parametrize("change,msg", [({"temperature": 0.0}, "temperature"), ({"top_p": 1.5}, "top-p"),
                                         ({"waves": 9}, "waves"), ({"gamma": -1}, "gamma"),
-                                        ({"model": "tiny-nope"}, "unknown tiny model")])
+                                        ({"model": "tiny-nope"}, "unknown tiny model"), ({"threads": 0}, "--threads")])
 def test_bad_input(tmp_path, change, msg):
     with pytest.raises(SystemExit, match=msg):
         sd.main(replace(sd.Args(out_dir=str(tmp_path)), **change))

@@ -36,7 +36,8 @@ def test_learns_on_pendulum_medium(tmp_path):
 
 
 @pytest.mark.parametrize("kw,msg", [({"alpha": -1.0}, "--alpha"), ({"dataset": "hopper"}, "--dataset 'hopper'"),
-                                    ({"total_steps": 0}, "--total-steps")])
+                                    ({"total_steps": 0}, "--total-steps"), ({"lr": -1e-3}, "--lr"),
+                                    ({"tau": 0.0}, "--tau")])
 def test_bad_args(kw, msg, tmp_path):
     with pytest.raises(ValueError, match=msg):
         td3_bc.main(td3_bc.Args(out_dir=str(tmp_path), **kw))

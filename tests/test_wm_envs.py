@@ -160,3 +160,15 @@ def test_report_rollouts_scores_perfect_and_copy_rollouts():
     assert [step for step, _ in log.rows] == [1, 2, 3, 4]
     copy = report_rollouts(_Log(), np.repeat(true[:, :1], 5, 1), true, cfg, (1, 4), train_horizon=2)
     assert copy["err_h4"] == copy["copy_err_h4"] > 0 and copy["agent_err_h4"] > 0
+
+
+@pytest.mark.parametrize("flag", ["threads", "channels", "steps", "batch_size", "train_traj", "traj_len", "log_every",
+                                  "lr"])
+def test_check_run_args_names_each_bad_flag(flag):
+    """start_run refuses a zero size or learning rate, naming the flag (before: a zero-width conv or a modulo by a
+    zero log interval deep inside a run)."""
+    from worldmodels._envs import RunArgs, check_run_args
+
+    check_run_args(RunArgs())
+    with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} must be"):
+        check_run_args(RunArgs(**{flag: 0}))

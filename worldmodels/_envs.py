@@ -329,8 +329,20 @@ def check_rollout_args(args: RolloutArgs) -> EnvConfig:
     return EnvConfig(map_size=args.map_size, wall_density=args.wall_density)
 
 
+def check_run_args(args: RunArgs) -> None:
+    """The RunArgs checks (start_run makes them): each size at least 1 and the learning rate positive, naming the
+    flag, instead of a failure deep inside torch (a zero-width conv, a modulo by a zero log interval)."""
+    for name in ("threads", "channels", "steps", "batch_size", "train_traj", "traj_len", "log_every"):
+        if hasattr(args, name) and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if hasattr(args, "lr") and not args.lr > 0:
+        raise ValueError(f"--lr must be positive, got {args.lr}")
+
+
 def start_run(args: RunArgs):
-    """Seed everything, set the CPU threads, pick the device, open the tracker -> (device, tracker, timer)."""
+    """Check the RunArgs (check_run_args), seed everything, set the CPU threads, pick the device, open the tracker ->
+    (device, tracker, timer)."""
+    check_run_args(args)
     common.set_seed(args.seed)
     torch.set_num_threads(args.threads)
     device = common.get_device(args.device)
