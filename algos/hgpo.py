@@ -220,6 +220,9 @@ def check_args(args: Args) -> None:
     if args.max_turns < 1 or args.max_context < 8 or not 1 <= args.value_digits <= 4 or \
             not 2 <= args.n_query <= args.n_keys <= 26:
         raise SystemExit("--max-turns >= 1, --max-context >= 8, --value-digits in 1..4, 2 <= --n-query <= --n-keys <= 26")
+    if args.env_ce_examples < 1:
+        raise SystemExit(f"--env-ce-examples must be >= 1 (the held-out episodes of eval/env_ce), "
+                         f"got {args.env_ce_examples}")
     if args.task != "add" or args.digits != 2:
         raise SystemExit("--task, --digits: the task is algos/_toolenv.py's lookup environment; set it with --n-keys, "
                          "--n-query, --value-digits, --max-turns and --max-context")

@@ -701,7 +701,7 @@ def main(args: Args) -> dict:
         rng = np.random.default_rng([args.seed, step, 0])
         with timer("gen"):
             batch = rollout(model, tok, task, args, rng, accel.device, engine)
-        rows = torch.arange(min(args.pr2_rows, len(batch["rewards"])))
+        rows = torch.arange(min(args.pr2_rows, len(batch["rewards"]))) if predictors is not None else None
         before = router_snapshot(model, routing, batch, rows, args) if predictors is not None else None
         with timer("train"):
             stats = update(model, opt, batch, routing, args, step, accel, engine, ref_model)

@@ -134,6 +134,8 @@ def test_bad_arguments_name_the_flag():
         mt.check_args(mt.Args(max_turns=0))
     with pytest.raises(SystemExit, match="eval-split"):
         mt.check_args(mt.Args(eval_split="val"))
+    with pytest.raises(SystemExit, match="--env-ce-examples"):
+        mt.check_args(mt.Args(env_ce_examples=0))
 
 
 @pytest.mark.parametrize("kw, flag", [(dict(task="sums"), "--task"), (dict(digits=3), "--digits"),
