@@ -593,7 +593,9 @@ class LLMArgs:
 
 def check_plumbing(args: LLMArgs) -> None:
     """Fail early on a bad plumbing flag, naming it, instead of deep inside torch or transformers (Run calls it; a
-    script without Run calls it from its check_args). Each script still checks its own flags."""
+    script without Run calls it from its check_args). Each script still checks its own flags; of those, the ones whose
+    name says what they are (rates *_lr, weights *_coef, importance-weight caps *_cap, counts *_rows, *_samples,
+    *_rollouts, and agg_const) must not be negative here too."""
     flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
     for name in ("threads", "micro_batch_size", "eval_every", "max_grad_norm", "temperature", "vllm_max_model_len"):
         if not getattr(args, name) > 0:
@@ -602,6 +604,11 @@ def check_plumbing(args: LLMArgs) -> None:
     for name in ("lr", "warmup_steps", "weight_decay", "eval_examples", "pass_k", "save_every"):
         if getattr(args, name) < 0:
             raise SystemExit(f"{flag(name)} {getattr(args, name)}: must not be negative")
+    for field in dataclasses.fields(args):  # a script's own rates, weights, caps and counts, named by kind
+        value = getattr(args, field.name)
+        if field.name.endswith(("_lr", "_coef", "_cap", "_rows", "_samples", "_rollouts")) or field.name == "agg_const":
+            if not isinstance(value, bool) and isinstance(value, (int, float)) and value < 0:
+                raise SystemExit(f"{flag(field.name)} {value}: must not be negative")
     if not 0 < args.top_p <= 1:
         raise SystemExit(f"--top-p {args.top_p}: must be in (0, 1] (1 = no nucleus cut)")
     if not 0 < args.vllm_gpu_memory <= 1:

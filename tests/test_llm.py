@@ -49,7 +49,8 @@ def test_help_lists_inherited_flags_and_every_task():
     (dict(top_p=0.0), "--top-p"), (dict(top_p=1.5), "--top-p"), (dict(vllm_gpu_memory=1.5), "--vllm-gpu-memory"),
     (dict(lora_rank=8, lora_alpha=0.0), "--lora-alpha"), (dict(device="tpu"), "--device 'tpu'"),
     (dict(digits=0), "--digits 0"), (dict(digits=9), "8 at most with --eval-hard"),
-    (dict(task="sums", digits=10, eval_hard=False), "--digits 10")])
+    (dict(task="sums", digits=10, eval_hard=False), "--digits 10"), (dict(sampler_is_cap=-1.0), "--sampler-is-cap"),
+    (dict(agg_const=-1), "--agg-const")])
 def test_check_plumbing_names_each_bad_flag(kw, msg):
     """A bad plumbing flag stops the run with a message naming it (before, several failed deep inside torch or
     transformers, and --max-grad-norm 0 silently zeroed every gradient)."""
