@@ -141,8 +141,9 @@ def check_args(args: Args) -> None:
     if not 0 <= args.overlong_buffer < args.max_new_tokens:
         raise SystemExit(f"--overlong-buffer must be in [0, max_new_tokens={args.max_new_tokens}), "
                          f"got {args.overlong_buffer}")
-    if args.rollout_budget < 0:
-        raise SystemExit("--rollout-budget must be >= 0 (0 = no budget)")
+    if args.rollout_budget < 0 or args.overlong_penalty_factor < 0:
+        raise SystemExit("--rollout-budget (0 = no budget) and --overlong-penalty-factor (a negative one pays overlong "
+                         "answers) must be >= 0")
     if args.engine == "vllm" and not torch.cuda.is_available():
         raise SystemExit("--engine vllm needs a CUDA GPU; use --engine hf on CPU")
 

@@ -240,8 +240,8 @@ def check_args(args: Args) -> None:
                          "reasoning-gym's basic_arithmetic (2 to 4 terms of 1 to 2 digits)")
     if args.logo_k < 1 or not 0 <= args.logo_turn < args.max_turns:
         raise SystemExit("--logo-k must be >= 1 and --logo-turn in 0 .. max_turns - 1")
-    if args.hgpo_history < 0 or not 0 < args.hgpo_gamma <= 1:
-        raise SystemExit("--hgpo-history must be >= 0 and --hgpo-gamma in (0, 1]")
+    if args.hgpo_history < 0 or not 0 < args.hgpo_gamma <= 1 or args.turn_budget < 0:
+        raise SystemExit("--hgpo-history and --turn-budget must be >= 0 (0 = no budget), --hgpo-gamma in (0, 1]")
 
 
 # ---- the idea: advantage, clipped surrogate, KL, aggregation ----

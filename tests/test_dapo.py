@@ -240,6 +240,7 @@ def test_dapo_learns(tmp_path):
     ({"max_sample_rounds": 0}, "max-sample-rounds"),
     ({"overlong_buffer": 8}, "overlong-buffer"),
     ({"rollout_budget": -1}, "rollout-budget"),
+    ({"overlong_penalty_factor": -1.0}, "overlong-penalty-factor"),
     ({"group_size": 1}, "group-size"),
 ])
 def test_bad_input(tmp_path, change, msg):

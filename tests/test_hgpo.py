@@ -301,6 +301,8 @@ def test_bad_arguments_name_the_flag():
         hgpo.check_args(hgpo.Args(logo_turn=9))
     with pytest.raises(SystemExit, match="hgpo-gamma"):
         hgpo.check_args(hgpo.Args(hgpo_gamma=0.0))
+    with pytest.raises(SystemExit, match="turn-budget"):
+        hgpo.check_args(hgpo.Args(turn_budget=-1))
 
 
 def test_zero_advantages_leave_the_policy_unchanged(scripted):
