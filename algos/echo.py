@@ -160,8 +160,8 @@ def check_args(args: Args) -> None:
         raise SystemExit(f"--group-size must be at least 2 for a group baseline, got {args.group_size}")
     if args.prompts_per_step < 1 or args.steps < 1 or args.max_new_tokens < 1:
         raise SystemExit("--prompts-per-step, --steps and --max-new-tokens must be positive")
-    if args.minibatches < 1 or args.ppo_epochs < 1 or args.kl_coef < 0:
-        raise SystemExit("--minibatches and --ppo-epochs must be positive, --kl-coef not negative")
+    if args.minibatches < 1 or args.ppo_epochs < 1:  # before the modulo below (llm.check_plumbing: --kl-coef)
+        raise SystemExit("--minibatches and --ppo-epochs must be positive")
     batch = args.prompts_per_step * args.group_size
     if batch % args.minibatches:
         raise SystemExit(f"--minibatches {args.minibatches} must divide the rollout batch "
