@@ -53,6 +53,11 @@ def figure_values(ref: str) -> list[float]:
     """The per-seed values of `file#script#config#metric#scale` (one per (bench, seed); a later row replaces).
     Optional filters after the scale select a plan's fresh runs from a CSV that also holds older ones:
     `#bench=NAME` (rows of that bench only) and `#seeds=A-B` (seeds A to B, both included)."""
+    return list(figure_by_seed(ref).values())
+
+
+def figure_by_seed(ref: str) -> dict[tuple[str, int], float]:
+    """`figure_values` keyed by (bench, seed)."""
     name, script, config, metric, scale, *filters = ref.split("#")
     keep = dict(f.split("=", 1) for f in filters)
     if set(keep) - {"bench", "seeds"}:
@@ -66,11 +71,10 @@ def figure_values(ref: str) -> list[float]:
         for r in csv.DictReader(f):
             if r["script"] == script and r["config"] == config and r["metric"] == metric \
                     and keep.get("bench", r["bench"]) == r["bench"] and lo <= int(r["seed"]) <= hi:
-                by_seed[(r["bench"], r["seed"])] = float(r["value"]) * float(scale)  # a later row replaces
-    vals = list(by_seed.values())
-    if not vals:
+                by_seed[(r["bench"], int(r["seed"]))] = float(r["value"]) * float(scale)  # a later row replaces
+    if not by_seed:
         raise ValueError(f"{ref}: no rows in benchmarks/results/{name}")
-    return vals
+    return by_seed
 
 
 def figure(ref: str) -> tuple[float, float, int]:
@@ -86,6 +90,17 @@ def sample_stats(ref: str) -> tuple[float, float, int]:
     """(mean, sample std (n - 1), seeds) of a figure: what the verdict rule uses, whatever std its table quotes."""
     vals = figure_values(ref)
     return statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0, len(vals)
+
+
+def paired_stats(ref_i: str, ref_j: str) -> tuple[float, float, int]:
+    """(mean, sample std, seeds) of figure i minus figure j seed by seed: a `paired` row's two arms ran the same seeds
+    (the same initial policy, data and evaluation set, or the same rollouts), so seed k of one arm is paired with seed
+    k of the other."""
+    a, b = ({seed: v for (_, seed), v in figure_by_seed(ref).items()} for ref in (ref_i, ref_j))
+    if a.keys() != b.keys() or len(a) != len(figure_by_seed(ref_i)) or len(b) != len(figure_by_seed(ref_j)):
+        raise ValueError(f"a paired row needs the same seeds, once each, in both arms: {ref_i} and {ref_j}")
+    diffs = [a[seed] - b[seed] for seed in sorted(a)]
+    return statistics.mean(diffs), statistics.stdev(diffs) if len(diffs) > 1 else 0.0, len(diffs)
 
 
 def fmt(mean: float, sd: float, n: int, digits: int) -> str:
@@ -117,8 +132,9 @@ measurement must be able to detect; for a "~" row, the equivalence margin ± m. 
 stated fraction of the effect the method is meant to have, never from our own results (written as a percentage,
 they are that share of the larger |mean|). The plan also gives the seeds per arm, from a power estimate: the fewest
 seeds (at least {min_seeds}; at most {max_seeds}, what one row can afford here) that give 80% power at a two-sided
-level of 0.05 (Welch's t at the pilot's sample spreads, which the plan records) to detect δ, or to place the interval
-inside ± m when the true difference is zero. The plan is `measured` when the figures below are its measurement, and
+level of 0.05 (Welch's t at the pilot's sample spreads, which the plan records; for a *paired* row, Student's t at
+the spread of the pilot's per-seed differences) to detect δ, or to place the interval inside ± m when the true
+difference is zero. The plan is `measured` when the figures below are its measurement, and
 `planned` when it calls for a fresh run with more seeds than the figures have. Rows measured before the plans existed
 ran with the seeds their scripts fixed before the runs (3 per arm for most): their figures decide such a row until
 the planned run replaces them, whatever that run finds. A row whose plan says `redecide` (its margin was set after
@@ -126,10 +142,12 @@ its run, or it had no comparison) is decided by fresh seeds only.
 
 Each figure is either *seeded* (a mean over seeds, quoted as mean ± std with the number of seeds) or *exact* (a
 deterministic computation, or an estimate over many samples whose standard error is quoted beside it); the `kind`
-column says which. The **difference** column gives figure i minus figure j with its 95% interval: Welch's t interval
-for seeded figures, ± 1.96 times the root sum of the squared standard errors for exact ones (no interval when both
-are deterministic). **p** is the two-sided p-value of that difference (Welch's t test; a z test for exact figures)
-and **q** its Benjamini-Hochberg adjustment over all {family} directional rows with a p-value.
+column says which, and *paired* marks seeded figures whose two arms ran the same seeds (the same initial policy, data
+and evaluation set, or the same rollouts), so that seed k of one arm is compared with seed k of the other; the plan
+says so before the run. The **difference** column gives figure i minus figure j with its 95% interval: Welch's t
+interval for seeded figures, Student's t interval on the per-seed differences for paired ones, ± 1.96 times the root
+sum of the squared standard errors for exact ones (no interval when both are deterministic). **p** is the two-sided
+p-value of that difference (Welch's t test; the paired t test; a z test for exact figures) and **q** its Benjamini-Hochberg adjustment over all {family} directional rows with a p-value.
 
 Verdicts. A directional row is **yes** when q ≤ 0.05 and the difference points the paper's way, **no** when
 q ≤ 0.05 and it points the other way. A "~" row (no multiplicity step) is **yes** when the 95% interval lies inside
@@ -165,11 +183,12 @@ def parse_compare(spec: str) -> tuple[int, str, int]:
 
 
 def parse_kind(kind: str) -> tuple[str, tuple[int | None, int | None]]:
-    """`seeded`, `exact`, or `exact se=k,l` (figures k and l are the standard errors of figures i and j; `-` for a
-    deterministic one) -> (kind, (k, l))."""
-    m = re.fullmatch(r"(seeded|exact)(?:\s+se=(\d+|-),(\d+|-))?", kind.strip())
-    if not m or (m.group(1) == "seeded" and m.group(2)):
-        raise ValueError(f"kind {kind!r}: expected seeded, exact or exact se=k,l")
+    """`seeded`, `paired` (seeded figures whose arms ran the same seeds: the test is on the per-seed differences),
+    `exact`, or `exact se=k,l` (figures k and l are the standard errors of figures i and j; `-` for a deterministic
+    one) -> (kind, (k, l))."""
+    m = re.fullmatch(r"(seeded|paired|exact)(?:\s+se=(\d+|-),(\d+|-))?", kind.strip())
+    if not m or (m.group(1) != "exact" and m.group(2)):
+        raise ValueError(f"kind {kind!r}: expected seeded, paired, exact or exact se=k,l")
     se = tuple(None if g in (None, "-") else int(g) for g in (m.group(2), m.group(3)))
     return m.group(1), se
 
@@ -208,6 +227,19 @@ def welch_interval(a: tuple[float, float, int], b: tuple[float, float, int],
     return diff - half, diff + half
 
 
+def paired_se_dof(sd_d: float, n: int) -> tuple[float, float]:
+    """Standard error of the mean of n per-seed differences with sample std `sd_d`, and its degrees of freedom (inf when
+    the differences do not vary)."""
+    return sd_d / math.sqrt(n), (n - 1 if sd_d else math.inf)
+
+
+def t_interval(diff: float, se: float, dof: float, level: float = 0.95) -> tuple[float, float]:
+    from scipy import stats
+
+    half = (stats.norm.ppf(0.5 + level / 2) if math.isinf(dof) else stats.t.ppf(0.5 + level / 2, dof)) * se
+    return diff - half, diff + half
+
+
 def two_sided_p(diff: float, se: float, dof: float = math.inf) -> float:
     """p-value of `diff` against 0 with standard error `se` (Student's t with `dof`, the normal when inf)."""
     from scipy import stats
@@ -218,9 +250,12 @@ def two_sided_p(diff: float, se: float, dof: float = math.inf) -> float:
     return float(2 * (stats.norm.sf(z) if math.isinf(dof) else stats.t.sf(z, dof)))
 
 
-def decide(compare: str, kind: str, margin: str, figs: list[tuple[float, float, int]]) -> Decision:
+def decide(compare: str, kind: str, margin: str, figs: list[tuple[float, float, int]],
+           paired: tuple[float, float, int] | None = None) -> Decision:
     """The interval verdict of one comparison taken alone (before the claims table's plan and multiplicity step):
-    `figs` are (mean, sample std, seeds) of the row's figures, in order."""
+    `figs` are (mean, sample std, seeds) of the row's figures, in order; a `paired` row also takes `paired`, the
+    (mean, sample std, seeds) of figure i minus figure j seed by seed (`paired_stats`), and its interval is Student's
+    t on those differences."""
     i, op, j = parse_compare(compare)
     kind_name, (se_i, se_j) = parse_kind(kind)
     (mi, si, ni), (mj, sj, nj) = figs[i], figs[j]
@@ -230,7 +265,17 @@ def decide(compare: str, kind: str, margin: str, figs: list[tuple[float, float, 
     if op != "~" and margin.strip():
         raise ValueError("only a '~' row takes an equivalence margin")
     note = ""
-    if kind_name == "seeded":
+    if kind_name == "paired":
+        if paired is None:
+            raise ValueError("a paired row needs its per-seed differences (paired_stats)")
+        diff, sd_d, n = paired
+        if n < 2:
+            return Decision("inconclusive", diff, math.nan, math.nan, m, "1 seed")
+        se, dof = paired_se_dof(sd_d, n)
+        lo, hi = t_interval(diff, se, dof)
+        if n < MIN_SEEDS:
+            note = f"{n} seeds"
+    elif kind_name == "seeded":
         if min(ni, nj) < 2:
             return Decision("inconclusive", diff, math.nan, math.nan, m, f"{min(ni, nj)} seed")
         lo, hi = welch_interval((mi, si, ni), (mj, sj, nj))
@@ -277,23 +322,39 @@ def row_decision(row: dict) -> Decision | None:
     """The decision a claims row's figures imply (None for a row that compares no two figures)."""
     if not row["compare"]:
         return None
-    figs = [sample_stats(ref) for ref, _ in parse_figures(row["figures"])]
-    return decide(row["compare"], row["kind"], row["margin"], figs)
+    figs, paired = row_stats(row)
+    return decide(row["compare"], row["kind"], row["margin"], figs, paired)
+
+
+def row_stats(row: dict) -> tuple[list[tuple[float, float, int]], tuple[float, float, int] | None]:
+    """(mean, sample std, seeds) of each figure of a claims row, and of the compared figures' per-seed differences
+    on a `paired` row (None otherwise)."""
+    refs = [ref for ref, _ in parse_figures(row["figures"])]
+    paired = None
+    if row["compare"] and parse_kind(row["kind"])[0] == "paired":
+        i, _, j = parse_compare(row["compare"])
+        paired = paired_stats(refs[i], refs[j])
+    return [sample_stats(ref) for ref in refs], paired
 
 
 # ---- power and multiplicity ----
-def power(op: str, effect: float, sds: tuple[float, float], ns: tuple[int, int], level: float = 0.95) -> float:
+def power(op: str, effect: float, sds: tuple[float, ...], ns: tuple[int, int], level: float = 0.95) -> float:
     """Chance that a seeded row with `ns` seeds per arm and sample spreads `sds` is decided: for '>' or '<' that the
     two-sided Welch test at 1 - level rejects when the true difference is `effect` (noncentral t); for '~' that the
-    interval lies inside ± `effect` when the true difference is 0 (t approximation). 0 below MIN_SEEDS seeds."""
+    interval lies inside ± `effect` when the true difference is 0 (t approximation). 0 below MIN_SEEDS seeds.
+    A paired row gives one spread, `(sd_d,)`, that of its per-seed differences: the test is then Student's t on
+    them."""
     from scipy import stats
 
     if min(ns) < MIN_SEEDS:
         return 0.0
-    se, dof = welch_se_dof((0.0, sds[0], ns[0]), (0.0, sds[1], ns[1]))
+    if len(sds) == 1:
+        se, dof = paired_se_dof(sds[0], ns[0])
+    else:
+        se, dof = welch_se_dof((0.0, sds[0], ns[0]), (0.0, sds[1], ns[1]))
     if se == 0.0:
         return 1.0 if effect > 0 else 0.0
-    tcrit = stats.t.ppf(0.5 + level / 2, dof)
+    tcrit = stats.norm.ppf(0.5 + level / 2) if math.isinf(dof) else stats.t.ppf(0.5 + level / 2, dof)
     if op == "~":
         return max(0.0, float(2 * stats.t.cdf(effect / se - tcrit, dof) - 1))
     ncp = effect / se
@@ -312,9 +373,9 @@ def exact_power(op: str, effect: float, se: float) -> float:
     return float(stats.norm.sf(1.96 - effect / se) + stats.norm.cdf(-1.96 - effect / se))
 
 
-def seeds_needed(op: str, effect: float, sds: tuple[float, float], limit: int = 100_000) -> int | None:
-    """The fewest seeds per arm (alike in both arms, at least MIN_SEEDS) whose `power` reaches POWER at these spreads;
-    None above `limit`."""
+def seeds_needed(op: str, effect: float, sds: tuple[float, ...], limit: int = 100_000) -> int | None:
+    """The fewest seeds per arm (alike in both arms, at least MIN_SEEDS) whose `power` reaches POWER at these spreads
+    (one spread: a paired row's per-seed differences); None above `limit`."""
     lo = hi = MIN_SEEDS
     if power(op, effect, sds, (lo, lo)) >= POWER:
         return lo
@@ -409,15 +470,16 @@ class Judgement(NamedTuple):
     effect: float = math.nan  # the plan's effect or margin in the figures' units
 
 
-def _row_power(row: dict, p: dict, figs: list) -> tuple[float, int | None, float]:
-    """(power of the planned seeds, seeds per arm for 80%, the effect) at the figures' observed means and spread."""
+def _row_power(row: dict, p: dict, figs: list, paired: tuple | None = None) -> tuple[float, int | None, float]:
+    """(power of the planned seeds, seeds per arm for 80%, the effect) at the figures' observed means and spread (the
+    spread of the per-seed differences on a paired row)."""
     i, op, j = parse_compare(p["test"])
     effect = parse_margin(p["effect"], figs[i][0], figs[j][0])
     kind_name, (se_i, se_j) = parse_kind(row["kind"])
     if kind_name == "exact":
         se = math.hypot(*(0.0 if k is None else figs[k][0] for k in (se_i, se_j)))
         return exact_power(op, effect, se), None, effect
-    sds = (figs[i][1], figs[j][1])
+    sds = (paired[1],) if paired else (figs[i][1], figs[j][1])
     return power(op, effect, sds, plan_seeds(p)), seeds_needed(op, effect, sds), effect
 
 
@@ -426,24 +488,24 @@ def judge(rows: list[dict], plan: dict) -> list[Judgement]:
     pre = []
     for row in rows:
         p = plan.get(claim_key(row))
-        figs = [sample_stats(ref) for ref, _ in parse_figures(row["figures"])]
-        d = decide(row["compare"], row["kind"], row["margin"], figs) if row["compare"] else None
-        pre.append((row, p, figs, d))
-    family = [k for k, (row, p, _, d) in enumerate(pre) if d is not None and not math.isnan(d.p)
+        figs, paired = row_stats(row)
+        d = decide(row["compare"], row["kind"], row["margin"], figs, paired) if row["compare"] else None
+        pre.append((row, p, figs, d, paired))
+    family = [k for k, (row, p, _, d, _) in enumerate(pre) if d is not None and not math.isnan(d.p)
               and (p is None or p["test"] != "describe")]
     qs = dict(zip(family, bh_adjust([pre[k][3].p for k in family])))
     return [_verdict(*pre[k], qs.get(k, math.nan)) for k in range(len(pre))]
 
 
-def _verdict(row: dict, p: dict | None, figs: list, d: Decision | None, q: float) -> Judgement:
+def _verdict(row: dict, p: dict | None, figs: list, d: Decision | None, paired: tuple | None, q: float) -> Judgement:
     flags = tuple(plan_flags(row, p, figs))
     if p is not None and p["test"] == "describe":
         return Judgement("descriptive", d, math.nan, math.nan, None, flags, p)
     if p is None or d is None:
         return Judgement("inconclusive", d, q, math.nan, None, flags, p)
-    pw, needed, effect = _row_power(row, p, figs)
+    pw, needed, effect = _row_power(row, p, figs, paired)
     i, op, j = parse_compare(p["test"])
-    few = parse_kind(row["kind"])[0] == "seeded" and min(figs[i][2], figs[j][2]) < MIN_SEEDS
+    few = parse_kind(row["kind"])[0] != "exact" and min(figs[i][2], figs[j][2]) < MIN_SEEDS
     verdict = None
     if not (flags or few or p["redecide"]):
         if op == "~":

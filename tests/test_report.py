@@ -81,8 +81,9 @@ def test_plan_seeds_follow_their_power_estimate(key):
     done (its note names the fresh run) keeps the seeds it was planned with."""
     p = PLAN[key]
     inputs = dict(part.strip().split("=") for part in p["pilot"].split(";"))
-    sds = tuple(float(x) for x in inputs["sd"].split(","))
-    measured = tuple(int(x) for x in inputs["n"].split(","))
+    # a paired plan records the spread of the pilot's per-seed differences, sd_d, and its seeds once
+    sds = tuple(float(x) for x in inputs["sd"].split(",")) if "sd" in inputs else (float(inputs["sd_d"]),)
+    measured = tuple(int(x) for x in inputs["n"].split(",")) * (1 if "sd" in inputs else 2)
     op = report.parse_compare(p["test"])[1]
     needed = report.seeds_needed(op, float(inputs["delta"]), sds)
     assert p["seeds_needed"] == (str(needed) if needed else ">100000")
@@ -191,6 +192,43 @@ def test_benjamini_hochberg_flips_a_marginal_row(planted):
     assert judged[0].verdict == "inconclusive"
 
 
+SHARED = [3.0, 7.0, 5.0, 9.0, 4.0]  # what a seed gives both arms (its initial policy, data, evaluation set)
+
+
+def test_a_paired_row_tests_the_per_seed_differences(planted):
+    """Arms that ran the same seeds share most of their spread: Welch's test cannot see a 0.5 lead under a seed-to-seed
+    spread of 2.4, the paired test on the differences (spread 0.1) does, and matches scipy's paired t test."""
+    from scipy import stats
+
+    lead = [0.45, 0.6, 0.5, 0.4, 0.55]
+    planted({"a": [s + d for s, d in zip(SHARED, lead)], "b": SHARED, "short": SHARED[:4]})
+    row = claim("a", "b")
+    (welch,) = judge((row, plan_line(row, "0.5")))
+    assert welch.verdict == "underpowered" and welch.decision.p > 0.5
+    row["kind"] = "paired"
+    (jd,) = judge((row, plan_line(row, "0.5")))
+    res = stats.ttest_rel([s + d for s, d in zip(SHARED, lead)], SHARED)
+    assert jd.verdict == "yes" and abs(jd.decision.p - res.pvalue) < 1e-12 and jd.power > 0.99
+    ci = res.confidence_interval(0.95)
+    assert abs(jd.decision.lo - ci.low) < 1e-9 and abs(jd.decision.hi - ci.high) < 1e-9
+    assert jd.needed == report.seeds_needed(">", 0.5, (statistics.stdev(lead),)) == report.MIN_SEEDS
+    row["compare"] = "0<1"
+    assert judge((row, plan_line(row, "0.5")))[0].verdict == "no"
+    with pytest.raises(ValueError, match="same seeds"):  # seed 4 has no partner
+        report.row_stats(claim("a", "short") | {"kind": "paired"})
+
+
+def test_paired_power_matches_a_simulation():
+    """`power` with one spread is the rejection rate of the two-sided paired t test: 4000 simulated rows of 6 seeds."""
+    np = pytest.importorskip("numpy")
+    from scipy import stats
+
+    rng = np.random.default_rng(1)
+    d = rng.normal(0.5, 0.7, (4000, 6))
+    rate = (stats.ttest_1samp(d, 0.0, axis=1).pvalue < 0.05).mean()
+    assert abs(rate - report.power(">", 0.5, (0.7,), (6, 6))) < 0.03  # binomial s.e. 0.008
+
+
 def test_bh_adjust_by_hand():
     qs = report.bh_adjust([0.01, 0.04, 0.03, 0.5])
     assert qs == pytest.approx([0.04, 0.04 * 4 / 3, 0.04 * 4 / 3, 0.5])  # step-up: q_(2) = min(0.03*4/2, 0.04*4/3)
@@ -297,6 +335,8 @@ def test_exact_figures():
     assert d("0>1", "exact se=2,-", "", figs).verdict == "yes"
     with pytest.raises(ValueError):
         report.parse_kind("seeded se=2,3")
+    with pytest.raises(ValueError):
+        report.parse_kind("paired se=2,3")
 
 
 def test_sample_std_for_population_std_tables(tmp_path, monkeypatch):
