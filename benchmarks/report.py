@@ -446,6 +446,9 @@ def plan_flags(row: dict, p: dict | None, figs: list[tuple[float, float, int]]) 
         return [f"compares {row['compare'] or 'nothing'}, the plan {p['test']}"]
     if "~" in p["test"] and row["margin"].strip() != p["effect"].strip():
         return [f"margin {row['margin']}, the plan {p['effect']}"]
+    paired = parse_kind(row["kind"])[0] == "paired"
+    if p["status"] == "measured" and ("sd_d=" in p["pilot"]) != paired:  # the pilot's spread says which test
+        return ["paired, the plan unpaired" if "sd_d=" not in p["pilot"] else "unpaired, the plan paired"]
     i, _, j = parse_compare(p["test"])
     ns, planned = (figs[i][2], figs[j][2]), plan_seeds(p)
     beyond = ns[0] > planned[0] or ns[1] > planned[1]

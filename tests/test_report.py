@@ -134,8 +134,9 @@ def claim(a: str, b: str, compare: str = "0>1", margin: str = "", name: str = "c
 
 def plan_line(row: dict, effect: str, seeds: str = "5", status: str = "measured", redecide: str = "",
               test: str | None = None) -> dict:
+    pilot = "sd_d=1" if row.get("kind") == "paired" else ""  # a paired plan records its pilot's per-seed spread
     return {"arxiv": "0000.00001", "claim": row["claim"], "command": row["command"], "metric": "m",
-            "test": test or row["compare"], "effect": effect, "justification": "planted", "seeds": seeds, "pilot": "",
+            "test": test or row["compare"], "effect": effect, "justification": "planted", "seeds": seeds, "pilot": pilot,
             "seeds_needed": "", "status": status, "redecide": redecide, "note": ""}
 
 
@@ -214,6 +215,13 @@ def test_a_paired_row_tests_the_per_seed_differences(planted):
     assert jd.needed == report.seeds_needed(">", 0.5, (statistics.stdev(lead),)) == report.MIN_SEEDS
     row["compare"] = "0<1"
     assert judge((row, plan_line(row, "0.5")))[0].verdict == "no"
+    # the plan, not the figures, says whether the arms are paired: a paired row under an unpaired plan (or the
+    # reverse) departs from it and cannot be decided
+    row["compare"] = "0>1"
+    (jd,) = judge((row, plan_line(row, "0.5") | {"pilot": "delta=0.5; sd=1,1; n=3,3"}))
+    assert jd.flags == ("paired, the plan unpaired",) and jd.verdict != "yes"
+    (jd,) = judge((claim("a", "b"), plan_line(row, "0.5") | {"pilot": "delta=0.5; sd_d=0.1; n=5"}))
+    assert jd.flags == ("unpaired, the plan paired",)
     with pytest.raises(ValueError, match="same seeds"):  # seed 4 has no partner
         report.row_stats(claim("a", "short") | {"kind": "paired"})
 
