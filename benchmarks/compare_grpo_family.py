@@ -9,6 +9,10 @@ Fairness: every method samples the same number of sequences. Each rollout batch 
 step, so DAPO runs under --rollout-budget = steps x 256 and stops early. Same model, task, lr (1e-4),
 held-out prompts (500, greedy) and threads for all.
 
+Paired re-plan (benchmarks/claims_plan.csv; seeds 0-2 are its pilot): DAPO > GRPO (seq-mean) in held-out accuracy is
+a paired t test on the per-seed differences of
+`--methods DAPO "GRPO (seq-mean)" --steps 40 --eval-every 10 --threads 1 --seeds 20 21 22 23 24 25 26 27 28 29`.
+
 Writes benchmarks/results/grpo_family.csv (rows with provenance, including the held-out accuracy curve as
 `acc_at_rollouts_<N>` figures), benchmarks/results/grpo_family.md and benchmarks/results/grpo_family.png.
 """

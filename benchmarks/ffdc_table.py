@@ -19,6 +19,9 @@ evaluations and the multiply-accumulates of all of them, per episode; execution 
 Plan, fixed before the runs (3 seeds per configuration; benchmarks/report.py's verdict rule): at perturbation rate
 0.1, model calls gated < 2-step chunks, for each learned verifier; imagined steps gated < the same-cost baseline;
 multiply-accumulates gated (frame verifier) < 2-step chunks; success gated > 2-step chunks for each learned verifier.
+Paired re-plan (benchmarks/claims_plan.csv; the fresh run of seeds 10-17 is its pilot): success gated > 2-step chunks
+at rate 0.1 (both execution rules on the same world model, policy and episodes of a seed) is a paired t test on the
+per-seed differences of `--only ffdc --seeds 20 21 22 23 24 25 26 27 28`.
 """
 from __future__ import annotations
 

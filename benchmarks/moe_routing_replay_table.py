@@ -31,6 +31,9 @@ bf16 only (8 seeds); the last two are decided by fresh runs only, their earlier 
 PR2's routes at the batch's last step, pr2 < r3 stale share (no noise; 4 seeds), and PR2's forecast, its top-k
 route agreement with the router after the updates > R3's (no change) (no noise); held-out accuracy, r3 > tis, r3 > none
 and pr2 > r3 (default noise).
+Paired re-plan of the stale-share row (claims_plan.csv; seeds 0-3 are its pilot): both arms train the same policy from
+the same initialisation on the same data of a seed, so pr2 < r3 is a paired t test on the per-seed differences of
+  --arms "pr2 (no noise)" "r3 (no noise)" --seeds 20 21 22
 Figures per run (means over the run's rollout batches): KL(mu || pi_old) by the k3 estimator, the variance of the
 importance ratio pi_old / mu, the share of (token, layer) routes where the rollout's expert set differs from the
 trainer router's own before the update (disagree) and at the batch's last optimiser step (stale), PR2's forecast

@@ -40,6 +40,10 @@ levels are described beside them (mse_hgpo_turn, "hgpo-turn | default"), not cla
 Plan for ECHO's success row: `--parts select --seeds 0 1 2`, then `--parts final --seeds 10 11 12`; the row compares
 eval_acc_end of "final | echo" > "final | multiturn_grpo" (2.6 points, 3 seeds, underpowered at 3 seeds, as before),
 and the environment-token CE row compares eval_env_ce_end of the same two (20% of the larger mean).
+Paired re-plans (benchmarks/claims_plan.csv; the runs above are their pilots): HGPO's advantage error (both
+estimators on the same rollout batch) on `--parts mse --seeds 20 21 22`, and ECHO's success row (both arms from the
+shipped policy, on the same test prompts) on `--parts final --seeds 20 21 22 23`, each a paired t test on the
+per-seed differences at the seeds 80% power needs on the pilot's differences.
 
 Writes benchmarks/results/multiturn.csv (rows through benchmarks/_results.py) and multiturn.md.
 """

@@ -22,6 +22,9 @@ benchmarks/report.py's rule (Welch 95% interval of the difference of the seed me
 no 3-digit addition (0.3%) and neither objective teaches carries into a third digit, so the add d2 setting's "one
 digit more" figure is at the floor for both arms; the add d1 setting carries the out-of-distribution row.
 
+Paired re-plan (benchmarks/claims_plan.csv; seeds 0-2 are its pilot): the one-digit-more row is a paired t test on
+the per-seed differences of `--only "OTR | add d1" "SFT | add d1" --seeds 20 21 22 23 24 25`.
+
 Writes benchmarks/results/otr.csv and otr.md.
 """
 from __future__ import annotations

@@ -19,6 +19,9 @@ the reach task with tiny-reach (algos/unique_grpo.py), G = 8 x 32 prompts, alpha
 GRPO, same script and flags). Figures on 200 held-out prompts with 16 samples each: pass@1 (sampled), pass@16,
 AUC@16 (the mean of pass@1..16) and the number of distinct operator multisets among the correct samples.
 
+Paired re-plan (benchmarks/claims_plan.csv; seeds 10-17 are its pilot): the uniqueness row is a paired t test on the
+per-seed differences of `--only unique --seeds 20 21 22 23 24 25`.
+
 Writes benchmarks/results/poise_unique.csv and poise_unique.md.
 """
 from __future__ import annotations

@@ -23,6 +23,9 @@ the target is GRPO's final accuracy, the mean of its last SMOOTH evaluations; an
 rollouts at its first evaluation where the mean of its last SMOOTH evaluations reaches the target (a run that
 never gets there counts its whole budget: a lower bound, flagged in the `reached` column); speed-up = GRPO's cost
 / the arm's (and DAPO-style's / the arm's), per seed.
+Paired re-plan (benchmarks/claims_plan.csv; seeds 0-2 are its pilot): the control row (GRESO against its refill
+rule alone, rollouts per informative group; both from the same policy on the same prompt stream of a seed) is a
+paired t test on the per-seed differences of `--seeds 20 21 22`.
 
 Writes benchmarks/results/prompt_selection.csv (rows through benchmarks/_results.py) and prompt_selection.md.
 """

@@ -29,6 +29,9 @@ The plan, fixed before the runs (its lines are in benchmarks/claims_plan.csv):
   inside an inference engine, which a 2-core CPU does not measure).
 - 3 seeds per arm (what 2 shared cores allow here).
 
+Paired re-plan (benchmarks/claims_plan.csv; seeds 0-2 are its pilot): the accuracy row, ARRoL > GRPO, is a paired t
+test on the per-seed differences of `--arms ARRoL GRPO --seeds 20 21 22 23 24 25`.
+
 Writes benchmarks/results/rollout_pruning.csv (one row per run and metric; the eval curve as acc_s<step>) and
 rollout_pruning.md.
 """

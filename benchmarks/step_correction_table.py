@@ -40,6 +40,9 @@ The plan, fixed before the runs (its lines are in benchmarks/claims_plan.csv):
 - 3 seeds per arm (what 2 shared cores allow here); GRPO's seed spread on sums is a few points, so the accuracy rows
   can only detect differences of several points and are expected to be underpowered.
 
+Paired re-plan (benchmarks/claims_plan.csv; seeds 0-2 are its pilot): SCOPE > GRPO in held-out accuracy is a paired
+t test on the per-seed differences of `--arms GRPO SCOPE --seeds 20 21 22`.
+
 Writes benchmarks/results/step_correction.csv (one row per run and metric; the eval curve as acc_s<step>) and
 step_correction.md.
 """

@@ -22,6 +22,9 @@ PROMPTS prompts x 16 leaves per step for STEPS steps (fewer than the default's 5
 1e-4, held-out greedy accuracy on EVAL_N prompts every EVAL_EVERY steps. Target: the start accuracy + TARGET
 points; steps and sampled tokens to reach it are read from the eval curve (a run that never reaches it is
 counted at STEPS + EVAL_EVERY, a lower bound, and the table says how many runs reached it).
+Paired re-plan (benchmarks/claims_plan.csv; seeds 0-2 are its pilot): LATR's diversity row (distinct answers per
+group, latr > grpo; both samplers from the same policy on the same prompts of a seed) is a paired t test on the
+per-seed differences of `--arms grpo latr --seeds 20 21 22`.
 
 Writes benchmarks/results/tree_rollout.csv (rows through benchmarks/_results.py) and tree_rollout.md.
 """
