@@ -25,6 +25,9 @@ claims table quote from their papers). The abstract's "at convergence" is read a
 budget" (the tiny runs do not converge in a CPU budget). Power: at a seed std of 1.5 to 3 points, 3 against 3 seeds
 has 80% power only for differences of about 4.5 to 9 points (Welch), so a smaller gain stays underpowered.
 
+Paired re-plan (benchmarks/claims_plan.csv; seeds 0-2 are its pilot): the pass@8 row, DARS (ET) > GRPO at G = 8, is
+a paired t test on the per-seed differences of `--arms "DARS (ET)" "GRPO, G=8" --seeds 20 21 22 23 24 25 26 27`.
+
 Writes benchmarks/results/dars.csv (one row per run and metric) and dars.md.
 """
 from __future__ import annotations

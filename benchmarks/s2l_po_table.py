@@ -33,6 +33,10 @@ The plan, fixed before these runs (its lines are in benchmarks/claims_plan.csv):
 - 3 seeds per arm, the budget here; a one-seed pilot of the same arms (30 batches, evaluations every 10) gave no
   spreads, so the rows say after the run how many seeds 80% power needs.
 
+Paired re-plan (benchmarks/claims_plan.csv; seeds 0-2 are its pilot): the equal-compute row, S2L-PO > GRPO in
+accuracy at the FLOPs budget, is a paired t test on the per-seed differences of
+`--arms S2L-PO GRPO --seeds 20 21 22 23 24 25 26 27 28 29`.
+
 Writes benchmarks/results/s2l_po.csv (one row per run and metric; the curves as acc_s<step> and flops_s<step>),
 s2l_po.md and s2l_po.png (accuracy against rollout FLOPs).
 """

@@ -30,6 +30,9 @@ effect to detect 2.8 points, the paper's average gain):
   speed-up of the paper's size (an AUC gap of several points when the curve reaches GRPO's best in a fraction of
   the budget); a smaller one stays inconclusive.
 
+Paired re-plan (benchmarks/claims_plan.csv; seeds 0-2 are its pilot): the area-under-the-curve row, SFPO > GRPO, is a
+paired t test on the per-seed differences of `--arms GRPO SFPO --seeds 20 21 22 23 24 25 26 27`.
+
 Writes benchmarks/results/sfpo.csv (one row per run and metric; the eval curve as acc_r<rollouts>), sfpo.md and
 sfpo.png.
 """
