@@ -104,7 +104,7 @@ def test_plan_seeds_follow_their_power_estimate(key):
 def test_rule_text_describes_the_plan_multiplicity_and_verdicts():
     text = report.claims_table().split("\n| paper |")[0]
     for words in ("claims_plan.csv", "80% power", "Benjamini-Hochberg", "**underpowered**", "**Descriptive**",
-                  "fresh seeds", "never from our own results", "counted work"):
+                  "fresh seeds", "never from our own results", "counted work", "*paired*", "per-seed differences"):
         assert words in text, f"the rule text does not mention {words!r}"
     counts = report.verdict_counts([jd.verdict for jd in JUDGED.values()])
     assert f"{counts['yes']} yes, {counts['no']} no, {counts['inconclusive']} inconclusive, " \
