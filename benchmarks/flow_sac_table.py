@@ -2,6 +2,7 @@
 
     python benchmarks/flow_sac_table.py                  # the gradient table (16 init seeds) + 3 seeds x 6 SAC arms
     python benchmarks/flow_sac_table.py --part sac --jobs 2   # only the SAC runs, two processes at a time
+    python benchmarks/flow_sac_table.py --part sac --arms Flow-G "plain flow" --seeds 20   # some SAC runs
     python benchmarks/flow_sac_table.py --report-only    # rebuilds the table and the plot from the CSV
 
 The claims ("SAC Flow: Sample-Efficient Reinforcement Learning of Flow-Based Policies via Velocity-Reparameterized
@@ -20,6 +21,10 @@ end from scratch, at state-of-the-art returns. The abstract gives no figures. Tw
      Flow-G, plain flow at a steep init               + --velocity-gain 6
    Score: the deterministic evaluation return on 32 seeded episodes, 0 = uniform random, 100 = a PD controller;
    score_auc is the mean over the evaluations (every 4k steps: 4k, 8k, 12k) after step 0.
+
+Paired re-plan (benchmarks/claims_plan.csv; seeds 0-2 are its pilot): Flow-G > plain flow in score_auc (K 8, default
+init) is a paired t test on the per-seed differences of
+`--part sac --arms Flow-G "plain flow" --seeds 20 21 22 23 24 25 26 27`.
 
 Writes benchmarks/results/flow_sac.csv (rows through benchmarks/_results.py), flow_sac.md and flow_sac.png.
 """
@@ -83,11 +88,11 @@ def one_run(job: tuple[str, int]) -> dict:
     return fs.main(fs.Args(seed=seed, threads=1, out_dir=str(out_dir(label, seed)), **ARMS[label]))
 
 
-def run_sac(seeds, jobs: int) -> None:
+def run_sac(seeds, jobs: int, arms=tuple(ARMS)) -> None:
     """Every (seed, arm) run, `jobs` at a time in separate processes; the rows are written here, in order."""
     import multiprocessing as mp
 
-    todo = [(label, seed) for seed in seeds for label in ARMS]
+    todo = [(label, seed) for seed in seeds for label in arms]
     with mp.get_context("spawn").Pool(jobs) as pool:
         for (label, seed), s in zip(todo, pool.imap(one_run, todo)):
             cmd = f"python algos/flow_sac.py {flags_of(ARMS[label])} --threads 1 --seed {seed}"
@@ -219,10 +224,11 @@ if __name__ == "__main__":
                     help="grads: only the gradient table (seconds); sac: only the SAC runs")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="SAC seeds")
     ap.add_argument("--jobs", type=int, default=1, help="SAC runs at a time (one thread each)")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="SAC arms to run")
     a = ap.parse_args()
     if not a.report_only:
         if a.part in ("all", "grads"):
             run_grads(GRAD_SEEDS)
         if a.part in ("all", "sac"):
-            run_sac(a.seeds, a.jobs)
+            run_sac(a.seeds, a.jobs, a.arms)
     report()
