@@ -39,6 +39,9 @@ tokens to an equal teacher KL are reported in this table only, by the same tests
 - 3 seeds per arm (what the budget allows) and STEPS = 30, ten fewer than the script's default 40, so that both this
   table and benchmarks/semi_online_table.py fit about 70 minutes of one CPU thread (about 4 minutes per run).
 
+Paired re-plan (benchmarks/claims_plan.csv; seeds 0-2 are its pilot): the accuracy row, fixed+StableOPD > fixed, is a
+paired t test on the per-seed differences of `--arms fixed fixed+StableOPD --seeds 20 21 22 23 24 25 26 27 28 29`.
+
 Writes benchmarks/results/opd_recovery.csv (one row per run and metric; truncated_frac_mean, repeat_frac_mean and
 confirmed_repeat_frac_mean over the run's steps; tokens_to_kl1 and its censoring flag kl1_reached) and
 opd_recovery.md.
