@@ -147,7 +147,8 @@ and evaluation set, or the same rollouts), so that seed k of one arm is compared
 says so before the run. The **difference** column gives figure i minus figure j with its 95% interval: Welch's t
 interval for seeded figures, Student's t interval on the per-seed differences for paired ones, ± 1.96 times the root
 sum of the squared standard errors for exact ones (no interval when both are deterministic). **p** is the two-sided
-p-value of that difference (Welch's t test; the paired t test; a z test for exact figures) and **q** its Benjamini-Hochberg adjustment over all {family} directional rows with a p-value.
+p-value of that difference (Welch's t test; the paired t test; a z test for exact figures) and **q** its
+Benjamini-Hochberg adjustment over all {family} directional rows with a p-value.
 
 Verdicts. A directional row is **yes** when q ≤ 0.05 and the difference points the paper's way, **no** when
 q ≤ 0.05 and it points the other way. A "~" row (no multiplicity step) is **yes** when the 95% interval lies inside
@@ -600,9 +601,10 @@ def claims_table() -> str:
     lines += ["", f"{len(rows)} claims: {judged} judged ({c['yes']} yes, {c['no']} no, {c['inconclusive']} "
               f"inconclusive, {c['underpowered']} underpowered) and {c['descriptive']} descriptive rows outside the "
               f"count. {len(planned)} rows have a fresh run planned ({sum(bool(p['redecide']) for p in planned)} of "
-              f"them can be decided by that run only); {departs} {'row departs' if departs == 1 else 'rows depart'} "
-              "from its plan. Rows: `benchmarks/results/claims.csv` (its `figures` column names the results rows each "
-              "figure is computed from, `compare`, `kind` and `margin` give the rule its inputs); plans: "
+              f"them can be decided by that run only); {departs} "
+              f"{'row departs from its plan' if departs == 1 else 'rows depart from their plans'}. Rows: "
+              "`benchmarks/results/claims.csv` (its `figures` column names the results rows each figure is computed "
+              "from, `compare`, `kind` and `margin` give the rule its inputs); plans: "
               "`benchmarks/claims_plan.csv` (metric, test, effect or margin with its justification, seeds per arm "
               "with the pilot's effect, spreads and seeds they were estimated from, status); tests/test_report.py "
               "recomputes every figure and verdict."]
