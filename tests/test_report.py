@@ -136,8 +136,8 @@ def plan_line(row: dict, effect: str, seeds: str = "5", status: str = "measured"
               test: str | None = None) -> dict:
     pilot = "sd_d=1" if row.get("kind") == "paired" else ""  # a paired plan records its pilot's per-seed spread
     return {"arxiv": "0000.00001", "claim": row["claim"], "command": row["command"], "metric": "m",
-            "test": test or row["compare"], "effect": effect, "justification": "planted", "seeds": seeds, "pilot": pilot,
-            "seeds_needed": "", "status": status, "redecide": redecide, "note": ""}
+            "test": test or row["compare"], "effect": effect, "justification": "planted", "seeds": seeds,
+            "pilot": pilot, "seeds_needed": "", "status": status, "redecide": redecide, "note": ""}
 
 
 def judge(*rows_and_plans: tuple[dict, dict]) -> list[report.Judgement]:
