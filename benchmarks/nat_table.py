@@ -19,6 +19,9 @@ widest micro-batch of a rollout batch (mean over rollout batches), what peak act
 micro-batches run one after another. RPC sorts a mini-batch by kept length, longest first, so its first
 micro-batch holds the longest kept prefixes, often as wide as full's widest.
 
+Paired re-plan (benchmarks/claims_plan.csv; seeds 0-2 are its pilot): the peak-positions row, rpc 50% < full, is a
+paired t test on the per-seed differences of `--arms "rpc 50%" full --seeds 20 21 22`.
+
 Writes benchmarks/results/nat.csv (rows through benchmarks/_results.py) and nat.md.
 """
 from __future__ import annotations
