@@ -235,6 +235,7 @@ def paired_se_dof(sd_d: float, n: int) -> tuple[float, float]:
 
 
 def t_interval(diff: float, se: float, dof: float, level: float = 0.95) -> tuple[float, float]:
+    """The `level` interval of `diff` with standard error `se`: Student's t with `dof`, the normal when inf."""
     from scipy import stats
 
     half = (stats.norm.ppf(0.5 + level / 2) if math.isinf(dof) else stats.t.ppf(0.5 + level / 2, dof)) * se
