@@ -96,8 +96,9 @@ def paired_stats(ref_i: str, ref_j: str) -> tuple[float, float, int]:
     """(mean, sample std, seeds) of figure i minus figure j seed by seed: a `paired` row's two arms ran the same seeds
     (the same initial policy, data and evaluation set, or the same rollouts), so seed k of one arm is paired with seed
     k of the other."""
-    a, b = ({seed: v for (_, seed), v in figure_by_seed(ref).items()} for ref in (ref_i, ref_j))
-    if a.keys() != b.keys() or len(a) != len(figure_by_seed(ref_i)) or len(b) != len(figure_by_seed(ref_j)):
+    rows = [figure_by_seed(ref) for ref in (ref_i, ref_j)]
+    a, b = ({seed: v for (_, seed), v in r.items()} for r in rows)
+    if a.keys() != b.keys() or (len(a), len(b)) != tuple(map(len, rows)):  # a seed twice (two benches) has no pair
         raise ValueError(f"a paired row needs the same seeds, once each, in both arms: {ref_i} and {ref_j}")
     diffs = [a[seed] - b[seed] for seed in sorted(a)]
     return statistics.mean(diffs), statistics.stdev(diffs) if len(diffs) > 1 else 0.0, len(diffs)
@@ -448,15 +449,19 @@ def plan_flags(row: dict, p: dict | None, figs: list[tuple[float, float, int]]) 
         return [f"compares {row['compare'] or 'nothing'}, the plan {p['test']}"]
     if "~" in p["test"] and row["margin"].strip() != p["effect"].strip():
         return [f"margin {row['margin']}, the plan {p['effect']}"]
-    paired = parse_kind(row["kind"])[0] == "paired"
-    if p["status"] == "measured" and ("sd_d=" in p["pilot"]) != paired:  # the pilot's spread says which test
-        return ["paired, the plan unpaired" if "sd_d=" not in p["pilot"] else "unpaired, the plan paired"]
+    if p["status"] == "measured" and plan_is_paired(p) != (parse_kind(row["kind"])[0] == "paired"):
+        return ["unpaired, the plan paired" if plan_is_paired(p) else "paired, the plan unpaired"]
     i, _, j = parse_compare(p["test"])
     ns, planned = (figs[i][2], figs[j][2]), plan_seeds(p)
     beyond = ns[0] > planned[0] or ns[1] > planned[1]
     if beyond or (p["status"] == "measured" and ns != planned):
         return [f"{fmt_ns(ns)} seeds per arm, the plan {fmt_ns(planned)}"]
     return []
+
+
+def plan_is_paired(p: dict) -> bool:
+    """A paired plan records its pilot's per-seed differences as `sd_d=` (an unpaired one each arm's `sd=`)."""
+    return "sd_d=" in p["pilot"]
 
 
 def fmt_ns(ns: tuple[int, int]) -> str:

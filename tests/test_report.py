@@ -82,8 +82,9 @@ def test_plan_seeds_follow_their_power_estimate(key):
     p = PLAN[key]
     inputs = dict(part.strip().split("=") for part in p["pilot"].split(";"))
     # a paired plan records the spread of the pilot's per-seed differences, sd_d, and its seeds once
-    sds = tuple(float(x) for x in inputs["sd"].split(",")) if "sd" in inputs else (float(inputs["sd_d"]),)
-    measured = tuple(int(x) for x in inputs["n"].split(",")) * (1 if "sd" in inputs else 2)
+    paired = report.plan_is_paired(p)
+    sds = (float(inputs["sd_d"]),) if paired else tuple(float(x) for x in inputs["sd"].split(","))
+    measured = tuple(int(x) for x in inputs["n"].split(",")) * (2 if paired else 1)
     op = report.parse_compare(p["test"])[1]
     needed = report.seeds_needed(op, float(inputs["delta"]), sds)
     assert p["seeds_needed"] == (str(needed) if needed else ">100000")
@@ -219,7 +220,7 @@ def test_a_paired_row_tests_the_per_seed_differences(planted):
     # reverse) departs from it and cannot be decided
     row["compare"] = "0>1"
     (jd,) = judge((row, plan_line(row, "0.5") | {"pilot": "delta=0.5; sd=1,1; n=3,3"}))
-    assert jd.flags == ("paired, the plan unpaired",) and jd.verdict != "yes"
+    assert jd.flags == ("paired, the plan unpaired",) and jd.verdict == "inconclusive"
     (jd,) = judge((claim("a", "b"), plan_line(row, "0.5") | {"pilot": "delta=0.5; sd_d=0.1; n=5"}))
     assert jd.flags == ("unpaired, the plan paired",)
     with pytest.raises(ValueError, match="same seeds"):  # seed 4 has no partner
