@@ -18,10 +18,12 @@ runs already in the CSV, so an interrupted benchmark resumes.
     python benchmarks/offline_rl_table.py --report-only   # rebuild the .md files from the CSV
     python benchmarks/offline_rl_table.py --plan 10 11 12 13 14   # the claims plan's fresh DriftQL seeds
     python benchmarks/offline_rl_table.py --only ravl --plan 10 11 12 13 14 15 16 17 18 19   # ... and RAVL's
+    python benchmarks/offline_rl_table.py --only corl --plan 10 11 12 13 14   # ... and TD3+BC's medium-replay row
 
 --plan SEED...: the fresh seeds that benchmarks/claims_plan.csv asks for (DriftQL's drift and MSE regularisers at
 rho = 0, rows under the bench `driftql_plan`; with --only ravl, RAVL and no pessimism on the learned model, rows
-under the bench `ravl_plan`), which the tables leave out: they neither pool with the first runs' seeds nor stand
+under the bench `ravl_plan`; with --only corl, TD3+BC on halfcheetah-medium-replay, rows under the bench
+`corl_plan`), which the tables leave out: they neither pool with the first runs' seeds nor stand
 in for them.
 """
 from __future__ import annotations
@@ -54,16 +56,16 @@ def done_runs():
     return {(r["bench"], r["script"], r["config"], int(r["seed"])) for r in read_rows(CSV)}
 
 
-def corl_jobs(seed, datasets):
+def corl_jobs(seed, datasets, algos=("td3_bc", "iql"), bench="corl"):
     from algos import iql, td3_bc
 
     for ds in datasets:
         steps = corl_steps(ds)
-        for name, mod in (("td3_bc", td3_bc), ("iql", iql)):
+        for name, mod in ((name, {"td3_bc": td3_bc, "iql": iql}[name]) for name in algos):
             hidden = CORL_HIDDEN_BY_ENV.get(ds.split("-")[0], 128)
             args = mod.Args(dataset=ds, seed=seed, total_steps=steps, eval_every=steps // 4, hidden=hidden,
-                            out_dir=f"runs/bench/{name}-{ds}-s{seed}")
-            yield ("corl", name, ds, seed), mod.main, args, \
+                            out_dir=f"runs/bench/{bench}-{name}-{ds}-s{seed}")
+            yield (bench, name, ds, seed), mod.main, args, \
                 f"python algos/{name}.py --dataset {ds} --seed {seed} --total-steps {steps} --hidden {hidden}"
 
 
@@ -108,14 +110,16 @@ def driftql_jobs(seed, rhos=(0.0, 0.5), bench="driftql"):
 
 def run(only, seeds, datasets, plan: bool = False):
     """Seed-major order (every table's seed 0 first), skipping runs already in the CSV; `plan`: DriftQL at rho = 0
-    under the bench driftql_plan, or RAVL and no pessimism on the learned model under the bench ravl_plan."""
+    under the bench driftql_plan, RAVL and no pessimism on the learned model under the bench ravl_plan, or TD3+BC on
+    halfcheetah-medium-replay under the bench corl_plan."""
     done = done_runs()
     if only in (None, "corl") and not plan:
         record_datasets(datasets, done)
     for seed in seeds:
         if plan:
             gens = {"driftql": driftql_jobs(seed, (0.0,), "driftql_plan"),
-                    "ravl": ravl_jobs(seed, ("learned",), ("none", "ravl"), "ravl_plan")}
+                    "ravl": ravl_jobs(seed, ("learned",), ("none", "ravl"), "ravl_plan"),
+                    "corl": corl_jobs(seed, ["halfcheetah-medium-replay"], ("td3_bc",), "corl_plan")}
         else:
             gens = {"corl": corl_jobs(seed, datasets), "ravl": ravl_jobs(seed), "driftql": driftql_jobs(seed)}
         for table, jobs in gens.items():
@@ -240,10 +244,9 @@ def main():
     ap.add_argument("--report-only", action="store_true", help="rebuild the .md files from the CSV")
     ap.add_argument("--plan", type=int, nargs="+", metavar="SEED",
                     help="the claims plan's fresh run at these seeds: DriftQL's two regularisers at rho = 0 (bench "
-                         "driftql_plan), or with --only ravl RAVL and no pessimism on the learned model (ravl_plan)")
+                         "driftql_plan), with --only ravl RAVL and no pessimism on the learned model (ravl_plan), "
+                         "with --only corl TD3+BC on halfcheetah-medium-replay (corl_plan)")
     args = ap.parse_args()
-    if args.plan and args.only == "corl":
-        ap.error("--plan runs DriftQL's or RAVL's fresh seeds: use it without --only or with --only driftql / ravl")
     if args.seeds < 1:
         ap.error(f"--seeds must be >= 1, got {args.seeds}")
     if not args.report_only:

@@ -52,7 +52,9 @@ DIRECTIONS = VERDICTS + ("descriptive",)  # the values of claims.csv's `directio
 def figure_values(ref: str) -> list[float]:
     """The per-seed values of `file#script#config#metric#scale` (one per (bench, seed); a later row replaces).
     Optional filters after the scale select a plan's fresh runs from a CSV that also holds older ones:
-    `#bench=NAME` (rows of that bench only) and `#seeds=A-B` (seeds A to B, both included)."""
+    `#bench=NAME` (rows of that bench only) and `#seeds=A-B` (seeds A to B, both included); `#minus=METRIC` makes
+    each value the change from another metric of the same run (metric minus METRIC, seed by seed, both scaled), so a
+    row can compare how much each arm moved from its own start."""
     return list(figure_by_seed(ref).values())
 
 
@@ -60,8 +62,16 @@ def figure_by_seed(ref: str) -> dict[tuple[str, int], float]:
     """`figure_values` keyed by (bench, seed)."""
     name, script, config, metric, scale, *filters = ref.split("#")
     keep = dict(f.split("=", 1) for f in filters)
-    if set(keep) - {"bench", "seeds"}:
-        raise ValueError(f"{ref}: unknown filter {sorted(set(keep) - {'bench', 'seeds'})} (bench=NAME, seeds=A-B)")
+    if set(keep) - {"bench", "seeds", "minus"}:
+        raise ValueError(f"{ref}: unknown filter {sorted(set(keep) - {'bench', 'seeds', 'minus'})} "
+                         "(bench=NAME, seeds=A-B, minus=METRIC)")
+    if "minus" in keep:  # the change from another metric of the same runs: both must exist for every run
+        now, start = (figure_by_seed("#".join([name, script, config, m, scale] +
+                                              [f"{k}={v}" for k, v in keep.items() if k != "minus"]))
+                      for m in (metric, keep["minus"]))
+        if now.keys() != start.keys():
+            raise ValueError(f"{ref}: {metric} and {keep['minus']} were not recorded by the same runs")
+        return {key: now[key] - start[key] for key in now}
     lo, hi = map(int, keep["seeds"].split("-")) if "seeds" in keep else (-math.inf, math.inf)
     path = RESULTS / name
     if not path.exists():
@@ -658,7 +668,7 @@ HEADLINE = [
      "with the success critic alone",
      ["offline_rl.csv#iql#halfcheetah-medium-replay#behaviour_score#1@1",
       "offline_rl.csv#iql#halfcheetah-medium-replay#score_last#1@1",
-      "offline_rl.csv#td3_bc#halfcheetah-medium-replay#score_last#1@1",
+      "offline_rl.csv#td3_bc#halfcheetah-medium-replay#score_last#1#bench=corl@1",
       "offline_rl.csv#ravl#learned/ravl#score_last#1#bench=ravl_plan@1",
       "offline_rl.csv#ravl#learned/none#score_last#1#bench=ravl_plan@1",
       "habc.csv#algos/habc.py#HABC#success_first#100@1", "habc.csv#algos/habc.py#HABC#success_last#100@1",
@@ -669,7 +679,7 @@ HEADLINE = [
      "that differ in kind added; verifier-gated chunks (FFDC) need {5} model calls per episode vs {6} with 2-step "
      "chunks when the world is perturbed at 10% of steps; ReGuide-FT success {7} -> {8} vs {9} absorbing as many "
      "unguided successes",
-     ["world_models.csv#live#{\"mode\": \"live\"}#err_h32#1@4", "world_models.csv#diffusion#{}#err_h32#1@4",
+     ["world_models.csv#live#{\"mode\": \"live\"}#err_h32#1@4", "world_models.csv#diffusion#{}#err_h32#1#seeds=0-5@4",
       "world_models.csv#ar#{}#err_h32#1@4",
       "world_models.csv#policy-eval#{}#pearson#1#seeds=0-9@2",
       "world_models.csv#policy-eval-kinds#{\"policies\": [\"0\", \"0.1\", \"0.2\", \"0.35\", \"0.5\", \"0.7\", "

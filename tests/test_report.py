@@ -380,6 +380,20 @@ def test_figure_filters_select_a_plans_fresh_runs(tmp_path, monkeypatch):
         report.figure_values("x.csv#s#c#m#1#commit=abc")
 
 
+def test_figure_minus_is_each_runs_change_from_another_metric(tmp_path, monkeypatch):
+    """`#minus=METRIC` gives each run's metric minus its METRIC (both scaled), with the other filters applied to both;
+    runs that recorded only one of the two are refused."""
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    rows = ["b,s,c,0,late,0.5,,,,,", "b,s,c,0,early,0.75,,,,,", "b,s,c,1,late,0.9,,,,,", "b,s,c,1,early,0.5,,,,,",
+            "b,s,c,7,late,1.0,,,,,"]
+    (tmp_path / "x.csv").write_text(HEAD + "\n".join(rows) + "\n")
+    got = report.figure_by_seed("x.csv#s#c#late#100#minus=early#seeds=0-1")
+    assert got.keys() == {("b", 0), ("b", 1)} and got[("b", 0)] == pytest.approx(-25.0) \
+        and got[("b", 1)] == pytest.approx(40.0)
+    with pytest.raises(ValueError, match="same runs"):
+        report.figure_values("x.csv#s#c#late#1#minus=early")
+
+
 def test_read_plan_refuses_malformed_lines(tmp_path):
     path = tmp_path / "plan.csv"
     good = {f: "" for f in report.PLAN_FIELDS} | {"arxiv": "1", "claim": "c", "command": "python x.py", "test": "0>1",
