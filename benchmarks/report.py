@@ -668,7 +668,7 @@ HEADLINE = [
      "with the success critic alone",
      ["offline_rl.csv#iql#halfcheetah-medium-replay#behaviour_score#1@1",
       "offline_rl.csv#iql#halfcheetah-medium-replay#score_last#1@1",
-      "offline_rl.csv#td3_bc#halfcheetah-medium-replay#score_last#1#bench=corl@1",
+      "offline_rl.csv#td3_bc#halfcheetah-medium-replay#score_last#1#bench=corl_plan@1",
       "offline_rl.csv#ravl#learned/ravl#score_last#1#bench=ravl_plan@1",
       "offline_rl.csv#ravl#learned/none#score_last#1#bench=ravl_plan@1",
       "habc.csv#algos/habc.py#HABC#success_first#100@1", "habc.csv#algos/habc.py#HABC#success_last#100@1",
