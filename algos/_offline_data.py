@@ -678,13 +678,13 @@ def check_offline_args(args: OfflineArgs, positive: tuple[str, ...] = ()) -> Non
     """The checks every offline script makes (dataset name, sizes, learning rate, discount, target step) plus
     `positive`, the script's own fields that must be > 0; each error names its flag."""
     if args.dataset not in DATASETS:
-        raise ValueError(f"--dataset {args.dataset!r} unknown; choose one of {', '.join(DATASETS)}")
+        raise SystemExit(f"--dataset {args.dataset!r} unknown; choose one of {', '.join(DATASETS)}")
     for k in ("total_steps", "eval_every", "eval_episodes", "batch_size", "hidden", "threads", "lr", *positive):
         if getattr(args, k) <= 0:
-            raise ValueError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+            raise SystemExit(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
     for k in ("gamma", "tau"):  # tau: the target networks' Polyak step
         if not 0 < getattr(args, k) <= 1:
-            raise ValueError(f"--{k} must be in (0, 1], got {getattr(args, k)}")
+            raise SystemExit(f"--{k} must be in (0, 1], got {getattr(args, k)}")
 
 
 def start_run(args: OfflineArgs, out_dir: str) -> common.Tracker:

@@ -87,15 +87,15 @@ class Args(D.TD3Args):  # run, data, optimisation, evaluation and TD3 fields: TD
 def check_args(args: Args) -> None:
     D.check_offline_args(args, positive=("policy_freq",))  # --dataset, --total-steps, --gamma, ...
     if args.reg not in ("drift", "mse"):
-        raise ValueError(f"--reg must be 'drift' or 'mse', got {args.reg!r}")
+        raise SystemExit(f"--reg must be 'drift' or 'mse', got {args.reg!r}")
     if args.n_gen < 2:
-        raise ValueError(f"--n-gen must be >= 2 (repulsion needs two generated actions), got {args.n_gen}")
+        raise SystemExit(f"--n-gen must be >= 2 (repulsion needs two generated actions), got {args.n_gen}")
     if not args.bandwidths or min(args.bandwidths) <= 0:
-        raise ValueError(f"--bandwidths must be positive numbers, got {args.bandwidths}")
+        raise SystemExit(f"--bandwidths must be positive numbers, got {args.bandwidths}")
     if args.alpha < 0:
-        raise ValueError(f"--alpha must be >= 0, got {args.alpha}")
+        raise SystemExit(f"--alpha must be >= 0, got {args.alpha}")
     if not 0 <= args.rho <= 1:
-        raise ValueError(f"--rho must be in [0, 1], got {args.rho}")
+        raise SystemExit(f"--rho must be in [0, 1], got {args.rho}")
 
 
 # ---- networks (the critic, D.Critic, is algos/_offline_data.py's twin Q) ----

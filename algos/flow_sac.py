@@ -140,19 +140,19 @@ class Args:
 
 def check_args(args: Args) -> None:
     if args.policy not in POLICIES:
-        raise ValueError(f"--policy {args.policy!r} unknown; choose one of {', '.join(POLICIES)}")
+        raise SystemExit(f"--policy {args.policy!r} unknown; choose one of {', '.join(POLICIES)}")
     for k in ("flow_steps", "hidden", "total_steps", "num_envs", "batch_size", "eval_every", "eval_episodes",
               "threads", "velocity_gain", "candidate_scale", "policy_lr", "q_lr", "alpha"):
         if getattr(args, k) <= 0:
-            raise ValueError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+            raise SystemExit(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
     if not 0 < args.gamma <= 1:
-        raise ValueError(f"--gamma must be in (0, 1], got {args.gamma}")
+        raise SystemExit(f"--gamma must be in (0, 1], got {args.gamma}")
     if not 0 < args.tau <= 1:
-        raise ValueError(f"--tau must be in (0, 1], got {args.tau}")
+        raise SystemExit(f"--tau must be in (0, 1], got {args.tau}")
     if args.log_std_min >= args.log_std_max:
-        raise ValueError(f"--log-std-min ({args.log_std_min}) must be below --log-std-max ({args.log_std_max})")
+        raise SystemExit(f"--log-std-min ({args.log_std_min}) must be below --log-std-max ({args.log_std_max})")
     if not 0 <= args.learning_starts < args.total_steps:
-        raise ValueError(f"--learning-starts must be in [0, --total-steps), got {args.learning_starts}")
+        raise SystemExit(f"--learning-starts must be in [0, --total-steps), got {args.learning_starts}")
 
 
 # ---- the task: a 2-D point mass reaching a goal ----

@@ -174,22 +174,22 @@ class Args:
 
 def check_args(args: Args) -> None:
     if args.method not in METHODS:
-        raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {args.method!r}")
+        raise SystemExit(f"--method must be one of {', '.join(METHODS)}, got {args.method!r}")
     if args.credit not in CREDITS:
-        raise ValueError(f"--credit must be one of {', '.join(CREDITS)}, got {args.credit!r}")
+        raise SystemExit(f"--credit must be one of {', '.join(CREDITS)}, got {args.credit!r}")
     for k in ("rounds", "episodes_per_round", "horizon", "n_demos", "sft_steps", "intervene_steps", "patience",
               "critic_steps", "actor_steps", "hidden", "batch_size", "eval_episodes", "threads"):
         if getattr(args, k) <= 0:
-            raise ValueError(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+            raise SystemExit(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
     for k in ("demo_eps", "catch_prob", "slip"):
         if not 0 <= getattr(args, k) <= 1:
-            raise ValueError(f"--{k.replace('_', '-')} must be in [0, 1], got {getattr(args, k)}")
+            raise SystemExit(f"--{k.replace('_', '-')} must be in [0, 1], got {getattr(args, k)}")
     if not 0 < args.gamma <= 1:
-        raise ValueError(f"--gamma must be in (0, 1], got {args.gamma}")
+        raise SystemExit(f"--gamma must be in (0, 1], got {args.gamma}")
     if not 0 <= args.v_lo < args.v_hi <= 1:
-        raise ValueError(f"--v-lo and --v-hi must satisfy 0 <= v_lo < v_hi <= 1, got {args.v_lo}, {args.v_hi}")
+        raise SystemExit(f"--v-lo and --v-hi must satisfy 0 <= v_lo < v_hi <= 1, got {args.v_lo}, {args.v_hi}")
     if args.beta < 0 or args.max_weight <= 0 or args.lr <= 0:
-        raise ValueError(f"--beta must be >= 0, --max-weight and --lr > 0; got {args.beta}, {args.max_weight}, "
+        raise SystemExit(f"--beta must be >= 0, --max-weight and --lr > 0; got {args.beta}, {args.max_weight}, "
                          f"{args.lr}")
 
 

@@ -63,11 +63,11 @@ class Args(D.OfflineArgs):  # run, data, optimisation and evaluation fields: Off
 def check_args(args: Args) -> None:
     D.check_offline_args(args)  # --dataset, --total-steps, --gamma, ...
     if not 0 < args.expectile < 1:
-        raise ValueError(f"--expectile must be in (0, 1), got {args.expectile}")
+        raise SystemExit(f"--expectile must be in (0, 1), got {args.expectile}")
     if args.beta < 0:
-        raise ValueError(f"--beta must be >= 0, got {args.beta}")
+        raise SystemExit(f"--beta must be >= 0, got {args.beta}")
     if not 0 <= args.rho <= 1:
-        raise ValueError(f"--rho must be in [0, 1], got {args.rho}")
+        raise SystemExit(f"--rho must be in [0, 1], got {args.rho}")
 
 
 # The networks (D.Actor: a = tanh(mlp(s)); D.Critic: twin Q; V = D.mlp) are algos/_offline_data.py's.

@@ -121,25 +121,25 @@ class Args(D.TD3Args):  # run, data, optimisation, evaluation and TD3 fields: TD
 
 def check_args(args: Args) -> Args:
     if args.dataset not in D.DATASETS or not args.dataset.startswith("pendulum"):
-        raise ValueError(f"--dataset {args.dataset!r}: RAVL needs a pendulum dataset "
+        raise SystemExit(f"--dataset {args.dataset!r}: RAVL needs a pendulum dataset "
                          f"({', '.join(d for d in D.DATASETS if d.startswith('pendulum'))})")
     D.check_offline_args(args, positive=("policy_freq", "rollout_len", "rollout_batch", "rollout_every",
                                          "buffer_rollouts", "ensemble", "mc_states", "mc_horizon"))
     if args.model not in ("true", "learned"):
-        raise ValueError(f"--model must be 'true' or 'learned', got {args.model!r}")
+        raise SystemExit(f"--model must be 'true' or 'learned', got {args.model!r}")
     if args.pessimism not in ("none", "penalty", "ravl"):
-        raise ValueError(f"--pessimism must be 'none', 'penalty' or 'ravl', got {args.pessimism!r}")
+        raise SystemExit(f"--pessimism must be 'none', 'penalty' or 'ravl', got {args.pessimism!r}")
     if args.reward_scale <= 0:
-        raise ValueError(f"--reward-scale must be positive, got {args.reward_scale}")
+        raise SystemExit(f"--reward-scale must be positive, got {args.reward_scale}")
     if args.penalty_coef < 0:
-        raise ValueError(f"--penalty-coef must be >= 0 (a negative one rewards model uncertainty), "
+        raise SystemExit(f"--penalty-coef must be >= 0 (a negative one rewards model uncertainty), "
                          f"got {args.penalty_coef}")
     if args.data_episodes < 0:
-        raise ValueError(f"--data-episodes must be >= 0, got {args.data_episodes}")
+        raise SystemExit(f"--data-episodes must be >= 0, got {args.data_episodes}")
     if not 0 <= args.real_ratio <= 1:
-        raise ValueError(f"--real-ratio must be in [0, 1], got {args.real_ratio}")
+        raise SystemExit(f"--real-ratio must be in [0, 1], got {args.real_ratio}")
     if args.n_critics < 0 or args.n_critics == 1:
-        raise ValueError(f"--n-critics must be 0 (auto) or >= 2, got {args.n_critics}")
+        raise SystemExit(f"--n-critics must be 0 (auto) or >= 2, got {args.n_critics}")
     if args.n_critics == 0:
         args.n_critics = 10 if args.pessimism == "ravl" else 2
     return args

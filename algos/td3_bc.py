@@ -60,9 +60,9 @@ class Args(D.TD3Args):  # run, data, optimisation, evaluation and TD3 fields: TD
 def check_args(args: Args) -> None:
     D.check_offline_args(args, positive=("policy_freq",))  # --dataset, --total-steps, --gamma, ...
     if args.alpha < 0:
-        raise ValueError(f"--alpha must be >= 0, got {args.alpha}")
+        raise SystemExit(f"--alpha must be >= 0, got {args.alpha}")
     if not 0 <= args.rho <= 1:
-        raise ValueError(f"--rho must be in [0, 1], got {args.rho}")
+        raise SystemExit(f"--rho must be in [0, 1], got {args.rho}")
 
 
 # The networks (D.Actor: a = tanh(mlp(s)); D.Critic: twin Q) are algos/_offline_data.py's.

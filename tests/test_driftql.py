@@ -132,5 +132,5 @@ def test_learns_on_toy(tmp_path):
 @pytest.mark.parametrize("kw,msg", [({"reg": "l1"}, "--reg"), ({"n_gen": 1}, "--n-gen"),
                                     ({"bandwidths": (0.1, -1.0)}, "--bandwidths")])
 def test_bad_args(kw, msg, tmp_path):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(SystemExit, match=msg):
         driftql.main(driftql.Args(out_dir=str(tmp_path), **kw))

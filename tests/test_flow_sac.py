@@ -164,7 +164,7 @@ def test_flow_g_learns_on_the_point_mass(tmp_path):
                                     ({"log_std_min": 1.0, "log_std_max": 0.0}, "--log-std-min"),
                                     ({"gamma": 1.5}, "--gamma"), ({"learning_starts": 10**6}, "--learning-starts")])
 def test_bad_args(kw, msg, tmp_path):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(SystemExit, match=msg):
         F.main(F.Args(out_dir=str(tmp_path), **kw))
 
 

@@ -240,5 +240,5 @@ def test_learns_success_and_steps_over_rounds(tmp_path):
                                     ({"gamma": 0.0}, "--gamma"), ({"v_lo": 0.9, "v_hi": 0.5}, "--v-lo"),
                                     ({"beta": -1.0}, "--beta"), ({"horizon": -3}, "--horizon")])
 def test_bad_args(kw, msg, tmp_path):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(SystemExit, match=msg):
         habc.main(habc.Args(out_dir=str(tmp_path), **kw))

@@ -95,5 +95,5 @@ def test_learns_on_pendulum_medium(tmp_path):
 @pytest.mark.parametrize("kw,msg", [({"expectile": 1.0}, "--expectile"), ({"beta": -1.0}, "--beta"),
                                     ({"rho": 2.0}, "--rho")])
 def test_bad_args(kw, msg, tmp_path):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(SystemExit, match=msg):
         iql.main(iql.Args(out_dir=str(tmp_path), **kw))

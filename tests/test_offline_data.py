@@ -277,6 +277,6 @@ def test_summarise_and_save_curve(tmp_path):
 @pytest.mark.parametrize("kw,msg", [({"dataset": "hopper"}, "--dataset 'hopper'"), ({"eval_every": 0}, "--eval-every"),
                                     ({"gamma": 1.5}, "--gamma"), ({"policy_freq": 0}, "--policy-freq")])
 def test_check_offline_args_names_the_flag(kw, msg):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(SystemExit, match=msg):
         D.check_offline_args(D.TD3Args(**kw), positive=("policy_freq",))
     D.check_offline_args(D.TD3Args(), positive=("policy_freq",))  # the defaults pass

@@ -122,5 +122,5 @@ def test_learns_with_true_dynamics(tmp_path):
                                     ({"n_critics": 1}, "--n-critics"), ({"real_ratio": 1.5}, "--real-ratio"),
                                     ({"penalty_coef": -1.0}, "--penalty-coef")])
 def test_bad_args(kw, msg, tmp_path):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(SystemExit, match=msg):
         ravl.main(ravl.Args(out_dir=str(tmp_path), **kw))

@@ -1,10 +1,16 @@
 """algos/td3_bc.py: alpha = 0 is exactly behaviour cloning; it learns on pendulum-medium; clear errors."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import tyro
 
 from algos import _offline_data as D
 from algos import td3_bc
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_alpha_zero_gradient_equals_bc_gradient():
@@ -39,8 +45,14 @@ def test_learns_on_pendulum_medium(tmp_path):
                                     ({"total_steps": 0}, "--total-steps"), ({"lr": -1e-3}, "--lr"),
                                     ({"tau": 0.0}, "--tau")])
 def test_bad_args(kw, msg, tmp_path):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(SystemExit, match=msg):
         td3_bc.main(td3_bc.Args(out_dir=str(tmp_path), **kw))
+
+
+def test_a_bad_flag_on_the_command_line_ends_with_its_message():
+    """The offline scripts stop on a bad flag as the LLM scripts do: the message, no traceback."""
+    out = subprocess.run([sys.executable, "algos/td3_bc.py", "--alpha", "-1"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode != 0 and "--alpha must be >= 0" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_cli_flags_of_the_shared_and_own_fields():

@@ -1,10 +1,16 @@
 """worldmodels/ar_world_model.py: shapes, eq. (1) batched = per-step loop, eq. (2), learning, bad input."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from worldmodels import ar_world_model as ar
 from worldmodels._envs import windows
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _batch(b=4, k=2, h=3, seed=0):
@@ -86,5 +92,12 @@ def test_png_is_written(tmp_path):
 @pytest.mark.parametrize("kw,msg", [({"context": 0}, "context"), ({"train_horizon": 99}, "train-horizon"),
                                     ({"eval_horizons": (0, 4)}, "eval-horizons"), ({"chain_warmup": 1.0}, "chain-warmup")])
 def test_bad_args(kw, msg):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(SystemExit, match=msg):
         ar.check_args(ar.Args(**kw))
+
+
+def test_a_bad_flag_on_the_command_line_ends_with_its_message():
+    """The world-model scripts stop on a bad flag with its message, no traceback."""
+    out = subprocess.run([sys.executable, "worldmodels/ar_world_model.py", "--context", "0"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "--context must be >= 1" in out.stderr and "Traceback" not in out.stderr

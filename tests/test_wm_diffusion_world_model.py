@@ -140,5 +140,5 @@ def test_one_step_moves_the_agent(tmp_path):
 @pytest.mark.parametrize("kw,msg", [({"context": 0}, "context"), ({"denoise_steps": 0}, "denoise-steps"),
                                     ({"ctx_sigma_eval": -1.0}, "ctx-sigma-eval"), ({"eval_horizons": ()}, "eval-horizons")])
 def test_bad_args(kw, msg):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(SystemExit, match=msg):
         dm.check_args(dm.Args(**kw))

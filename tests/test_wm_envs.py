@@ -170,5 +170,5 @@ def test_check_run_args_names_each_bad_flag(flag):
     from worldmodels._envs import RunArgs, check_run_args
 
     check_run_args(RunArgs())
-    with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} must be"):
+    with pytest.raises(SystemExit, match=f"--{flag.replace('_', '-')} must be"):
         check_run_args(RunArgs(**{flag: 0}))

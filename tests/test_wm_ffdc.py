@@ -329,11 +329,11 @@ def test_learned_verifier_detects_the_hand_made_slip(small_run):
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="horizons"):
+    with pytest.raises(SystemExit, match="horizons"):
         ffdc.check_args(ffdc.Args(horizons=(0, 2)))
-    with pytest.raises(ValueError, match="short-chunk"):
+    with pytest.raises(SystemExit, match="short-chunk"):
         ffdc.check_args(ffdc.Args(short_chunk=8, long_chunk=4))
-    with pytest.raises(ValueError, match="modes"):
+    with pytest.raises(SystemExit, match="modes"):
         ffdc.check_args(ffdc.Args(modes=("medium",)))
-    with pytest.raises(ValueError, match="rates"):
+    with pytest.raises(SystemExit, match="rates"):
         ffdc.check_args(ffdc.Args(rates=(1.5,)))

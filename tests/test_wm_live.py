@@ -96,5 +96,5 @@ def test_live_learns_one_step(tmp_path):
                                     ({"cycle_start": 0.8, "curriculum": 0.5}, "cycle-start"),
                                     ({"cycle_batch": 0}, "cycle-batch")])
 def test_bad_args(kw, msg):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(SystemExit, match=msg):
         live.check_args(live.Args(**kw))

@@ -141,5 +141,5 @@ def test_training_reduces_losses(tmp_path):
                                     ({"episodes": 1}, "episodes"), ({"policies": ("0", "warp=2")}, "warp"),
                                     ({"policies": ("0", "near=1.5")}, "near"), ({"policies": ("0", "stall=2")}, "stall")])
 def test_bad_args(kw, msg):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(SystemExit, match=msg):
         pe.check_args(pe.Args(**kw))

@@ -215,5 +215,5 @@ def test_control_absorbs_as_many_episodes_and_guidance_fires_in_the_gate_only(sm
     (dict(eval_episodes=1), "--eval-episodes"), (dict(ft_lr=0.0), "rates"),
 ])
 def test_bad_args(kw, msg, tmp_path):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(SystemExit, match=msg):
         rg.main(rg.Args(out_dir=str(tmp_path), **kw))

@@ -321,11 +321,11 @@ class RolloutArgs(RunArgs):
 def check_rollout_args(args: RolloutArgs) -> EnvConfig:
     """The checks every rollout script makes, each error naming its flag; returns the gridworld's config."""
     if args.context < 1:
-        raise ValueError(f"--context must be >= 1, got {args.context}")
+        raise SystemExit(f"--context must be >= 1, got {args.context}")
     if not args.eval_horizons or min(args.eval_horizons) < 1:
-        raise ValueError(f"--eval-horizons must be positive integers, got {args.eval_horizons}")
+        raise SystemExit(f"--eval-horizons must be positive integers, got {args.eval_horizons}")
     if args.steps < 1 or args.batch_size < 1 or args.train_traj < 1 or args.eval_traj < 1:
-        raise ValueError("--steps, --batch-size, --train-traj and --eval-traj must be >= 1")
+        raise SystemExit("--steps, --batch-size, --train-traj and --eval-traj must be >= 1")
     return EnvConfig(map_size=args.map_size, wall_density=args.wall_density)
 
 
@@ -334,9 +334,9 @@ def check_run_args(args: RunArgs) -> None:
     flag, instead of a failure deep inside torch (a zero-width conv, a modulo by a zero log interval)."""
     for name in ("threads", "channels", "steps", "batch_size", "train_traj", "traj_len", "log_every"):
         if hasattr(args, name) and getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if hasattr(args, "lr") and not args.lr > 0:
-        raise ValueError(f"--lr must be positive, got {args.lr}")
+        raise SystemExit(f"--lr must be positive, got {args.lr}")
 
 
 def start_run(args: RunArgs):

@@ -95,9 +95,9 @@ class Args(RolloutArgs):  # the fields all world-model scripts share: RolloutArg
 def check_args(args: Args) -> EnvConfig:
     cfg = check_rollout_args(args)  # --context, --eval-horizons, --steps, ...
     if args.train_horizon < 1 or args.train_horizon > args.traj_len:
-        raise ValueError(f"--train-horizon must be in [1, traj_len={args.traj_len}], got {args.train_horizon}")
+        raise SystemExit(f"--train-horizon must be in [1, traj_len={args.traj_len}], got {args.train_horizon}")
     if not 0.0 <= args.chain_warmup < 1.0:
-        raise ValueError(f"--chain-warmup must be in [0, 1), got {args.chain_warmup}")
+        raise SystemExit(f"--chain-warmup must be in [0, 1), got {args.chain_warmup}")
     return cfg
 
 

@@ -98,11 +98,11 @@ class Args(RolloutArgs):  # the fields all world-model scripts share: RolloutArg
 def check_args(args: Args) -> EnvConfig:
     cfg = check_rollout_args(args)  # --context, --eval-horizons, --steps, ...
     if args.denoise_steps < 1:
-        raise ValueError(f"--denoise-steps must be >= 1, got {args.denoise_steps}")
+        raise SystemExit(f"--denoise-steps must be >= 1, got {args.denoise_steps}")
     if args.ctx_sigma_eval < 0:
-        raise ValueError(f"--ctx-sigma-eval must be >= 0, got {args.ctx_sigma_eval}")
+        raise SystemExit(f"--ctx-sigma-eval must be >= 0, got {args.ctx_sigma_eval}")
     if args.train_horizon < 1 or args.train_horizon > args.traj_len:
-        raise ValueError(f"--train-horizon must be in [1, traj_len={args.traj_len}], got {args.train_horizon}")
+        raise SystemExit(f"--train-horizon must be in [1, traj_len={args.traj_len}], got {args.train_horizon}")
     return cfg
 
 

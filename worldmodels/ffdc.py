@@ -163,22 +163,22 @@ class Args(RunArgs):  # the fields all world-model scripts share: RunArgs in wor
 
 def check_args(args: Args) -> EnvConfig:
     if not args.horizons or min(args.horizons) < 1 or max(args.horizons) > args.traj_len:
-        raise ValueError(f"--horizons must be in [1, traj_len={args.traj_len}], got {args.horizons}")
+        raise SystemExit(f"--horizons must be in [1, traj_len={args.traj_len}], got {args.horizons}")
     if args.batch_size < len(args.horizons):
-        raise ValueError(f"--batch-size must be >= the number of horizons ({len(args.horizons)})")
+        raise SystemExit(f"--batch-size must be >= the number of horizons ({len(args.horizons)})")
     if not 1 <= args.short_chunk <= args.long_chunk:
-        raise ValueError(f"need 1 <= --short-chunk <= --long-chunk, got {args.short_chunk}, {args.long_chunk}")
+        raise SystemExit(f"need 1 <= --short-chunk <= --long-chunk, got {args.short_chunk}, {args.long_chunk}")
     if not args.rates or not all(0.0 <= r <= 1.0 for r in args.rates) or not 0.0 <= args.verifier_rate <= 1.0:
-        raise ValueError(f"--rates and --verifier-rate must be probabilities, got {args.rates}, {args.verifier_rate}")
+        raise SystemExit(f"--rates and --verifier-rate must be probabilities, got {args.rates}, {args.verifier_rate}")
     bad = [m for m in args.modes if m not in MODES]
     if bad or not args.modes:
-        raise ValueError(f"--modes must be among {MODES}, got {args.modes}")
+        raise SystemExit(f"--modes must be among {MODES}, got {args.modes}")
     counts = (args.steps, args.train_traj, args.episodes, args.verifier_steps, args.verifier_episodes)
     if min(counts) < 1 or args.slack < 0:
-        raise ValueError("--steps, --train-traj, --episodes, --verifier-steps and --verifier-episodes must be >= 1, "
+        raise SystemExit("--steps, --train-traj, --episodes, --verifier-steps and --verifier-episodes must be >= 1, "
                          "--slack >= 0")
     if not 0.0 <= args.train_eps <= 1.0 or not 0.0 < args.verifier_threshold < 1.0:
-        raise ValueError("--train-eps must be in [0, 1] and --verifier-threshold in (0, 1)")
+        raise SystemExit("--train-eps must be in [0, 1] and --verifier-threshold in (0, 1)")
     return EnvConfig(map_size=args.map_size, wall_density=args.wall_density)
 
 

@@ -118,18 +118,18 @@ class Args(RolloutArgs):  # the fields all world-model scripts share: RolloutArg
 def check_args(args: Args) -> EnvConfig:
     cfg = check_rollout_args(args)  # --context, --eval-horizons, --steps, ...
     if args.denoise_steps < 1:
-        raise ValueError(f"--denoise-steps must be >= 1, got {args.denoise_steps}")
+        raise SystemExit(f"--denoise-steps must be >= 1, got {args.denoise_steps}")
     if args.ctx_sigma_eval < 0:
-        raise ValueError(f"--ctx-sigma-eval must be >= 0, got {args.ctx_sigma_eval}")
+        raise SystemExit(f"--ctx-sigma-eval must be >= 0, got {args.ctx_sigma_eval}")
     if args.mode not in ("tf", "df", "live"):
-        raise ValueError(f"--mode must be one of tf, df, live; got {args.mode!r}")
+        raise SystemExit(f"--mode must be one of tf, df, live; got {args.mode!r}")
     if args.cycle_horizon < 1 or args.cycle_horizon > args.traj_len:
-        raise ValueError(f"--cycle-horizon must be in [1, traj_len={args.traj_len}], got {args.cycle_horizon}")
+        raise SystemExit(f"--cycle-horizon must be in [1, traj_len={args.traj_len}], got {args.cycle_horizon}")
     if not (0 <= args.cycle_start < 1 and 0 < args.curriculum <= 1 and args.cycle_start + args.curriculum <= 1):
-        raise ValueError("need 0 <= --cycle-start < 1, 0 < --curriculum <= 1 and their sum <= 1, got "
+        raise SystemExit("need 0 <= --cycle-start < 1, 0 < --curriculum <= 1 and their sum <= 1, got "
                          f"{args.cycle_start} and {args.curriculum}")
     if args.cycle_batch < 1 or args.rollout_denoise_steps < 1 or args.cycle_weight < 0:
-        raise ValueError("--cycle-batch and --rollout-denoise-steps must be >= 1 and --cycle-weight >= 0")
+        raise SystemExit("--cycle-batch and --rollout-denoise-steps must be >= 1 and --cycle-weight >= 0")
     return cfg
 
 

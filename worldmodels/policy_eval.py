@@ -122,17 +122,17 @@ class Args(RunArgs):  # the fields all world-model scripts share: RunArgs in wor
 
 def check_args(args: Args) -> EnvConfig:
     if len(args.policies) < 2:
-        raise ValueError(f"--policies needs at least two policies, got {args.policies}")
+        raise SystemExit(f"--policies needs at least two policies, got {args.policies}")
     for spec in args.policies:
         parse_policy(spec)
     if args.train_eps is not None and not 0.0 <= args.train_eps <= 1.0:
-        raise ValueError(f"--train-eps must be in [0, 1], got {args.train_eps}")
+        raise SystemExit(f"--train-eps must be in [0, 1], got {args.train_eps}")
     if args.episodes < 2 or args.horizon < 1:
-        raise ValueError(f"need --episodes >= 2 and --horizon >= 1, got {args.episodes}, {args.horizon}")
+        raise SystemExit(f"need --episodes >= 2 and --horizon >= 1, got {args.episodes}, {args.horizon}")
     if not 0.0 <= args.term_threshold < 1.0:
-        raise ValueError(f"--term-threshold must be in [0, 1), got {args.term_threshold}")
+        raise SystemExit(f"--term-threshold must be in [0, 1), got {args.term_threshold}")
     if args.steps < 1 or args.batch_size < 1 or args.train_traj < 1 or args.consistency < 0:
-        raise ValueError("--steps, --batch-size, --train-traj must be >= 1 and --consistency >= 0")
+        raise SystemExit("--steps, --batch-size, --train-traj must be >= 1 and --consistency >= 0")
     return EnvConfig(map_size=args.map_size, wall_density=args.wall_density)
 
 
@@ -217,7 +217,7 @@ def parse_policy(spec) -> tuple[str, float]:
         v = math.nan
     ok = kind in POLICY_KINDS and (0.0 <= v <= 1.0 if kind in ("eps", "stall") else v >= 0 and v == int(v))
     if not ok:
-        raise ValueError(f"--policies: cannot read {spec!r}; a policy is a number in [0, 1] (eps), detour=K, near=D "
+        raise SystemExit(f"--policies: cannot read {spec!r}; a policy is a number in [0, 1] (eps), detour=K, near=D "
                          "(whole numbers) or stall=P (P in [0, 1])")
     return kind, v
 

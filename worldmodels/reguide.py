@@ -171,19 +171,19 @@ class Args:
 
 def check_args(args: Args) -> None:
     if args.horizon < 1 or args.demos < 1 or args.denoise_steps < 2 or args.phases < 1:
-        raise ValueError("--horizon, --demos and --phases must be >= 1 and --denoise-steps >= 2, got "
+        raise SystemExit("--horizon, --demos and --phases must be >= 1 and --denoise-steps >= 2, got "
                          f"{args.horizon}, {args.demos}, {args.phases}, {args.denoise_steps}")
     if args.max_step <= 0 or args.exec_noise < 0 or args.push_size < 0 or not 0.0 <= args.push_prob <= 1.0:
-        raise ValueError("need --max-step > 0, --exec-noise >= 0, --push-size >= 0 and --push-prob in [0, 1]")
+        raise SystemExit("need --max-step > 0, --exec-noise >= 0, --push-size >= 0 and --push-prob in [0, 1]")
     if not 0.0 <= args.d_lo < args.d_hi:
-        raise ValueError(f"need 0 <= --d-lo < --d-hi, got {args.d_lo}, {args.d_hi}")
+        raise SystemExit(f"need 0 <= --d-lo < --d-hi, got {args.d_lo}, {args.d_hi}")
     if args.guidance_scale < 0:
-        raise ValueError(f"--guidance-scale must be >= 0, got {args.guidance_scale}")
+        raise SystemExit(f"--guidance-scale must be >= 0, got {args.guidance_scale}")
     if args.rounds < 1 or args.collect_episodes < 1 or args.control_batches < 1 or args.eval_episodes < 2:
-        raise ValueError("--rounds, --collect-episodes and --control-batches must be >= 1, --eval-episodes >= 2")
+        raise SystemExit("--rounds, --collect-episodes and --control-batches must be >= 1, --eval-episodes >= 2")
     if min(args.steps, args.ft_steps, args.dyn_steps, args.batch_size, args.play_traj, args.play_len,
            args.hidden, args.threads, args.log_every) < 1 or args.lr <= 0 or args.ft_lr <= 0:
-        raise ValueError("steps, batch size, play data, width, threads and log interval must be >= 1, rates > 0")
+        raise SystemExit("steps, batch size, play data, width, threads and log interval must be >= 1, rates > 0")
 
 
 # ---- the corridor ----
