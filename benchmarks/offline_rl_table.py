@@ -59,9 +59,11 @@ def done_runs():
 def corl_jobs(seed, datasets, algos=("td3_bc", "iql"), bench="corl"):
     from algos import iql, td3_bc
 
+    mods = {"td3_bc": td3_bc, "iql": iql}
     for ds in datasets:
         steps = corl_steps(ds)
-        for name, mod in ((name, {"td3_bc": td3_bc, "iql": iql}[name]) for name in algos):
+        for name in algos:
+            mod = mods[name]
             hidden = CORL_HIDDEN_BY_ENV.get(ds.split("-")[0], 128)
             args = mod.Args(dataset=ds, seed=seed, total_steps=steps, eval_every=steps // 4, hidden=hidden,
                             out_dir=f"runs/bench/{bench}-{name}-{ds}-s{seed}")

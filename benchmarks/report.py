@@ -229,14 +229,7 @@ def welch_se_dof(a: tuple[float, float, int], b: tuple[float, float, int]) -> tu
 def welch_interval(a: tuple[float, float, int], b: tuple[float, float, int],
                    level: float = 0.95) -> tuple[float, float]:
     """Welch's interval for mean(a) - mean(b) from (mean, sample std, n) of each arm (n >= 2 where std > 0)."""
-    from scipy import stats
-
-    se, dof = welch_se_dof(a, b)
-    diff = a[0] - b[0]
-    if se == 0.0:
-        return diff, diff
-    half = stats.t.ppf(0.5 + level / 2, dof) * se
-    return diff - half, diff + half
+    return t_interval(a[0] - b[0], *welch_se_dof(a, b), level)  # se 0: dof inf, the interval is the point
 
 
 def paired_se_dof(sd_d: float, n: int) -> tuple[float, float]:
@@ -245,11 +238,16 @@ def paired_se_dof(sd_d: float, n: int) -> tuple[float, float]:
     return sd_d / math.sqrt(n), (n - 1 if sd_d else math.inf)
 
 
-def t_interval(diff: float, se: float, dof: float, level: float = 0.95) -> tuple[float, float]:
-    """The `level` interval of `diff` with standard error `se`: Student's t with `dof`, the normal when inf."""
+def t_crit(dof: float, level: float = 0.95) -> float:
+    """The two-sided `level` critical value of Student's t with `dof` (the normal's when inf)."""
     from scipy import stats
 
-    half = (stats.norm.ppf(0.5 + level / 2) if math.isinf(dof) else stats.t.ppf(0.5 + level / 2, dof)) * se
+    return float(stats.norm.ppf(0.5 + level / 2) if math.isinf(dof) else stats.t.ppf(0.5 + level / 2, dof))
+
+
+def t_interval(diff: float, se: float, dof: float, level: float = 0.95) -> tuple[float, float]:
+    """The `level` interval of `diff` with standard error `se`: Student's t with `dof`, the normal when inf."""
+    half = t_crit(dof, level) * se
     return diff - half, diff + half
 
 
@@ -367,7 +365,7 @@ def power(op: str, effect: float, sds: tuple[float, ...], ns: tuple[int, int], l
         se, dof = welch_se_dof((0.0, sds[0], ns[0]), (0.0, sds[1], ns[1]))
     if se == 0.0:
         return 1.0 if effect > 0 else 0.0
-    tcrit = stats.norm.ppf(0.5 + level / 2) if math.isinf(dof) else stats.t.ppf(0.5 + level / 2, dof)
+    tcrit = t_crit(dof, level)
     if op == "~":
         return max(0.0, float(2 * stats.t.cdf(effect / se - tcrit, dof) - 1))
     ncp = effect / se
