@@ -19,7 +19,7 @@ the multiplicity step spans the table, so a new or re-measured row can move anot
 
 Every claims row needs a line in `benchmarks/claims_plan.csv` (`PLAN_FIELDS`), written before its runs: the test,
 the effect or margin with its justification, and the seeds per arm, `seeds_needed(op, effect, (sd_i, sd_j))` at a
-pilot's spreads (at least MIN_SEEDS, at most MAX_SEEDS; the pilot's effect, spreads and seeds go in `pilot`).
+pilot's spreads (at least MIN_SEEDS, at most `plan_afford(p)`; the pilot's effect, spreads and seeds go in `pilot`).
 
 Figures quoted from a CSV are `mean ± std` over the seeds of one (script, config, metric); a single seed is
 quoted alone. The std is the sample std (n - 1), except for offline_rl.csv and world_models.csv, whose
@@ -129,7 +129,8 @@ def parse_figures(spec: str) -> list[tuple[str, int]]:
 
 # ---- the verdict rule ----
 MIN_SEEDS = 3  # the fewest seeds per arm a seeded comparison is decided on
-MAX_SEEDS = 10  # the most seeds per arm one row's plan can afford on the 2-core machine the tiny runs use
+MAX_SEEDS = 10  # the most seeds per arm one row's plan can afford on the 2-core machine the tiny runs use, unless
+ROW_CORE_HOURS = 1  # a seed of both arms is so quick that this much of one core buys more (`seed_s=` in the pilot)
 POWER = 0.8  # the power a plan's seeds aim for
 FDR = 0.05  # Benjamini-Hochberg level across the directional rows
 PLAN = ROOT / "benchmarks" / "claims_plan.csv"
@@ -142,10 +143,11 @@ i < j in the paper's direction, or i ~ j for "no change". For a directional row 
 measurement must be able to detect; for a "~" row, the equivalence margin ± m. Both come from the paper, or are a
 stated fraction of the effect the method is meant to have, never from our own results (written as a percentage,
 they are that share of the larger |mean|). The plan also gives the seeds per arm, from a power estimate: the fewest
-seeds (at least {min_seeds}; at most {max_seeds}, what one row can afford here) that give 80% power at a two-sided
-level of 0.05 (Welch's t at the pilot's sample spreads, which the plan records; for a *paired* row, Student's t at
-the spread of the pilot's per-seed differences) to detect δ, or to place the interval inside ± m when the true
-difference is zero. The plan is `measured` when the figures below are its measurement, and
+seeds (at least {min_seeds}; at most what one row can afford here: {max_seeds}, or as many as {core_hours} hour of one
+core buys where a seed of both arms took under {cheap_s} seconds in the row's earlier run, seconds the plan records
+as `seed_s=`) that give 80% power at a two-sided level of 0.05 (Welch's t at the pilot's sample spreads, which the
+plan records; for a *paired* row, Student's t at the spread of the pilot's per-seed differences) to detect δ, or to
+place the interval inside ± m when the true difference is zero. The plan is `measured` when the figures below are its measurement, and
 `planned` when it calls for a fresh run with more seeds than the figures have. Rows measured before the plans existed
 ran with the seeds their scripts fixed before the runs (3 per arm for most): their figures decide such a row until
 the planned run replaces them, whatever that run finds. A row whose plan says `redecide` (its margin was set after
@@ -467,6 +469,15 @@ def plan_flags(row: dict, p: dict | None, figs: list[tuple[float, float, int]]) 
     return []
 
 
+def plan_afford(p: dict) -> int:
+    """The most seeds per arm a plan line can afford: MAX_SEEDS, or the seeds that ROW_CORE_HOURS of one core buy at
+    the `seed_s=` of its pilot, the seconds a seed of both arms took in the row's earlier run, if that is more."""
+    parts = dict(part.strip().split("=", 1) for part in p["pilot"].split(";") if "=" in part)
+    if "seed_s" not in parts:
+        return MAX_SEEDS
+    return max(MAX_SEEDS, int(3600 * ROW_CORE_HOURS // float(parts["seed_s"])))
+
+
 def plan_is_paired(p: dict) -> bool:
     """A paired plan records its pilot's per-seed differences as `sd_d=` (an unpaired one each arm's `sd=`)."""
     return "sd_d=" in p["pilot"]
@@ -599,7 +610,8 @@ def claims_table() -> str:
     rows = read_claims()
     jds = claims_judgements(rows)
     family = sum(not math.isnan(jd.q) for jd in jds)
-    lines = [RULE.format(min_seeds=MIN_SEEDS, max_seeds=MAX_SEEDS, family=family),
+    lines = [RULE.format(min_seeds=MIN_SEEDS, max_seeds=MAX_SEEDS, family=family, core_hours=ROW_CORE_HOURS,
+                         cheap_s=3600 * ROW_CORE_HOURS // MAX_SEEDS),
              "| paper | claim | the paper's figure | ours | difference (95% interval) | p, BH q | plan | "
              "direction holds | command |", "|---|---|---|---|---|---|---|---|---|"]
     cell = lambda s: s.replace("|", "\\|")  # noqa: E731

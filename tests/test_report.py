@@ -89,7 +89,7 @@ def test_plan_seeds_follow_their_power_estimate(key):
     needed = report.seeds_needed(op, float(inputs["delta"]), sds)
     assert p["seeds_needed"] == (str(needed) if needed else ">100000")
     seeds = report.plan_seeds(p)
-    affordable = min(needed or 10**9, report.MAX_SEEDS)  # the seeds 80% power needs, or all a row can afford
+    affordable = min(needed or 10**9, report.plan_afford(p))  # the seeds 80% power needs, or all a row can afford
     if p["redecide"]:
         assert p["status"] == "planned" and seeds == (affordable, affordable)
     elif p["status"] == "measured" and "fresh run" in p["note"]:  # a planned run done: its seeds, as planned
@@ -99,7 +99,7 @@ def test_plan_seeds_follow_their_power_estimate(key):
     elif needed is not None and needed <= min(measured):
         assert seeds == measured
     else:  # unaffordable, or seeds added after a verdict: the plan keeps the seeds fixed before the runs
-        assert needed is None or needed > report.MAX_SEEDS or "after" in p["note"]
+        assert needed is None or needed > report.plan_afford(p) or "after" in p["note"]
 
 
 def test_rule_text_describes_the_plan_multiplicity_and_verdicts():
@@ -456,3 +456,12 @@ def test_a_results_block_drops_the_pages_own_title_and_keeps_the_rest(tmp_path, 
                         "<!-- /results:plain -->\n")
     assert out == ("<!-- results:page -->\nText, [a link](results/pretrained.csv).\n# not a title\n"
                    "<!-- /results:page -->\n<!-- results:plain -->\n| a |\n|---|\n<!-- /results:plain -->\n")
+
+
+def test_a_plan_affords_more_seeds_only_where_a_seed_is_quick():
+    """A row affords MAX_SEEDS seeds per arm, or what ROW_CORE_HOURS of one core buy at its pilot's seed_s when that
+    is more."""
+    line = lambda pilot: {"pilot": pilot}  # noqa: E731
+    assert report.plan_afford(line("delta=1.3; sd=3,3; n=10,10")) == report.MAX_SEEDS
+    assert report.plan_afford(line("delta=1.3; sd=3,3; n=10,10; seed_s=13")) == 3600 * report.ROW_CORE_HOURS // 13
+    assert report.plan_afford(line("delta=1.3; sd=3,3; n=10,10; seed_s=900")) == report.MAX_SEEDS
