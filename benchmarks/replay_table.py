@@ -74,6 +74,17 @@ def updates_to(points: list, target: float) -> tuple[float, bool]:
 PLAN, PLAN_ARMS = "replay_plan", ("reuse 2, age 1",)  # --plan: its bench and the replay arms it runs
 
 
+def seed_ranges(seeds) -> str:
+    """Seeds as runs of consecutive numbers: ['10', '11', '12', '20'] -> '10-12, 20'."""
+    out = []
+    for s in sorted(map(int, seeds)):
+        if out and out[-1][1] == s - 1:
+            out[-1][1] = s
+        else:
+            out.append([s, s])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in out)
+
+
 def run(seeds, grid_seeds, plan: bool = False) -> None:
     """GRPO, then RLEP from its successes, then the grid (at grid_seeds); with `plan`, GRPO and PLAN_ARMS only."""
     from algos import grpo_replay as rp
@@ -176,7 +187,7 @@ def report() -> None:
             if runs:
                 lines.append(f"| {label} | {mean_std(get('eval_acc_end'), 100)} | "
                              f"{mean_std(get('grpo_acc_at_equal_tokens'), 100) if label != 'GRPO' else '-'} | "
-                             f"{mean_std(get('entropy_last'), 1, 3)} | {', '.join(sorted(fresh[label], key=int))} |")
+                             f"{mean_std(get('entropy_last'), 1, 3)} | {seed_ranges(fresh[label])} ({len(runs)}) |")
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -280,3 +280,13 @@ def test_replay_learns(tmp_path):
 def test_bad_input(tmp_path, change, msg):
     with pytest.raises(SystemExit, match=msg):
         rp.main(replace(SMALL, out_dir=str(tmp_path), **change))
+
+
+def test_the_replay_table_lists_fresh_seeds_as_ranges():
+    """The plan's fresh runs hold a hundred seeds and more: the table names them as runs of consecutive seeds."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.replay_table import seed_ranges
+    assert seed_ranges(["10", "11", "12", "20", "100", "101"]) == "10-12, 20, 100-101"
+    assert seed_ranges([7]) == "7"
