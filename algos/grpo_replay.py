@@ -68,9 +68,10 @@ Commands:
   accelerate launch --num_processes 4 algos/grpo_replay.py --model ... --device cuda
 Expected: the default (reuse 2, max age 2, 100 updates) 38.8% -> 48.8% held-out (+10.0 points) in 41 s
 (benchmarks/results/defaults.md). After
-40 updates on 256 training prompts (benchmarks/results/replay.md): reuse 2 ends at 44.8% held-out accuracy with half
-GRPO's generated tokens (GRPO 45.1%, but 46.5% at the same tokens), reuse 4 at 38.6-40.4%; entropy as GRPO's;
-RLEP reaches GRPO's peak in 13.3 +- 8.3 updates against GRPO's own 20.0 +- 18.3 (inconclusive).
+40 updates on 256 training prompts (benchmarks/results/replay.md): with half GRPO's generated tokens reuse 2 ends
+3.0 points below GRPO (42.9% vs 45.9% held-out, 110 seeds of the claims plan's fresh run) and level with GRPO at the
+same tokens (44.0% vs 44.4%, 34 seeds); reuse 4 at 38.6-40.4% (2 seeds); entropy as GRPO's; RLEP reaches GRPO's
+peak in 13.3 +- 8.3 updates against GRPO's own 20.0 +- 18.3 (inconclusive).
 """
 from __future__ import annotations
 

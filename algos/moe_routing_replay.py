@@ -97,8 +97,9 @@ only (8 seeds).
 TIS leaves the KL at 4.5e-2 and ends at 61.3 ± 9.0%. Without router noise PR2's optimiser forecast explains 3% of the
 router-logit change over a rollout batch (out of sample) and gets 98.31% of the top-k routes right, as does
 forecasting no change, and its replayed routes are stale at the batch's last step in 1.50 ± 0.04% of (token, layer)
-pairs (4 seeds) against R3's 1.49 ± 0.07% (its seeds 0-3): no less stale; accuracy with router noise 59.7 ± 5.1%
-(PR2) vs 60.9 ± 3.7% (R3) over seeds 10-19 (the first seeds read 62.3 vs 59.5). benchmarks/results/
+pairs (4 seeds) against R3's 1.49 ± 0.07% (its seeds 0-3), and 1.42 ± 0.13% against 1.49 ± 0.14% over the paired
+seeds 100-106: no less stale; accuracy with router noise 62.2 ± 4.6% (PR2) vs 61.7 ± 4.3% (R3) over seeds 100-147
+(seeds 10-19 read 59.7 vs 60.9, the first seeds 62.3 vs 59.5). benchmarks/results/
 moe_routing_replay.md (benchmarks/moe_routing_replay_table.py) and the claims table in benchmarks/README.md.
 """
 from __future__ import annotations
