@@ -129,8 +129,8 @@ def parse_figures(spec: str) -> list[tuple[str, int]]:
 
 # ---- the verdict rule ----
 MIN_SEEDS = 3  # the fewest seeds per arm a seeded comparison is decided on
-MAX_SEEDS = 10  # the most seeds per arm one row's plan can afford on the 2-core machine the tiny runs use, unless
-ROW_CORE_HOURS = 1  # a seed of both arms is so quick that this much of one core buys more (`seed_s=` in the pilot)
+MAX_SEEDS = 10  # the most seeds per arm one row's plan can afford on the 2-core machine, unless a seed is quick:
+ROW_CORE_HOURS = 1  # then as many as this much of one core buys at the pilot's `seed_s=` (see plan_afford)
 POWER = 0.8  # the power a plan's seeds aim for
 FDR = 0.05  # Benjamini-Hochberg level across the directional rows
 PLAN = ROOT / "benchmarks" / "claims_plan.csv"
@@ -147,11 +147,11 @@ seeds (at least {min_seeds}; at most what one row can afford here: {max_seeds}, 
 core buys where a seed of both arms took under {cheap_s} seconds in the row's earlier run, seconds the plan records
 as `seed_s=`) that give 80% power at a two-sided level of 0.05 (Welch's t at the pilot's sample spreads, which the
 plan records; for a *paired* row, Student's t at the spread of the pilot's per-seed differences) to detect δ, or to
-place the interval inside ± m when the true difference is zero. The plan is `measured` when the figures below are its measurement, and
-`planned` when it calls for a fresh run with more seeds than the figures have. Rows measured before the plans existed
-ran with the seeds their scripts fixed before the runs (3 per arm for most): their figures decide such a row until
-the planned run replaces them, whatever that run finds. A row whose plan says `redecide` (its margin was set after
-its run, or it had no comparison) is decided by fresh seeds only.
+place the interval inside ± m when the true difference is zero. The plan is `measured` when the figures below are its
+measurement, and `planned` when it calls for a fresh run with more seeds than the figures have. Rows measured before
+the plans existed ran with the seeds their scripts fixed before the runs (3 per arm for most): their figures decide
+such a row until the planned run replaces them, whatever that run finds. A row whose plan says `redecide` (its margin
+was set after its run, or it had no comparison) is decided by fresh seeds only.
 
 Each figure is either *seeded* (a mean over seeds, quoted as mean ± std with the number of seeds) or *exact* (a
 deterministic computation, or an estimate over many samples whose standard error is quoted beside it); the `kind`
