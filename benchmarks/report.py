@@ -163,19 +163,24 @@ sum of the squared standard errors for exact ones (no interval when both are det
 p-value of that difference (Welch's t test; the paired t test; a z test for exact figures) and **q** its
 Benjamini-Hochberg adjustment over all {family} directional rows with a p-value.
 
-Verdicts. A directional row is **yes** when q ≤ 0.05 and the difference points the paper's way, **no** when
-q ≤ 0.05 and it points the other way. A "~" row (no multiplicity step) is **yes** when the 95% interval lies inside
-± m and **no** when it lies wholly outside. A row that is neither is **underpowered** when its planned seeds give
-less than 80% power at the observed spread (the plan column gives the seeds per arm that 80% would need), and
-**inconclusive** otherwise (a `planned` row then waits for its run). A row cannot be yes or no when it has fewer
-than {min_seeds} seeds in an arm, when it is to be re-decided on fresh seeds, or when it departs from its plan (seeds,
-test or margin differ from it; the plan column says how). **Descriptive** rows are outside the count: a figure that
-is not a comparison (a ranking, a formula check, one GPU timing), seconds on a shared 2-core CPU (restated in
-counted work, such as forward passes, token positions or network evaluations, where the results CSVs hold it),
-steps to reach a target quantised to the evaluation interval (the plan names the area under the curve instead), or
-counted work fixed by the configuration. The two arms of a comparison differ in the paper's idea only; where they
-differ in more, the row says so and a control arm is measured beside them. A verdict is what happens at this
-repository's tiny scale, not a judgement on the paper: the papers train billion-parameter models on real benchmarks.
+Verdicts. A directional row is **yes** when q ≤ 0.05 and the difference points the paper's way. It is **no** when q ≤
+0.05 and it points the other way, or when its q short of δ is ≤ 0.05: the measurement rules out the effect its plan
+was powered to see, though a smaller one may remain ({short_no} of the {no} no rows say no this way only). A plan's
+seeds serve both tests alike: before the multiplicity step, 80% power to see δ when the true difference is δ is also
+80% power to rule δ out when it is 0. A row that is yes and also short of δ stays yes: its direction holds, with a
+smaller effect than the plan's. A "~" row (no multiplicity step) is **yes** when the 95% interval lies inside ± m and
+**no** when it lies wholly outside. A row that is neither is **underpowered** when its planned seeds give less than
+80% power at the observed spread (the plan column gives the seeds per arm that 80% would need), and **inconclusive**
+otherwise (a `planned` row then waits for its run). The test against δ joined the rule after most of the plans' runs;
+it uses only the δ each plan fixed before them. A row cannot be yes or no when it has fewer than {min_seeds} seeds in
+an arm, when it is to be re-decided on fresh seeds, or when it departs from its plan (seeds, test or margin differ
+from it; the plan column says how). **Descriptive** rows are outside the count: a figure that is not a comparison (a
+ranking, a formula check, one GPU timing), seconds on a shared 2-core CPU (restated in counted work, such as forward
+passes, token positions or network evaluations, where the results CSVs hold it), steps to reach a target quantised to
+the evaluation interval (the plan names the area under the curve instead), or counted work fixed by the
+configuration. The two arms of a comparison differ in the paper's idea only; where they differ in more, the row says
+so and a control arm is measured beside them. A verdict is what happens at this repository's tiny scale, not a
+judgement on the paper: the papers train billion-parameter models on real benchmarks.
 """
 
 
@@ -187,6 +192,8 @@ class Decision(NamedTuple):
     margin: float  # the equivalence margin of a '~' row (nan otherwise)
     note: str  # why the verdict is inconclusive regardless of the interval, if it is ("" otherwise)
     p: float = math.nan  # two-sided p-value of the difference (nan on '~' rows and where no interval exists)
+    se: float = math.nan  # standard error of the difference (nan where no interval exists)
+    dof: float = math.inf  # its degrees of freedom (inf: the normal)
 
 
 def parse_compare(spec: str) -> tuple[int, str, int]:
@@ -306,7 +313,7 @@ def decide(compare: str, kind: str, margin: str, figs: list[tuple[float, float, 
     else:
         a, b = sorted((sign * lo, sign * hi))
         verdict = "yes" if a > 0 else "no" if b < 0 or (a == b == 0) else "inconclusive"
-    return Decision(verdict, diff, lo, hi, m, note, p)
+    return Decision(verdict, diff, lo, hi, m, note, p, se, dof)
 
 
 def expected_direction(spec: str, figs: list[tuple[float, float, int]], margin: str = "10%") -> str:
@@ -400,6 +407,14 @@ def seeds_needed(op: str, effect: float, sds: tuple[float, ...], limit: int = 10
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if power(op, effect, sds, (mid, mid)) >= POWER else (mid, hi)
     return hi
+
+
+def shortfall_p(d: Decision, op: str, effect: float) -> float:
+    """p-value of a directional row's difference against the plan's effect δ instead of 0, counted only where the
+    difference falls short of δ in the paper's direction (1 where it reaches δ): below 0.05 exactly when the 95%
+    interval lies wholly short of δ, so that the measurement rules out the effect its plan was powered to see."""
+    gap = (-d.diff if op == "<" else d.diff) - effect
+    return 1.0 if gap >= 0 else two_sided_p(gap, d.se, d.dof)
 
 
 def bh_adjust(ps: list[float]) -> list[float]:
@@ -497,6 +512,8 @@ class Judgement(NamedTuple):
     flags: tuple[str, ...]  # how the row departs from its plan
     plan: dict | None
     effect: float = math.nan  # the plan's effect or margin in the figures' units
+    p_short: float = math.nan  # p-value against δ where the difference falls short of it (`shortfall_p`; nan on '~',
+    q_short: float = math.nan  # descriptive and unplanned rows) and its Benjamini-Hochberg adjustment
 
 
 def _row_power(row: dict, p: dict, figs: list, paired: tuple | None = None) -> tuple[float, int | None, float]:
@@ -523,10 +540,19 @@ def judge(rows: list[dict], plan: dict) -> list[Judgement]:
     family = [k for k, (row, p, _, d, _) in enumerate(pre) if d is not None and not math.isnan(d.p)
               and (p is None or p["test"] != "describe")]
     qs = dict(zip(family, bh_adjust([pre[k][3].p for k in family])))
-    return [_verdict(*pre[k], qs.get(k, math.nan)) for k in range(len(pre))]
+    shorts = {}  # the same rows tested against their plan's δ instead of 0 (a row without a plan has no δ)
+    for k in family:
+        row, p, figs, d, _ = pre[k]
+        if p is not None and parse_compare(p["test"])[1] != "~" and not math.isnan(d.se):
+            i, op, j = parse_compare(p["test"])
+            shorts[k] = shortfall_p(d, op, parse_margin(p["effect"], figs[i][0], figs[j][0]))
+    q_shorts = dict(zip(shorts, bh_adjust(list(shorts.values()))))
+    return [_verdict(*pre[k], qs.get(k, math.nan), shorts.get(k, math.nan), q_shorts.get(k, math.nan))
+            for k in range(len(pre))]
 
 
-def _verdict(row: dict, p: dict | None, figs: list, d: Decision | None, paired: tuple | None, q: float) -> Judgement:
+def _verdict(row: dict, p: dict | None, figs: list, d: Decision | None, paired: tuple | None, q: float,
+             p_short: float = math.nan, q_short: float = math.nan) -> Judgement:
     flags = tuple(plan_flags(row, p, figs))
     if p is not None and p["test"] == "describe":
         return Judgement("descriptive", d, math.nan, math.nan, None, flags, p)
@@ -539,11 +565,13 @@ def _verdict(row: dict, p: dict | None, figs: list, d: Decision | None, paired: 
     if not (flags or few or p["redecide"]):
         if op == "~":
             verdict = d.verdict if d.verdict in ("yes", "no") else None
-        elif q <= FDR:
-            verdict = "yes" if (d.diff < 0) == (op == "<") else "no"
+        elif q <= FDR and (d.diff < 0) == (op == "<"):
+            verdict = "yes"
+        elif q <= FDR or q_short <= FDR:  # it points the other way, or it falls short of the effect δ
+            verdict = "no"
     if verdict is None:
         verdict = "underpowered" if pw < POWER else "inconclusive"
-    return Judgement(verdict, d, q, pw, needed, flags, p, effect)
+    return Judgement(verdict, d, q, pw, needed, flags, p, effect, p_short, q_short)
 
 
 def claims_judgements(rows: list[dict] | None = None, plan: dict | None = None) -> list[Judgement]:
@@ -595,11 +623,20 @@ def row_digits(row: dict) -> int:
 
 
 def fmt_pq(jd: Judgement) -> str:
-    """`p 0.015, q 0.042` (p alone outside the multiplicity step; none on descriptive rows, which test nothing)."""
+    """`p 0.015, q 0.042` (p alone outside the multiplicity step; none on descriptive rows, which test nothing), and
+    `; short of δ: p 0.003, q 0.011` where the difference falls short of the plan's δ."""
     if jd.decision is None or math.isnan(jd.decision.p) or jd.verdict == "descriptive":
         return "-"
     f = lambda x: "0" if x == 0 else f"{x:.2g}" if x >= 1e-3 else f"{x:.0e}"  # noqa: E731
-    return f"p {f(jd.decision.p)}, q {f(jd.q)}" if not math.isnan(jd.q) else f"p {f(jd.decision.p)}"
+    text = f"p {f(jd.decision.p)}, q {f(jd.q)}" if not math.isnan(jd.q) else f"p {f(jd.decision.p)}"
+    if jd.p_short < 1:
+        text += f"; short of δ: p {f(jd.p_short)}, q {f(jd.q_short)}"
+    return text
+
+
+def says_no_by_shortfall_only(jd: Judgement) -> bool:
+    """A no whose difference does not point the other way at q ≤ 0.05: it falls short of the plan's δ."""
+    return jd.verdict == "no" and jd.q_short <= FDR and not jd.q <= FDR
 
 
 def verdict_counts(verdicts: list[str]) -> dict[str, int]:
@@ -610,8 +647,11 @@ def claims_table() -> str:
     rows = read_claims()
     jds = claims_judgements(rows)
     family = sum(not math.isnan(jd.q) for jd in jds)
+    c = verdict_counts([jd.verdict for jd in jds])
     lines = [RULE.format(min_seeds=MIN_SEEDS, max_seeds=MAX_SEEDS, family=family, core_hours=ROW_CORE_HOURS,
-                         cheap_s=3600 * ROW_CORE_HOURS // MAX_SEEDS),
+                         cheap_s=3600 * ROW_CORE_HOURS // MAX_SEEDS, no=c["no"],
+                         short_family=sum(not math.isnan(jd.q_short) for jd in jds),
+                         short_no=sum(says_no_by_shortfall_only(jd) for jd in jds)),
              "| paper | claim | the paper's figure | ours | difference (95% interval) | p, BH q | plan | "
              "direction holds | command |", "|---|---|---|---|---|---|---|---|---|"]
     cell = lambda s: s.replace("|", "\\|")  # noqa: E731
@@ -620,7 +660,6 @@ def claims_table() -> str:
         lines.append(f"| {cell(r['paper'])} | {cell(r['claim'])} | {cell(r['paper_figure'])} | {cell(r['ours'])} | "
                      f"{cell(diff)} | {fmt_pq(jd)} | {cell(fmt_plan(r, jd))} | **{jd.verdict}** | "
                      f"`{r['command']}` |")
-    c = verdict_counts([jd.verdict for jd in jds])
     judged = len(rows) - c["descriptive"]
     planned = [jd.plan for jd in jds if jd.plan and jd.plan["status"] == "planned" and jd.verdict != "descriptive"]
     departs = sum(bool(jd.flags) for jd in jds)

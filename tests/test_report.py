@@ -105,7 +105,8 @@ def test_plan_seeds_follow_their_power_estimate(key):
 def test_rule_text_describes_the_plan_multiplicity_and_verdicts():
     text = report.claims_table().split("\n| paper |")[0]
     for words in ("claims_plan.csv", "80% power", "Benjamini-Hochberg", "**underpowered**", "**Descriptive**",
-                  "fresh seeds", "never from our own results", "counted work", "*paired*", "per-seed differences"):
+                  "fresh seeds", "never from our own results", "counted work", "*paired*", "per-seed differences",
+                  "short of δ", "after most of the plans' runs"):
         assert words in text, f"the rule text does not mention {words!r}"
     counts = report.verdict_counts([jd.verdict for jd in JUDGED.values()])
     assert f"{counts['yes']} yes, {counts['no']} no, {counts['inconclusive']} inconclusive, " \
@@ -160,15 +161,58 @@ def test_a_clear_effect_is_yes_and_its_reverse_no(planted):
     assert judge((rev, plan_line(rev, "2.0")))[0].verdict == "no"
 
 
-def test_no_effect_is_inconclusive_when_powered_and_underpowered_when_not(planted):
+def test_no_effect_is_no_when_powered_and_underpowered_when_not(planted):
     planted({"a": NULLS[0], "b": NULLS[1]})
     row = claim("a", "b")
-    (jd,) = judge((row, plan_line(row, "2.0")))  # a 2-point effect stands out of a 0.3 spread: powered
-    assert jd.verdict == "inconclusive" and jd.power >= 0.8 and jd.decision.p > 0.5
+    (jd,) = judge((row, plan_line(row, "2.0")))  # a 2-point effect stands out of a 0.3 spread: powered, and ruled out
+    assert jd.verdict == "no" and jd.power >= 0.8 and jd.decision.p > 0.5 and jd.q > report.FDR
+    assert jd.decision.hi < 2.0 and jd.p_short < 1e-4 and report.says_no_by_shortfall_only(jd)
+    assert "short of δ: p" in report.fmt_pq(jd)
     (jd,) = judge((row, plan_line(row, "0.1")))  # a 0.1 effect is not: underpowered, with the seeds it needs
-    assert jd.verdict == "underpowered" and jd.power < 0.8
+    assert jd.verdict == "underpowered" and jd.power < 0.8 and jd.decision.hi > 0.1 and jd.q_short > report.FDR
     assert jd.needed == report.seeds_needed(">", 0.1, (statistics.stdev(NULLS[0]), statistics.stdev(NULLS[1])))
     assert jd.needed > 5 and "80% needs" in report.fmt_plan(row, jd)
+
+
+HALF_UP = [5.5, 6.1, 5.0, 5.8, 5.1]  # mean 5.5: 0.5 above HALF_LOW, Welch interval [-0.10, +1.10], p 0.091
+HALF_LOW = [5.0, 4.6, 5.5, 4.8, 5.1]
+
+
+def test_shortfall_p_is_the_test_against_delta_on_the_short_side_only():
+    d = report.decide("0>1", "seeded", "", [(5.5, 0.4637, 5), (5.0, 0.3391, 5)])
+    assert report.shortfall_p(d, ">", 0.5) == 1.0 and report.shortfall_p(d, ">", 0.2) == 1.0  # it reaches δ
+    lo, hi = report.t_interval(d.diff, d.se, d.dof)
+    assert report.shortfall_p(d, ">", hi) == pytest.approx(0.05)  # δ at the interval's edge: p is the level
+    assert report.shortfall_p(d, ">", hi + 0.01) < 0.05 < report.shortfall_p(d, ">", hi - 0.01)
+    rev = report.decide("0<1", "seeded", "", [(5.0, 0.3391, 5), (5.5, 0.4637, 5)])  # '<': the paper's way is down
+    assert report.shortfall_p(rev, "<", 0.5) == 1.0 and report.shortfall_p(rev, "<", 1.3) < 0.05
+
+
+def test_a_powered_row_that_neither_sees_nor_rules_out_delta_is_inconclusive(planted):
+    planted({"up": HALF_UP, "low": HALF_LOW})
+    row = claim("up", "low")
+    (jd,) = judge((row, plan_line(row, "1.0")))  # the interval holds both 0 and δ = 1
+    assert jd.verdict == "inconclusive" and jd.power >= 0.8 and jd.decision.lo < 0 < 1.0 < jd.decision.hi
+
+
+def test_a_yes_short_of_delta_stays_yes(planted):
+    planted({"hi": [10.0, 10.5, 9.5, 10.2, 9.8], "lo": [5.0, 5.4, 4.6, 5.2, 4.8]})
+    row = claim("hi", "lo")
+    (jd,) = judge((row, plan_line(row, "20")))  # 5 points up, sure of it, and sure that it is not 20
+    assert jd.verdict == "yes" and jd.q_short < 1e-4 and not report.says_no_by_shortfall_only(jd)
+
+
+def test_benjamini_hochberg_holds_back_a_marginal_shortfall(planted):
+    """Alone, a 0.5 lead whose interval stops short of δ = 1.25 (p 0.02 against δ) says no; beside four rows that reach
+    their δ (p 1 against it), its q against δ is five times its p, and it says nothing."""
+    planted({"up": HALF_UP, "low": HALF_LOW, "hi": [10.0, 10.5, 9.5, 10.2, 9.8], "lo": [5.0, 5.4, 4.6, 5.2, 4.8]})
+    marginal = claim("up", "low", name="marginal")
+    (alone,) = judge((marginal, plan_line(marginal, "1.25")))
+    assert 0.01 < alone.p_short < 0.03 and alone.q_short == alone.p_short and alone.verdict == "no"
+    clear = [claim("hi", "lo", name=f"clear{k}") for k in range(4)]
+    judged = judge((marginal, plan_line(marginal, "1.25")), *[(r, plan_line(r, "2.0")) for r in clear])
+    assert all(jd.verdict == "yes" and jd.p_short == 1.0 for jd in judged[1:])
+    assert judged[0].q_short == pytest.approx(5 * alone.p_short) and judged[0].verdict == "inconclusive"
 
 
 def test_equivalence_inside_and_outside_its_margin(planted):
@@ -185,11 +229,11 @@ def test_equivalence_inside_and_outside_its_margin(planted):
 def test_benjamini_hochberg_flips_a_marginal_row(planted):
     planted({"up": A_UP, "low": B_LOW, **{f"n{k}": v for k, v in enumerate(NULLS)}})
     marginal = claim("up", "low", name="marginal")
-    (alone,) = judge((marginal, plan_line(marginal, "2.0")))
+    (alone,) = judge((marginal, plan_line(marginal, "1.5")))  # δ = 1.5 lies inside its interval [0.27, 1.97]
     assert 0.01 < alone.decision.p < 0.02 and alone.q == alone.decision.p and alone.verdict == "yes"
     nulls = [claim(f"n{2 * k}", f"n{2 * k + 1}", name=f"null{k}") for k in range(2)]
     nulls += [claim(f"n{2 * k + 1}", f"n{2 * k}", name=f"null{k}r") for k in range(2)]
-    judged = judge((marginal, plan_line(marginal, "2.0")), *[(r, plan_line(r, "2.0")) for r in nulls])
+    judged = judge((marginal, plan_line(marginal, "1.5")), *[(r, plan_line(r, "1.5")) for r in nulls])
     assert judged[0].q == pytest.approx(5 * alone.decision.p) and judged[0].q > report.FDR
     assert judged[0].verdict == "inconclusive"
 
