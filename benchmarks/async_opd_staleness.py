@@ -6,6 +6,7 @@ Paper: "AsyncOPD: How Stale Can On-Policy Distillation Be?", arXiv:2606.24143.
     python benchmarks/async_opd_staleness.py --only cache --seeds 0 1 2   # part 2 only, 3 seeds (about a minute)
     python benchmarks/async_opd_staleness.py --report-only    # rebuild the table from the committed CSV
     python benchmarks/async_opd_staleness.py --plan --seeds 10 11 12 13 14 15 16 17 18   # the claims plan's run
+    python benchmarks/async_opd_staleness.py --only train --arms "rkl-recompute|k=8" "rkl-stale|k=8" --seeds 100
     python benchmarks/report.py                               # paste it into benchmarks/README.md
 
 Part 1: algos/async_opd.py for variants fkl, rkl-stale, rkl-recompute, rkl-mc at staleness k in {0, 2, 8}.
@@ -41,12 +42,17 @@ DRAWS, CACHE_PROMPTS = 256, 64  # part 2: draws per MC estimator, rollouts in th
 PLAN = "async_opd_cache_plan"  # --plan: the bench of the claims plan's fresh part-2 seeds
 
 
-def run(seeds, parts=("train", "cache"), cache_bench: str = "async_opd_cache") -> None:
+ARMS = [f"{variant}|k={k}" for variant in VARIANTS for k in STALENESS]  # part 1's runs, as their rows name them
+
+
+def run(seeds, parts=("train", "cache"), cache_bench: str = "async_opd_cache", arms=tuple(ARMS)) -> None:
     from algos import async_opd as ao
 
     for seed in seeds if "train" in parts else []:
         for variant in VARIANTS:
             for k in STALENESS:
+                if f"{variant}|k={k}" not in arms:
+                    continue
                 s = ao.main(ao.Args(seed=seed, variant=variant, staleness=k, steps=STEPS, eval_every=STEPS,
                                     eval_examples=EVAL, out_dir=f"runs/bench_async_opd/{variant}_k{k}_s{seed}"))
                 append_rows(CSV, "async_opd", "algos/async_opd.py", f"{variant}|k={k}", seed, s,
@@ -174,11 +180,13 @@ if __name__ == "__main__":
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--only", choices=["train", "cache"], default=None, help="run one of the two parts")
+    ap.add_argument("--arms", nargs="+", default=ARMS, choices=ARMS, metavar="VARIANT|k=K",
+                    help="part 1's runs (default: every variant at every staleness), e.g. 'rkl-stale|k=8'")
     ap.add_argument("--plan", action="store_true",
                     help="the claims plan's fresh run: part 2 at --seeds, under the bench async_opd_cache_plan")
     a = ap.parse_args()
     if a.plan:
         run(a.seeds, ("cache",), PLAN)
     elif not a.report_only:
-        run(a.seeds, ("train", "cache") if a.only is None else (a.only,))
+        run(a.seeds, ("train", "cache") if a.only is None else (a.only,), arms=a.arms)
     report()

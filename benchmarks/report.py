@@ -696,8 +696,8 @@ HEADLINE = [
      "vs forward KL {3}; all-token self-distillation {4}",
      ["opd_bridge.csv#algos/opd.py#grpo-teacher+bridge#eval_acc_end#100#seeds=0-9@1",
       "opd_bridge.csv#algos/grpo.py#grpo-student#eval_acc_end#100#seeds=0-9@1",
-      "async_opd.csv#algos/async_opd.py#rkl-stale|k=8#eval_acc_end#100@1",
-      "async_opd.csv#algos/async_opd.py#fkl|k=8#eval_acc_end#100@1",
+      "async_opd.csv#algos/async_opd.py#rkl-stale|k=8#eval_acc_end#100#seeds=0-2@1",
+      "async_opd.csv#algos/async_opd.py#fkl|k=8#eval_acc_end#100#seeds=0-2@1",
       "self_opd.csv#algos/self_opd.py#opsd#eval_acc_end#100#seeds=0-9@1"]),
     ("Speculative rollouts", "speculative-rollouts",
      "draft model, gamma = 4: {0} tokens per target call (theory {1}); CPU wall-clock ratio {2}x; SPEC-RL "
@@ -720,8 +720,9 @@ HEADLINE = [
       "offline_rl.csv#td3_bc#halfcheetah-medium-replay#score_last#1#bench=corl_plan@1",
       "offline_rl.csv#ravl#learned/ravl#score_last#1#bench=ravl_plan@1",
       "offline_rl.csv#ravl#learned/none#score_last#1#bench=ravl_plan@1",
-      "habc.csv#algos/habc.py#HABC#success_first#100@1", "habc.csv#algos/habc.py#HABC#success_last#100@1",
-      "habc.csv#algos/habc.py#HABC#steps_last#1@1", "habc.csv#algos/habc.py#AWBC#steps_last#1@1"]),
+      "habc.csv#algos/habc.py#HABC#success_first#100#seeds=0-4@1",
+      "habc.csv#algos/habc.py#HABC#success_last#100#seeds=0-4@1",
+      "habc.csv#algos/habc.py#HABC#steps_last#1#seeds=0-4@1", "habc.csv#algos/habc.py#AWBC#steps_last#1#seeds=0-4@1"]),
     ("World models", "world-models",
      "pixel MSE at 4x the training horizon: LIVE {0}, same denoiser without the cycle loss {1}, teacher-forced "
      "predictor {2}; policy ranking in the learned model: Pearson {3} over seven eps-greedy policies, {4} with six "
