@@ -56,7 +56,8 @@ Commands:
   accelerate launch --num_processes 4 algos/nat.py --model ... --device cuda         # several GPUs
 Expected: held-out accuracy on 2-digit addition rises on half of the tokens. benchmarks/results/nat.md (20 rollout
 batches, micro-batches of 32, 3 seeds): full 35.3 -> 44.1 +- 1.1, RPC 50% -> 45.6 +- 3.9, URS 50% -> 40.9 +- 8.2;
-on the claims plan's fresh run (142 seeds) RPC 50% ends 2.1 points below full (42.0 vs 44.1, [-3.0, -1.2]);
+on the claims plan's two fresh runs RPC 50% ends 2.1 and 1.8 points below full (142 seeds: 42.0 vs 44.1,
+[-3.0, -1.2]; 182 seeds: 42.3 vs 44.1, [-2.6, -0.9]);
 RPC ran 0.82x full's token positions through forward and backward and 0.81x its forward+backward time per seed,
 but its widest micro-batch was about as wide as full's (0.97x peak positions): longest kept prefixes go first
 (rows in benchmarks/results/nat.csv).
