@@ -127,9 +127,14 @@ def fmt(vals, scale=100.0):
 def report() -> None:
     rows = read_rows(CSV)
     latest = {(r["bench"], r["config"], r["metric"], r["seed"]): float(r["value"]) for r in rows}  # a later row wins
+    # part 1's table compares the runs on the seeds they all ran; seeds only some ran (`--arms`) get a table of their own
+    ran = [{s for (b, c, _, s) in latest if b == "async_opd" and c == arm} for arm in ARMS]
+    shared = set.intersection(*[seeds for seeds in ran if seeds]) if any(ran) else set()
     by, fresh = defaultdict(lambda: defaultdict(list)), defaultdict(lambda: defaultdict(list))
-    for (bench, config, metric, _), v in latest.items():
-        (fresh if bench == PLAN else by)[config][metric].append(v)
+    fresh_train = defaultdict(lambda: defaultdict(list))
+    for (bench, config, metric, seed), v in latest.items():
+        part = fresh_train if bench == "async_opd" and seed not in shared else fresh if bench == PLAN else by
+        part[config][metric].append(v)
     meta, meta_cache = None, None
     for r in rows:
         if r["bench"] == "async_opd":
@@ -167,6 +172,14 @@ def report() -> None:
                   + (f" (bottom: commit {meta_cache['commit']})" if meta_cache and
                      meta_cache["commit"] != meta["commit"] else "") + ". "
                   f"Rows: `benchmarks/results/{CSV}`; command: `python benchmarks/async_opd_staleness.py`."]
+    if fresh_train:
+        seeds = sorted({int(s) for (b, _, _, s) in latest if b == "async_opd" and s not in shared})
+        lines += ["", f"Seeds {seeds[0]}-{seeds[-1]} of part 1, which only these runs ran (a fresh run of the claims "
+                  "plan, `--arms`):", "", "| variant | staleness k | acc | KL(s‖t) | seeds |", "|---|---|---|---|---|"]
+        for config, f in fresh_train.items():
+            v, k = config.split("|")
+            lines.append(f"| `{v}` | {k[2:]} | {fmt(f['eval_acc_end'])} | {statistics.mean(f['kl_reverse_end']):.3f} | "
+                         f"{len(f['eval_acc_end'])} |")
     if fresh:
         seeds = sorted({int(s) for (b, _, _, s) in latest if b == PLAN})
         lines += ["", f"The claims plan's fresh run of part 2 (`--plan`, seeds {seeds[0]}-{seeds[-1]}):", ""]
