@@ -137,9 +137,9 @@ def report() -> None:
         part[config][metric].append(v)
     meta, meta_cache = None, None
     for r in rows:
-        if r["bench"] == "async_opd":
+        if r["bench"] == "async_opd" and r["seed"] in shared:
             meta = r
-        elif r["bench"] != PLAN:
+        elif r["bench"] not in (PLAN, "async_opd"):
             meta_cache = r
     lines = ["| variant | acc k=0 | acc k=2 | acc k=8 | KL(s‖t) k=0 | KL(s‖t) k=2 | KL(s‖t) k=8 |",
              "|---|---|---|---|---|---|---|"]
