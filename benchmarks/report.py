@@ -151,7 +151,8 @@ place the interval inside ± m when the true difference is zero. The plan is `me
 measurement, and `planned` when it calls for a fresh run with more seeds than the figures have. Rows measured before
 the plans existed ran with the seeds their scripts fixed before the runs (3 per arm for most): their figures decide
 such a row until the planned run replaces them, whatever that run finds. A row whose plan says `redecide` (its margin
-was set after its run, or it had no comparison) is decided by fresh seeds only.
+was set after its run, or it had no comparison) is decided by fresh seeds only. A claim gets at most three runs on
+seeds of its own; the plan's note says which one a run is, since each repeat adds to the chance of a false verdict.
 
 Each figure is either *seeded* (a mean over seeds, quoted as mean ± std with the number of seeds) or *exact* (a
 deterministic computation, or an estimate over many samples whose standard error is quoted beside it); the `kind`
