@@ -49,7 +49,8 @@ Expected: the default takes held-out greedy accuracy on 2-digit addition from 38
 one thread, 194 s on a shared 2-core machine; grpo.py --steps 100 gets 53.6% in 51 s). At an equal 15,360 rollouts
 SFPO's mean accuracy over the run (the area under accuracy against rollouts) is 43.3 +- 2.1% against GRPO's
 43.9 +- 2.4% and the alpha = 1 control's 43.8 +- 1.3%, ending at 44.7 +- 0.9% against 44.7 +- 7.2% (3 seeds): no
-measurable speed-up at this scale, where every arm plateaus near 45% within 2,500 rollouts
+measurable speed-up at this scale, where every arm plateaus near 45% within 2,500 rollouts; on 55 fresh seeds of
+the claims plan SFPO ends at 47.8 +- 3.8% against GRPO's 49.0 +- 3.7%
 (benchmarks/results/sfpo.md, rows in benchmarks/results/sfpo.csv).
 """
 from __future__ import annotations
