@@ -127,7 +127,7 @@ def fmt(vals, scale=100.0):
 def report() -> None:
     rows = read_rows(CSV)
     latest = {(r["bench"], r["config"], r["metric"], r["seed"]): float(r["value"]) for r in rows}  # a later row wins
-    # part 1's table compares the runs on the seeds they all ran; seeds only some ran (`--arms`) get a table of their own
+    # part 1's table compares the runs on the seeds they all ran; seeds only some ran (`--arms`) get their own table
     ran = [{s for (b, c, _, s) in latest if b == "async_opd" and c == arm} for arm in ARMS]
     shared = set.intersection(*[seeds for seeds in ran if seeds]) if any(ran) else set()
     by, fresh = defaultdict(lambda: defaultdict(list)), defaultdict(lambda: defaultdict(list))
