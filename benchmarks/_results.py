@@ -103,3 +103,14 @@ def mean_std(vals, scale: float = 1.0, digits: int = 1, bare_single: bool = True
         return f"{m:.{digits}f}"
     sd = statistics.stdev(vals) * scale if len(vals) > 1 else 0.0
     return f"{m:.{digits}f} ± {sd:.{digits}f}"
+
+
+def seed_ranges(seeds) -> str:
+    """Seeds as runs of consecutive numbers: ['10', '11', '12', '20'] -> '10-12, 20'."""
+    out = []
+    for s in sorted(map(int, seeds)):
+        if out and out[-1][1] == s - 1:
+            out[-1][1] = s
+        else:
+            out.append([s, s])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in out)

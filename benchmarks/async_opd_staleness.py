@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, read_rows, mean_std, seed_ranges  # noqa: E402
 
 CSV = "async_opd.csv"
 VARIANTS = ("fkl", "rkl-stale", "rkl-recompute", "rkl-mc")
@@ -173,8 +173,8 @@ def report() -> None:
                      meta_cache["commit"] != meta["commit"] else "") + ". "
                   f"Rows: `benchmarks/results/{CSV}`; command: `python benchmarks/async_opd_staleness.py`."]
     if fresh_train:
-        seeds = sorted({int(s) for (b, _, _, s) in latest if b == "async_opd" and s not in shared})
-        lines += ["", f"Seeds {seeds[0]}-{seeds[-1]} of part 1, which only these runs ran (a fresh run of the claims "
+        seeds = seed_ranges({s for (b, _, _, s) in latest if b == "async_opd" and s not in shared})
+        lines += ["", f"Seeds {seeds} of part 1, which only these runs ran (a fresh run of the claims "
                   "plan, `--arms`):", "", "| variant | staleness k | acc | KL(s‖t) | seeds |", "|---|---|---|---|---|"]
         for config, f in fresh_train.items():
             v, k = config.split("|")

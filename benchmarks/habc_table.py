@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np
 
-from benchmarks._results import RESULTS, by_config_seed, mean_std
+from benchmarks._results import RESULTS, by_config_seed, mean_std, seed_ranges
 
 CSV, MD, PNG = "habc.csv", RESULTS / "habc.md", RESULTS / "habc.png"
 CONFIGS = {
@@ -173,8 +173,8 @@ def report() -> None:
     fresh = {n: f for n, d in by.items() if (f := {s: m for s, m in d.items() if s not in shared})}
     lines = tables(first)
     if fresh:
-        seeds = sorted({int(s) for d in fresh.values() for s in d})
-        lines += ["", f"Seeds {seeds[0]}-{seeds[-1]}, which only these arms ran (a fresh run of the claims plan, "
+        seeds = seed_ranges({s for d in fresh.values() for s in d})
+        lines += ["", f"Seeds {seeds}, which only these arms ran (a fresh run of the claims plan, "
                   "benchmarks/claims_plan.csv):", ""] + tables(fresh)[2:]
     lines += ["", f"Commits {commits}; {rows[0]['hardware']}, {rows[0]['versions']}; rows in "
               "`benchmarks/results/habc.csv`; plot `benchmarks/results/habc.png` (the seeds every arm ran)."]

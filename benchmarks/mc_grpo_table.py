@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std, seed_ranges  # noqa: E402
 
 FLIP_CSV, TRAIN_CSV, NAME = "mc_grpo_signflip.csv", "mc_grpo.csv", "mc_grpo"
 GROUPS = (2, 4, 8)
@@ -177,8 +177,8 @@ def report() -> None:
                   f"{row['commit']}. Rows: `benchmarks/results/{TRAIN_CSV}`; command: "
                   f"`python benchmarks/mc_grpo_table.py --train`."]
         if fresh:
-            seeds = sorted({int(s) for d in fresh.values() for s in d})
-            lines += ["", f"Seeds {seeds[0]}-{seeds[-1]}, which only these arms ran (a fresh run of the claims plan, "
+            seeds = seed_ranges({s for d in fresh.values() for s in d})
+            lines += ["", f"Seeds {seeds}, which only these arms ran (a fresh run of the claims plan, "
                       "benchmarks/claims_plan.csv):"] + train_table(fresh)
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, read_rows, mean_std, seed_ranges  # noqa: E402
 
 CSV, NAME, SCRIPT = "replay.csv", "replay", "algos/grpo_replay.py"
 STEPS, EVAL_EVERY = 40, 4
@@ -72,17 +72,6 @@ def updates_to(points: list, target: float) -> tuple[float, bool]:
 
 
 PLAN, PLAN_ARMS = "replay_plan", ("reuse 2, age 1",)  # --plan: its bench and the replay arms it runs
-
-
-def seed_ranges(seeds) -> str:
-    """Seeds as runs of consecutive numbers: ['10', '11', '12', '20'] -> '10-12, 20'."""
-    out = []
-    for s in sorted(map(int, seeds)):
-        if out and out[-1][1] == s - 1:
-            out[-1][1] = s
-        else:
-            out.append([s, s])
-    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in out)
 
 
 def run(seeds, grid_seeds, plan: bool = False) -> None:

@@ -543,9 +543,9 @@ def judge(rows: list[dict], plan: dict) -> list[Judgement]:
     qs = dict(zip(family, bh_adjust([pre[k][3].p for k in family])))
     shorts = {}  # the same rows tested against their plan's δ instead of 0 (a row without a plan has no δ)
     for k in family:
-        row, p, figs, d, _ = pre[k]
-        if p is not None and parse_compare(p["test"])[1] != "~" and not math.isnan(d.se):
-            i, op, j = parse_compare(p["test"])
+        _, p, figs, d, _ = pre[k]
+        i, op, j = parse_compare(p["test"]) if p is not None else (0, "~", 0)
+        if op != "~" and not math.isnan(d.se):
             shorts[k] = shortfall_p(d, op, parse_margin(p["effect"], figs[i][0], figs[j][0]))
     q_shorts = dict(zip(shorts, bh_adjust(list(shorts.values()))))
     return [_verdict(*pre[k], qs.get(k, math.nan), shorts.get(k, math.nan), q_shorts.get(k, math.nan))
@@ -553,7 +553,7 @@ def judge(rows: list[dict], plan: dict) -> list[Judgement]:
 
 
 def _verdict(row: dict, p: dict | None, figs: list, d: Decision | None, paired: tuple | None, q: float,
-             p_short: float = math.nan, q_short: float = math.nan) -> Judgement:
+             p_short: float, q_short: float) -> Judgement:
     flags = tuple(plan_flags(row, p, figs))
     if p is not None and p["test"] == "describe":
         return Judgement("descriptive", d, math.nan, math.nan, None, flags, p)

@@ -284,6 +284,6 @@ def test_bad_input(tmp_path, change, msg):
 
 def test_the_replay_table_lists_fresh_seeds_as_ranges():
     """The plan's fresh runs hold a hundred seeds and more: the table names them as runs of consecutive seeds."""
-    from benchmarks.replay_table import seed_ranges  # the repository root is on sys.path (conftest.py)
+    from benchmarks._results import seed_ranges  # the repository root is on sys.path (conftest.py)
     assert seed_ranges(["10", "11", "12", "20", "100", "101"]) == "10-12, 20, 100-101"
     assert seed_ranges([7]) == "7"
