@@ -130,7 +130,7 @@ def parse_figures(spec: str) -> list[tuple[str, int]]:
 # ---- the verdict rule ----
 MIN_SEEDS = 3  # the fewest seeds per arm a seeded comparison is decided on
 MAX_SEEDS = 10  # the most seeds per arm one row's plan can afford on the 2-core machine, unless a seed is quick:
-ROW_CORE_HOURS = 1  # then as many as this much of one core buys at the pilot's `seed_s=` (see plan_afford)
+ROW_CORE_HOURS = 2.5  # then as many as this much of one core buys at the pilot's `seed_s=` (see plan_afford)
 POWER = 0.8  # the power a plan's seeds aim for
 FDR = 0.05  # Benjamini-Hochberg level across the directional rows
 PLAN = ROOT / "benchmarks" / "claims_plan.csv"
@@ -143,11 +143,12 @@ i < j in the paper's direction, or i ~ j for "no change". For a directional row 
 measurement must be able to detect; for a "~" row, the equivalence margin ± m. Both come from the paper, or are a
 stated fraction of the effect the method is meant to have, never from our own results (written as a percentage,
 they are that share of the larger |mean|). The plan also gives the seeds per arm, from a power estimate: the fewest
-seeds (at least {min_seeds}; at most what one row can afford here: {max_seeds}, or as many as {core_hours} hour of one
-core buys where a seed of both arms took under {cheap_s} seconds in the row's earlier run, seconds the plan records
-as `seed_s=`) that give 80% power at a two-sided level of 0.05 (Welch's t at the pilot's sample spreads, which the
-plan records; for a *paired* row, Student's t at the spread of the pilot's per-seed differences) to detect δ, or to
-place the interval inside ± m when the true difference is zero. The plan is `measured` when the figures below are its
+seeds (at least {min_seeds}; at most what one row can afford here: {max_seeds}, or as many as {core_hours} hours of one
+core buy where a seed of both arms took under {cheap_s} seconds in the row's earlier run, seconds the plan records
+as `seed_s=`; one hour for the plans written before the third run of FP8 TIS against fp32 rollouts) that give 80%
+power at a two-sided level of 0.05 (Welch's t at the pilot's sample spreads, which the plan records; for a *paired*
+row, Student's t at the spread of the pilot's per-seed differences) to detect δ, or to place the interval inside ± m
+when the true difference is zero. The plan is `measured` when the figures below are its
 measurement, and `planned` when it calls for a fresh run with more seeds than the figures have. Rows measured before
 the plans existed ran with the seeds their scripts fixed before the runs (3 per arm for most): their figures decide
 such a row until the planned run replaces them, whatever that run finds. A row whose plan says `redecide` (its margin
@@ -650,7 +651,7 @@ def claims_table() -> str:
     family = sum(not math.isnan(jd.q) for jd in jds)
     c = verdict_counts([jd.verdict for jd in jds])
     lines = [RULE.format(min_seeds=MIN_SEEDS, max_seeds=MAX_SEEDS, family=family, core_hours=ROW_CORE_HOURS,
-                         cheap_s=3600 * ROW_CORE_HOURS // MAX_SEEDS, no=c["no"],
+                         cheap_s=int(3600 * ROW_CORE_HOURS // MAX_SEEDS), no=c["no"],
                          short_family=sum(not math.isnan(jd.q_short) for jd in jds),
                          short_no=sum(says_no_by_shortfall_only(jd) for jd in jds)),
              "| paper | claim | the paper's figure | ours | difference (95% interval) | p, BH q | plan | "
