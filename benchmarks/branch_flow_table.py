@@ -201,28 +201,31 @@ def plot() -> bool:
 
 
 def verdicts(by) -> list[str]:
-    """Which of the paper's claims held in direction, by benchmarks/report.py's rule (the claims table's)."""
+    """The paper's claims against these rows, each comparison alone: the difference of the seed means, its Welch 95%
+    interval and where it lies (benchmarks/report.py's `describe_comparison`; the claims table gives the verdicts)."""
     import statistics as st
 
-    from benchmarks.report import expected_direction
+    from benchmarks.report import describe_comparison
 
     def fig(arm, key, scale=1.0):
         vals = [r[key] * scale for r in by.get(arm, {}).values()]
         return (st.mean(vals), st.stdev(vals) if len(vals) > 1 else 0.0, len(vals)) if vals else (float("nan"), 0, 1)
 
-    def says(a, b, cmp):
-        return expected_direction(f"0{cmp}1", [a, b])
+    def says(a, b, cmp, digits=3):
+        return describe_comparison(f"0{cmp}1", [a, b], digits)
 
     tr, tm = "train | ", "time P=64 | "
     end = {a: fig(tr + a, "reward_end") for a in ARMS}
     auc = {a: fig(tr + a, "reward_auc") for a in ARMS}
     t = {a: fig(tm + a, "iter_x_dance") for a in TIMED}  # paired: over DanceGRPO's time in the same seed
-    return ["", "Paper claims, in direction here (the claims table's rule): "
-            f"fewer rollout model calls: yes ({fig(tr + 'BranchGRPO', 'nfe_ratio')[0]:.2f}x DanceGRPO's per leaf; the "
-            "plot shows reward against rollout model calls); lower iteration time with "
-            f"pruning: {says(t['BranchGRPO + pruning'], t['DanceGRPO'], '<')} "
-            f"({t['BranchGRPO + pruning'][0]:.2f}x per seed, the paper about 0.45x); Mix faster: "
-            f"{says(t['BranchGRPO-Mix'], t['DanceGRPO'], '<')} ({t['BranchGRPO-Mix'][0]:.2f}x "
+    nfe = fig(tr + "BranchGRPO", "nfe_ratio")[0]
+    return ["", "Paper claims, each comparison on this table's seeds alone (the first arm minus the second; the "
+            f"claims table gives the verdicts): fewer rollout model calls: {nfe:.2f}x "
+            "DanceGRPO's per leaf (counted; the plot shows reward against rollout model calls); iteration time in "
+            "DanceGRPO's of the same seed (wall-clock on a shared CPU, so a description only), lower with pruning: "
+            f"{says(t['BranchGRPO + pruning'], t['DanceGRPO'], '<', 2)} "
+            f"({t['BranchGRPO + pruning'][0]:.2f}x per seed, the paper about 0.45x); with Mix: "
+            f"{says(t['BranchGRPO-Mix'], t['DanceGRPO'], '<', 2)} ({t['BranchGRPO-Mix'][0]:.2f}x "
             f"per iteration); higher final reward than DanceGRPO at equal iterations: "
             f"{says(end['BranchGRPO'], end['DanceGRPO'], '>')} ({end['BranchGRPO'][0]:.3f} vs "
             f"{end['DanceGRPO'][0]:.3f}; mean reward over the training evals {auc['BranchGRPO'][0]:.3f} vs "

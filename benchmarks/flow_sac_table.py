@@ -146,25 +146,27 @@ def report() -> None:
 
 
 def verdicts(by) -> list[str]:
-    """Which of the paper's claims held in direction, by benchmarks/report.py's rule (the claims table's)."""
+    """The paper's claims against these rows, each comparison alone: the difference of the seed means, its Welch 95%
+    interval and where it lies (benchmarks/report.py's `describe_comparison`; the claims table gives the verdicts)."""
     import statistics as st
 
-    from benchmarks.report import expected_direction
+    from benchmarks.report import describe_comparison
 
     def fig(config, key):
         vals = [r[key] for r in by.get(config, {}).values() if key in r]
         return (st.mean(vals), st.stdev(vals) if len(vals) > 1 else 0.0, len(vals)) if vals else (math.nan, 0, 1)
 
-    def says(a, b):
-        return expected_direction("0>1", [a, b])
+    def says(a, b, digits=1):
+        return describe_comparison("0>1", [a, b], digits)
 
     jac = {k: fig(grad_config(k, 6.0, 32), "log10_jac_a0") for k in KINDS}
     auc = {a: fig(f"train | {a}", "score_auc") for a in ARMS}
     end = {a: fig(f"train | {a}", "score_last") for a in ARMS}
-    return ["", "Paper claims, in direction here (the claims table's rule, each comparison alone): the plain "
+    return ["", "Paper claims, each comparison on this table's seeds alone (the first arm minus the second; the "
+            "claims table gives the verdicts): the plain "
             "velocity's gradient explodes where the gated one's stays bounded (log10 ‖d a_K / d a_0‖ at K = 32, "
-            f"gain 6): {says(jac['plain'], jac['gated'])} ({jac['plain'][0]:.2f} vs {jac['gated'][0]:.2f}); "
-            f"and the decoded one's: {says(jac['plain'], jac['decoded'])} ({jac['decoded'][0]:.2f}); "
+            f"gain 6): {says(jac['plain'], jac['gated'], 2)} ({jac['plain'][0]:.2f} vs {jac['gated'][0]:.2f}); "
+            f"and the decoded one's: {says(jac['plain'], jac['decoded'], 2)} ({jac['decoded'][0]:.2f}); "
             f"Flow-G trains better than the plain flow (mean score over training, default init): "
             f"{says(auc['Flow-G'], auc['plain flow'])} ({auc['Flow-G'][0]:.1f} vs {auc['plain flow'][0]:.1f}); "
             f"Flow-T better than the plain flow: {says(auc['Flow-T'], auc['plain flow'])} "

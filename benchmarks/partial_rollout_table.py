@@ -155,9 +155,9 @@ def report() -> None:
                   "with its rows and every chunk re-encodes prompt + partial response (not timed separately), so "
                   "full slots cost at least what the synchronous tail's idle ones save. CoPRIS's faster training "
                   f"(up to 1.94x) holds in direction in the simulator ({sim(0.5, 'copris', 'speedup')}x at sigma 0.5, "
-                  f"{sim(1.0, 'copris', 'speedup')}x at sigma 1.0). Twelve real steps do not separate the policies' "
-                  "accuracy (APRIL's +2.1%: inconclusive). Fully asynchronous generation with no staleness bound "
-                  "lets ages grow without limit when training is the slower side (cpu preset, sums mix)."]
+                  f"{sim(1.0, 'copris', 'speedup')}x at sigma 1.0). Twelve real steps on these seeds do not separate "
+                  "the policies' accuracy (APRIL claims +2.1%; the claims table decides that row on fresh seeds). "
+                  "Fully asynchronous generation with no staleness bound lets ages grow without limit when training is the slower side (cpu preset, sums mix)."]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines).rstrip() + "\n")
     print("\n".join(lines))
 

@@ -84,17 +84,21 @@ def col(runs, key, scale=100.0, digits=1):
     return mean_std([r[key] for r in runs if key in r], scale, digits)
 
 
-def verdict(by, a: str, b: str, key: str) -> str:
-    """benchmarks/report.py's rule for 'a > b' on the seed values of `key` (Welch 95% interval, >= 3 seeds)."""
+UNIQUE_ARMS_CMP = ("uniqueness-weighted (alpha=1)", "GRPO (alpha=0)")  # the paper's arm, its control
+
+
+def compare(by, a: str, b: str, key: str, scale: float = 100.0, digits: int = 1) -> str:
+    """`a` minus `b` on the seed values of `key` (times `scale`): the difference, its Welch 95% interval and where the
+    interval lies (benchmarks/report.py's `describe_comparison`; the claims table gives the verdicts)."""
     import statistics
 
-    from benchmarks.report import expected_direction
+    from benchmarks.report import describe_comparison
 
     stats = []
     for label in (a, b):
-        vals = [r[key] for r in by[label].values() if key in r]
+        vals = [r[key] * scale for r in by[label].values() if key in r]
         stats.append((statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0, len(vals)))
-    return expected_direction("0>1", stats)
+    return describe_comparison("0>1", stats, digits)
 
 
 def report() -> None:
@@ -117,11 +121,12 @@ def report() -> None:
                   f"the earlier ones, second half of the run. Hardware: {row['hardware']} (shared); {row['versions']}; "
                   f"commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; command: "
                   f"`python benchmarks/poise_unique_table.py --only poise`.", "",
-                  f"The paper's direction (POISE at least as accurate per generated token as GRPO): at equal tokens, "
-                  f"POISE 2 x 128 above GRPO: {verdict(by, 'POISE, 2 x 128 prompts', 'GRPO, G=8 x 32 prompts', 'eval_acc_end')}"
-                  f"; at a quarter of the tokens, POISE 2 x 32 above GRPO: "
-                  f"{verdict(by, 'POISE, 2 x 32 prompts', 'GRPO, G=8 x 32 prompts', 'eval_acc_end')} (the rule of "
-                  f"benchmarks/report.py: the Welch 95% interval of the difference of the seed means).", ""]
+                  f"The paper's direction (POISE at least as accurate per generated token as GRPO), each comparison on "
+                  f"this table's seeds alone (the difference of the seed means in points, its Welch 95% interval; "
+                  f"the claims table gives the verdicts): at equal tokens, POISE 2 x 128 minus GRPO: "
+                  f"{compare(by, 'POISE, 2 x 128 prompts', 'GRPO, G=8 x 32 prompts', 'eval_acc_end')}; at a quarter "
+                  f"of the tokens, POISE 2 x 32 minus GRPO: "
+                  f"{compare(by, 'POISE, 2 x 32 prompts', 'GRPO, G=8 x 32 prompts', 'eval_acc_end')}.", ""]
     by, meta = collect("unique")
     if by:
         lines += ["| arm | greedy acc start | end | pass@1 (sampled) | pass@16 | AUC@16 | distinct correct strategies "
@@ -143,10 +148,10 @@ def report() -> None:
                   f"held-out prompts (unbiased estimator), greedy accuracy on 300. Hardware: {row['hardware']} (shared); "
                   f"commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; command: "
                   f"`python benchmarks/poise_unique_table.py --only unique`.", "",
-                  f"The paper's direction (higher AUC@K at equal pass@1, more strategies): AUC@16 above GRPO: "
-                  f"{verdict(by, 'uniqueness-weighted (alpha=1)', 'GRPO (alpha=0)', 'eval_auc@16_end')}; distinct "
-                  f"strategies above GRPO: "
-                  f"{verdict(by, 'uniqueness-weighted (alpha=1)', 'GRPO (alpha=0)', 'eval_distinct_strategies_end')}. "
+                  f"The paper's direction (higher AUC@K at equal pass@1, more strategies), uniqueness-weighted minus "
+                  f"GRPO on this table's seeds alone: AUC@16 "
+                  f"{compare(by, *UNIQUE_ARMS_CMP, 'eval_auc@16_end')}; distinct strategies "
+                  f"{compare(by, *UNIQUE_ARMS_CMP, 'eval_distinct_strategies_end', 1, 2)}. "
                   f"Here plain GRPO does not collapse onto one strategy within 40 batches (its distinct strategies rise "
                   f"from the start), so there is little for the reweighting to correct."]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines).rstrip() + "\n")

@@ -318,10 +318,22 @@ def decide(compare: str, kind: str, margin: str, figs: list[tuple[float, float, 
     return Decision(verdict, diff, lo, hi, m, note, p, se, dof)
 
 
-def expected_direction(spec: str, figs: list[tuple[float, float, int]], margin: str = "10%") -> str:
-    """The verdict of `decide` for seeded figures (mean, sample std, seeds); '~' takes `margin`. One comparison taken
-    alone: the claims table adds its plan and the multiplicity step (`judge`)."""
-    return decide(spec, "seeded", margin if "~" in spec else "", figs).verdict
+def describe_comparison(spec: str, figs: list[tuple[float, float, int]], digits: int = 1, margin: str = "") -> str:
+    """One comparison of seeded figures taken alone, described rather than judged, for a results table's prose: the
+    difference (figure i minus figure j), its Welch 95% interval and where the interval lies (for '~', against
+    `margin`, or against 0 when no margin is given). Whether a paper's claim holds is the claims table's verdict, which
+    adds a plan, fresh seeds and the multiplicity step (`judge`)."""
+    plain = "~" in spec and not margin
+    d = decide(spec.replace("~", ">") if plain else spec, "seeded", margin, figs)
+    if d.note or math.isnan(d.lo):
+        return f"{fmt_decision(d._replace(note=''), digits)} ({d.note or 'one seed'} in an arm, too few to place it)"
+    if plain:
+        where = {"yes": "clear of 0", "no": "clear of 0", "inconclusive": "0 inside"}
+    elif "~" in spec:
+        where = {"yes": "inside the margin", "no": "outside the margin", "inconclusive": "across the margin's edge"}
+    else:
+        where = {"yes": "clear of 0 the claimed way", "no": "clear of 0 the other way", "inconclusive": "0 inside"}
+    return f"{fmt_decision(d, digits)}, {where[d.verdict]}"
 
 
 def fmt_decision(d: Decision, digits: int) -> str:

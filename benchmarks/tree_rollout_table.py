@@ -135,8 +135,9 @@ def report() -> None:
 
 
 def claims_text() -> str:
-    """The paper claims against these rows, with benchmarks/report.py's verdict rule (noise = the larger std)."""
-    from benchmarks.report import expected_direction, figure, fmt
+    """The paper claims against these rows, each comparison alone: the difference of the seed means, its Welch 95%
+    interval and where it lies (benchmarks/report.py's `describe_comparison`; the claims table gives the verdicts)."""
+    from benchmarks.report import describe_comparison, figure, fmt
 
     def side(arm, metric, scale, digits):
         m = figure(f"{CSV}#algos/{ARMS[arm][0]}.py#{arm}#{metric}#{scale}")
@@ -154,8 +155,9 @@ def claims_text() -> str:
             (ma, ta), (mb, tb) = side(a, metric, scale, digits), side(b, metric, scale, digits)
         except ValueError:  # an arm not run yet
             continue
-        out.append(f"{claim}: {a} {ta} vs {b} {tb} -> direction holds: {expected_direction(spec, [ma, mb])}")
-    return "Paper claims here (benchmarks/report.py's rule): " + "; ".join(out) + "."
+        out.append(f"{claim}: {a} {ta} vs {b} {tb}, difference {describe_comparison(spec, [ma, mb], digits)}")
+    return ("Paper claims here, each comparison on this table's seeds alone (the claims table gives the verdicts): "
+            + "; ".join(out) + ".")
 
 
 if __name__ == "__main__":

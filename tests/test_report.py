@@ -342,7 +342,7 @@ def test_welch_interval_matches_scipy_on_raw_seeds():
 
 
 def test_direction_rule():
-    rule = report.expected_direction
+    rule = lambda spec, figs: report.decide(spec, "seeded", "", figs).verdict  # noqa: E731
     assert rule("0>1", [(50.0, 2.0, 3), (40.0, 3.0, 3)]) == "yes"
     assert rule("0>1", [(40.0, 2.0, 3), (50.0, 3.0, 3)]) == "no"
     assert rule("0<1", [(40.0, 2.0, 3), (50.0, 3.0, 3)]) == "yes"
@@ -509,3 +509,19 @@ def test_a_plan_affords_more_seeds_only_where_a_seed_is_quick():
     assert report.plan_afford(line("delta=1.3; sd=3,3; n=10,10")) == report.MAX_SEEDS
     assert report.plan_afford(line("delta=1.3; sd=3,3; n=10,10; seed_s=13")) == 3600 * report.ROW_CORE_HOURS // 13
     assert report.plan_afford(line("delta=1.3; sd=3,3; n=10,10; seed_s=900")) == report.MAX_SEEDS
+
+
+def test_describe_comparison_places_the_interval_without_a_verdict():
+    """Results tables' prose describes one comparison (difference, Welch interval, where it lies); it never says
+    yes / no / inconclusive, which are the claims table's verdicts."""
+    desc = report.describe_comparison
+    clear, spans = [(50.0, 2.0, 3), (40.0, 3.0, 3)], [(44.0, 2.0, 3), (40.0, 3.0, 3)]
+    assert desc("0>1", clear) == "+10.0 [+3.9, +16.1], clear of 0 the claimed way"
+    assert desc("0<1", clear).endswith("clear of 0 the other way")
+    assert desc("0>1", spans).endswith(", 0 inside")
+    assert desc("0~1", clear).endswith(", clear of 0") and desc("0~1", spans).endswith(", 0 inside")
+    assert desc("0~1", [(50.0, 0.5, 5), (50.3, 0.5, 5)], 2, "2.0").endswith("inside the margin")
+    assert desc("0~1", [(50.0, 0.5, 5), (51.8, 0.5, 5)], 2, "2.0").endswith("across the margin's edge")
+    assert desc("0>1", [(90.0, 1.0, 2), (10.0, 1.0, 2)]).endswith("(2 seeds in an arm, too few to place it)")
+    for figs in (clear, spans):
+        assert not re.search(r"\b(yes|no|inconclusive)\b", desc("0>1", figs))
