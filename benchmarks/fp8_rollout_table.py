@@ -53,6 +53,7 @@ TRAIN = dict(model="tiny-sums", task="sums", digits=1, max_new_tokens=48, steps=
 PROMPTS, SAMPLES = 32, 4
 POSITIONS = ("0-7", "8-15", "16-31", "32+")  # algos/fp8_rollout.py's BUCKETS, as mismatch_metrics names them
 POS_ROWS = ("bf16", "W8A8", "W8A8 + KV")
+PLAN_RUNS = ((10, 19), (20, 29), (100, 241))  # the claims plan's fresh training runs (benchmarks/claims_plan.csv)
 
 
 def pair_order(r_a, r_b, G: int) -> tuple[int, int]:
@@ -205,17 +206,9 @@ def report() -> None:
                   f"{row['versions']}; {row['hardware']}; commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; "
                   f"command: `python benchmarks/fp8_rollout_table.py --skip-train`."]
     tby, tmeta = collect("fp8_train")
+    runs = train_runs(tby)
     if tby:
-        lines += ["", "| arm | held-out acc start | end | best | train reward first | last | KL/token (1e-4) | "
-                  "mean abs dlogp | generated tokens/s | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for label in ARMS:
-            get = lambda k: vals(tby, label, k)  # noqa: E731
-            if get("eval_acc_end"):
-                lines.append(f"| {label} | {mean_std(get('eval_acc_start'), 100)} | {mean_std(get('eval_acc_end'), 100)} | "
-                             f"{mean_std(get('eval_acc_best'), 100)} | {mean_std(get('train_reward_first'), 100)} | "
-                             f"{mean_std(get('train_reward_last'), 100)} | {mean_std(get('exact'), 1e4, 2)} | "
-                             f"{mean_std(get('abs_dlogp_mean'), 1, 4)} | {mean_std(get('tokens_per_s'), 1, 0)} | "
-                             f"{len(get('eval_acc_end'))} |")
+        lines += [""] + train_table(runs[0][1])
         row = next(iter(tmeta.values()))
         lines += ["", f"`algos/fp8_rollout.py` from tiny-sums on `sums` (5 one-digit operands, at most 48 new tokens), "
                   f"{TRAIN['steps']} rollout batches of {TRAIN['prompts_per_step']} prompts x {TRAIN['group_size']}, lr "
@@ -224,10 +217,38 @@ def report() -> None:
                   f"{TRAIN['diag_every']} batches. FP8 arms: W8A8 + e4m3 KV cache. Wall times are CPU simulation "
                   f"(FP8 is slower here, not faster). {row['hardware']} (shared); commit {row['commit']}. Rows: "
                   f"`benchmarks/results/{CSV}`; command: `python benchmarks/fp8_rollout_table.py`."]
+        for (lo, hi), run in runs[1:]:
+            lines += ["", f"Seeds {lo}-{hi}, a fresh run of the claims plan (benchmarks/claims_plan.csv) with the arms "
+                      "it compares:", ""] + train_table(run)
     if by and tby:
-        lines += ["", verdicts(by, tby)]
+        lines += ["", verdicts(by, runs[0][1])]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def train_runs(tby) -> list[tuple[tuple[int, int] | None, dict]]:
+    """The training rows split by run: first the seeds outside every fresh run of the claims plan, then each of
+    PLAN_RUNS that has rows, so that no table pools seeds of different runs."""
+    def part(keep):
+        return {c: sub for c, d in tby.items() if (sub := {s: m for s, m in d.items() if keep(int(s))})}
+
+    fresh = [((lo, hi), part(lambda s, lo=lo, hi=hi: lo <= s <= hi)) for lo, hi in PLAN_RUNS]
+    first = part(lambda s: not any(lo <= s <= hi for lo, hi in PLAN_RUNS))
+    return [(None, first)] + [(r, d) for r, d in fresh if d]
+
+
+def train_table(tby) -> list[str]:
+    lines = ["| arm | held-out acc start | end | best | train reward first | last | KL/token (1e-4) | "
+             "mean abs dlogp | generated tokens/s | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for label in ARMS:
+        get = lambda k: vals(tby, label, k)  # noqa: E731
+        if get("eval_acc_end"):
+            lines.append(f"| {label} | {mean_std(get('eval_acc_start'), 100)} | "
+                         f"{mean_std(get('eval_acc_end'), 100)} | {mean_std(get('eval_acc_best'), 100)} | {mean_std(get('train_reward_first'), 100)} | "
+                         f"{mean_std(get('train_reward_last'), 100)} | {mean_std(get('exact'), 1e4, 2)} | "
+                         f"{mean_std(get('abs_dlogp_mean'), 1, 4)} | {mean_std(get('tokens_per_s'), 1, 0)} | "
+                         f"{len(get('eval_acc_end'))} |")
+    return lines
 
 
 def verdicts(by, tby) -> str:
