@@ -114,3 +114,30 @@ def seed_ranges(seeds) -> str:
         else:
             out.append([s, s])
     return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in out)
+
+
+def split_runs(by: dict, runs) -> list[tuple[tuple[int, int] | None, dict]]:
+    """`by` (config -> seed -> metrics) split by run, so that no table pools seeds of different runs: first the seeds
+    outside every (lo, hi) of `runs` (the script's first run), then each range that has rows (a fresh run of the
+    claims plan, benchmarks/claims_plan.csv). A config without seeds in a part is left out of that part."""
+    def part(keep):
+        return {c: sub for c, d in by.items() if (sub := {s: m for s, m in d.items() if keep(int(s))})}
+
+    first = part(lambda s: not any(lo <= s <= hi for lo, hi in runs))
+    fresh = [((lo, hi), part(lambda s, lo=lo, hi=hi: lo <= s <= hi)) for lo, hi in runs]
+    return [(None, first)] + [(r, d) for r, d in fresh if d]
+
+
+def fresh_run_tables(parts, cols, arms=None) -> list[str]:
+    """A markdown table per fresh run (the parts after the first from `split_runs`): a row per arm (in the order of
+    `arms`, else as stored) with each column `(header, metric, scale, digits)` as mean ± std over its seeds."""
+    lines = []
+    for (lo, hi), by in parts:
+        lines += ["", f"Seeds {lo}-{hi}, a fresh run of the claims plan (benchmarks/claims_plan.csv) on the arms it "
+                  "compares:", "", "| arm | " + " | ".join(c[0] for c in cols) + " | seeds |",
+                  "|---|" + "---|" * (len(cols) + 1)]
+        for label in [a for a in (arms or by) if a in by]:
+            runs = list(by[label].values())
+            cells = [mean_std([r[m] for r in runs if m in r], scale, digits) for _, m, scale, digits in cols]
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {seed_ranges(by[label])} |")
+    return lines

@@ -28,10 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, by_config_seed, fresh_run_tables, mean_std,  # noqa: E402
+                                 split_runs)
 
 CSV = "grpo_family.csv"
 SEEDS = (0, 1, 2)
+PLAN_RUNS = ((10, 19), (20, 29), (100, 134), (300, 407))  # the claims plan's fresh runs (benchmarks/claims_plan.csv)
 PROMPTS, GROUP = 32, 8
 # label -> (script, flags); flags are Args fields (the command line spells them with dashes)
 METHODS = {
@@ -105,6 +107,8 @@ def collect():
 
 def report() -> None:
     by, meta = collect()
+    parts = split_runs(by, PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     lines = ["| method | command | held-out acc end | best | gain (points) | generated tokens | rollouts per "
              "informative group | steps (rollout rounds) | wall s | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
     for label in METHODS:
@@ -136,6 +140,8 @@ def report() -> None:
                   f"rows beyond a rough factor); {any_row['versions']}; commit {any_row['commit']}. Rows: "
                   f"`benchmarks/results/{CSV}`; command: `python benchmarks/compare_grpo_family.py`.",
                   "", "![GRPO family curves](results/grpo_family.png)"]
+    cols = [("held-out acc end", "eval_acc_end", 100, 1), ("best", "eval_acc_best", 100, 1)]
+    lines += fresh_run_tables(parts[1:], cols, METHODS)
     (RESULTS / "grpo_family.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(by)

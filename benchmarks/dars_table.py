@@ -41,10 +41,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, by_config_seed, fresh_run_tables, mean_std,  # noqa: E402
+                                 split_runs)
 
 CSV, NAME = "dars.csv", "dars"
 SEEDS = (0, 1, 2)
+PLAN_RUNS = ((20, 27), (100, 114))  # the claims plan's fresh runs (benchmarks/claims_plan.csv)
 PROMPTS, BUDGET, N_SAMPLES, KS, EVAL_N = 32, 25_600, 16, (1, 4, 8, 16), 300
 COMMON = dict(prompts_per_step=PROMPTS, eval_every=25, eval_examples=EVAL_N, pass_k=0, eval_hard=False, threads=1)
 ARMS = {"GRPO, G=8": ("grpo", {"group_size": 8, "steps": BUDGET // (PROMPTS * 8)}),
@@ -101,6 +103,8 @@ def run(seeds, arms) -> None:
 
 def report() -> None:
     by, meta = by_config_seed(CSV)
+    parts = split_runs(by, PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     if not by:
         print(f"no rows in benchmarks/results/{CSV}")
         return
@@ -132,6 +136,8 @@ def report() -> None:
               f"sum |A| from the first stage alone and with both stages. Hardware: {row['hardware']} (shared); "
               f"{row['versions']}; commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; command: "
               f"`python benchmarks/dars_table.py`."]
+    cols = [("greedy acc end", "eval_acc_end", 100, 1)] + [(f"pass@{k}", f"pass@{k}", 100, 1) for k in KS]
+    lines += fresh_run_tables(parts[1:], cols, ARMS)
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

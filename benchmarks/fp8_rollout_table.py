@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std, read_rows  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std, read_rows, split_runs  # noqa: E402
 
 CSV, NAME = "fp8_rollout.csv", "fp8_rollout"
 SEEDS = (0, 1, 2)
@@ -206,7 +206,7 @@ def report() -> None:
                   f"{row['versions']}; {row['hardware']}; commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; "
                   f"command: `python benchmarks/fp8_rollout_table.py --skip-train`."]
     tby, tmeta = collect("fp8_train")
-    runs = train_runs(tby)
+    runs = split_runs(tby, PLAN_RUNS)
     if tby:
         lines += [""] + train_table(runs[0][1])
         row = next(iter(tmeta.values()))
@@ -224,17 +224,6 @@ def report() -> None:
         lines += ["", verdicts(by, runs[0][1])]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-
-
-def train_runs(tby) -> list[tuple[tuple[int, int] | None, dict]]:
-    """The training rows split by run: first the seeds outside every fresh run of the claims plan, then each of
-    PLAN_RUNS that has rows, so that no table pools seeds of different runs."""
-    def part(keep):
-        return {c: sub for c, d in tby.items() if (sub := {s: m for s, m in d.items() if keep(int(s))})}
-
-    fresh = [((lo, hi), part(lambda s, lo=lo, hi=hi: lo <= s <= hi)) for lo, hi in PLAN_RUNS]
-    first = part(lambda s: not any(lo <= s <= hi for lo, hi in PLAN_RUNS))
-    return [(None, first)] + [(r, d) for r, d in fresh if d]
 
 
 def train_table(tby) -> list[str]:

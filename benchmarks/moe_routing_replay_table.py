@@ -55,9 +55,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, mean_std, read_rows  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, fresh_run_tables, mean_std, read_rows,  # noqa: E402
+                                 split_runs)
 
 CSV, NAME, SCRIPT = "moe_routing_replay.csv", "moe_routing_replay", "algos/moe_routing_replay.py"
+PLAN_RUNS = ((10, 19), (20, 22), (100, 147), (300, 318))  # the claims plan's fresh runs (benchmarks/claims_plan.csv)
 ARMS = {"none": dict(replay="none"), "r3": dict(replay="r3"), "pr2": dict(replay="pr2"),
         "tis": dict(replay="none", sampler_is_cap=2.0),
         "none (logit noise)": dict(replay="none", router_noise_on="logits"),
@@ -103,6 +105,8 @@ def report() -> None:
         by[r["config"]].setdefault(r["seed"], {})[r["metric"]] = float(r["value"])
     if not by:
         raise SystemExit(f"no rows in benchmarks/results/{CSV}; run without --report-only first")
+    parts = split_runs(by, PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     lines = ["| arm | held-out acc start | end | best | KL(mu \\|\\| pi_old) per token (1e-4) | ratio variance (1e-4) | "
              "routes differ (%) | stale at the last step (%) | PR2 forecast explained | PR2 routes right (%): "
              "forecast / no change | seeds |",
@@ -128,6 +132,10 @@ def report() -> None:
         "(token, layer) routes whose top-k under the forecast (and under the unchanged logits) equals the top-k after "
         "the batch's updates.\n\n"
         "![accuracy and mismatch over training](benchmarks/results/moe_routing_replay.png)\n")
+    cols = [("held-out acc end", "eval_acc_end", 100, 1), ("KL per token (1e-4)", "kl_k3", 1e4, 2),
+            ("routes differ (%)", "disagree", 100, 1), ("stale at the last step (%)", "stale", 100, 1),
+            ("PR2 forecast explained", "pr2_explained", 1, 2)]
+    text += "\n".join(fresh_run_tables(parts[1:], cols, ARMS)) + "\n"
     (RESULTS / f"{NAME}.md").write_text(text)
     plot(by)
     print(text)

@@ -51,10 +51,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, by_config_seed, fresh_run_tables, mean_std,  # noqa: E402
+                                 split_runs)
 
 CSV, NAME = "s2l_po.csv", "s2l_po"
 SEEDS = (0, 1, 2)
+PLAN_RUNS = ((20, 29), (100, 108))  # the claims plan's fresh runs (benchmarks/claims_plan.csv)
 STEPS, EVAL_EVERY, BUDGET = 40, 2, 3e10
 COMMON = dict(steps=STEPS, eval_every=EVAL_EVERY, eval_examples=300, pass_k=0, eval_hard=False, threads=1)
 FLAGS = f"--steps {STEPS} --eval-every {EVAL_EVERY} --eval-examples 300 --pass-k 0 --no-eval-hard --threads 1"
@@ -97,6 +99,8 @@ def run(seeds, arms) -> None:
 
 def report() -> None:
     by, meta = by_config_seed(CSV)
+    parts = split_runs(by, PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     if not by:
         print(f"no rows in benchmarks/results/{CSV}")
         return
@@ -124,6 +128,8 @@ def report() -> None:
               f"{row['versions']}; commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; command: "
               f"`python benchmarks/s2l_po_table.py`.", "",
               "![S2L-PO: held-out accuracy against rollout FLOPs](results/s2l_po.png)"]
+    cols = [("held-out acc end", "eval_acc_end", 100, 1), ("acc at the FLOP budget", "acc_at_budget", 100, 1)]
+    lines += fresh_run_tables(parts[1:], cols, ARMS)
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(by)

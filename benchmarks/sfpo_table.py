@@ -47,10 +47,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, by_config_seed, fresh_run_tables, mean_std,  # noqa: E402
+                                 split_runs)
 
 CSV, NAME = "sfpo.csv", "sfpo"
 SEEDS = (0, 1, 2)
+PLAN_RUNS = ((20, 27), (100, 108), (300, 354))  # the claims plan's fresh runs (benchmarks/claims_plan.csv)
 STEPS, EVAL_EVERY, PROMPTS, G = 60, 10, 32, 8
 COMMON = dict(steps=STEPS, eval_every=EVAL_EVERY, eval_examples=300, pass_k=0, eval_hard=False, threads=1,
               prompts_per_step=PROMPTS, group_size=G)
@@ -97,6 +99,8 @@ def rollouts_to(points: dict, target: float) -> tuple[int, bool]:
 
 def report() -> None:
     by, meta = by_config_seed(CSV)
+    parts = split_runs(by, PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     if not by:
         print(f"no rows in benchmarks/results/{CSV}")
         return
@@ -132,6 +136,8 @@ def report() -> None:
               f"claim counts rollouts. Hardware: {row['hardware']} (shared); {row['versions']}; commit "
               f"{row['commit']}. Rows: `benchmarks/results/{CSV}`; command: `python benchmarks/sfpo_table.py`.",
               "", "![SFPO and GRPO: held-out accuracy against rollouts](results/sfpo.png)"]
+    cols = [("held-out acc end", "eval_acc_end", 100, 1), ("mean acc over the run (AUC)", "acc_auc", 100, 1)]
+    lines += fresh_run_tables(parts[1:], cols, ARMS)
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(pts)

@@ -525,3 +525,20 @@ def test_describe_comparison_places_the_interval_without_a_verdict():
     assert desc("0>1", [(90.0, 1.0, 2), (10.0, 1.0, 2)]).endswith("(2 seeds in an arm, too few to place it)")
     for figs in (clear, spans):
         assert not re.search(r"\b(yes|no|inconclusive)\b", desc("0>1", figs))
+
+
+def test_split_runs_keeps_each_run_in_a_table_of_its_own():
+    """A results table pools no seeds of different runs: the first run's seeds, then each fresh run's range."""
+    from benchmarks._results import fresh_run_tables, split_runs
+
+    m = lambda v: {"acc": v}  # noqa: E731
+    by = {"a": {"0": m(0.5), "1": m(0.7), "10": m(0.1), "11": m(0.3), "100": m(0.9)},
+          "b": {"0": m(0.4), "2": m(0.6), "10": m(0.2)}}
+    parts = split_runs(by, ((10, 19), (100, 199), (300, 399)))
+    assert [r for r, _ in parts] == [None, (10, 19), (100, 199)]  # a range without rows gets no part
+    assert parts[0][1] == {"a": {"0": m(0.5), "1": m(0.7)}, "b": {"0": m(0.4), "2": m(0.6)}}
+    assert parts[2][1] == {"a": {"100": m(0.9)}}  # an arm without seeds in a run is left out of its table
+    lines = fresh_run_tables(parts[1:], [("acc", "acc", 100, 1)], arms=("b", "a"))
+    assert "| b | 20.0 | 10 |" in lines and "| a | 20.0 ± 14.1 | 10-11 |" in lines
+    assert lines.index("| b | 20.0 | 10 |") < lines.index("| a | 20.0 ± 14.1 | 10-11 |")  # in the order of arms
+    assert sum(line.startswith("Seeds ") for line in lines) == 2 and "| a | 90.0 | 100 |" in lines
