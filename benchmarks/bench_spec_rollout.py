@@ -23,11 +23,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, fresh_run_tables, read_rows, split_runs  # noqa: E402
 
 CSV = "spec_rollout.csv"
 DECODE = [("model", 2), ("model", 4), ("model", 6), ("ngram", 4), ("ngram", 8)]
 RL_DRAFTERS = ["none", "prev", "prev+ngram", "ngram", "model", "self"]
+PLAN_RUNS = ((20, 26),)  # the claims plan's fresh run (benchmarks/claims_plan.csv)
 RL_POOL = 128  # a small pool: many epochs in a short run, so SPEC-RL has previous rollouts to reuse
 
 
@@ -73,7 +74,8 @@ def ms(vals, digits: int, suffix: str = "") -> str:
 def report() -> None:
     from algos._speculative import speedup_theory, tokens_per_call_theory
 
-    by = latest(read_rows(CSV))
+    parts = split_runs(latest(read_rows(CSV)), PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     lines = ["**Speculative sampling** (`algos/spec_decode.py`, target `tiny-5m`, `addsteps`, 16 prompts x 8, "
              "T = 1). Tokens per call are per sequence (emitted tokens / target forwards the sequence took part "
              "in); batched calls are the lock-step batch's target forwards; wall ratio = HF `generate` time / "
@@ -118,6 +120,10 @@ def report() -> None:
         lines += ["", f"Hardware: {meta['hardware']} (shared with other jobs, so wall times are noisy); "
                   f"{meta['versions']}; commits {commits}. Rows: `benchmarks/results/{CSV}`; command: "
                   "`python benchmarks/bench_spec_rollout.py`."]
+    cols = [("held-out acc end", "eval_acc_end", 100, 1), ("forwards / token", "row_calls_per_token", 1, 3),
+            ("reused", "reused_frac", 1, 2), ("alpha early", "alpha_early", 1, 3), ("alpha late", "alpha_late", 1, 3)]
+    name = lambda part: {f"{cfg} ({bench})": d for (bench, cfg), d in part.items()}  # noqa: E731
+    lines += fresh_run_tables([(r, name(p)) for r, p in parts[1:]], cols)
     (RESULTS / "spec_rollout.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np
 
-from benchmarks._results import RESULTS, mean_std, read_rows
+from benchmarks._results import RESULTS, fresh_run_tables, mean_std, read_rows, split_runs
 
 CSV, MD, PNG = "ffdc.csv", RESULTS / "ffdc.md", RESULTS / "ffdc.png"
 CONFIGS = {
@@ -46,6 +46,7 @@ MODES = ("short", "long", "gated", "gated-fixed", "gated-rollout", "short-of-lon
 LABEL = {"short": "2-step chunks", "long": "8-step chunks", "gated": "gated, frame verifier",
          "gated-fixed": "gated, fixed threshold", "gated-rollout": "gated, rollout verifier",
          "short-of-long": "2 of 8 predicted steps"}
+PLAN_RUNS = ((10, 19), (20, 28))  # the claims plan's fresh runs (benchmarks/claims_plan.csv)
 WORK = ("short", "short-of-long", "long", "gated", "gated-rollout")  # the modes of the counted-work table
 
 
@@ -178,6 +179,8 @@ def verifier_text(d: dict, by: dict, rates: list[str]) -> list[str]:
 
 def report() -> None:
     by, meta = by_script()
+    parts = split_runs(by, PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     if "ffdc" not in by:
         raise SystemExit(f"no rows in {RESULTS / CSV}: run the benchmark first")
     d = by["ffdc"]
@@ -187,6 +190,10 @@ def report() -> None:
     commits = ", ".join(f"`{c}`" for c in sorted({r["commit"] for r in rows}))
     lines += ["", f"Commits {commits}; {rows[0]['hardware']}, {rows[0]['versions']}; rows in "
               "`benchmarks/results/ffdc.csv`; plot `benchmarks/results/ffdc.png`."]
+    # the plan's comparisons are at perturbation rate 0.1: a column per mode and figure, a row per configuration
+    cols = [(f"{what} at 0.1, {LABEL[m]}", f"{m}_r0.1_{what}", 1, 2) for what in ("calls", "success")
+            for m in ("short", "gated", "gated-rollout")] + [("frame off at the 8th step", "pred_dev_h8", 1, 3)]
+    lines += fresh_run_tables(parts[1:], cols, CONFIGS)
     MD.write_text("\n".join(lines) + "\n")
 
     import matplotlib

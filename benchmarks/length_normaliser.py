@@ -29,13 +29,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, fresh_run_tables, mean_std, read_rows,  # noqa: E402
+                                 split_runs)
 
 # setting -> (model, task, digits, results name); addsteps keeps its original file names
 SETTINGS = {"addsteps": ("tiny-0.6m", "addsteps", 3, "length_normaliser"),
             "sums": ("tiny-sums", "sums", 1, "length_normaliser_sums")}
 CSV, NAME, MODEL, TASK, DIGITS = "length_normaliser.csv", "length_normaliser", "tiny-0.6m", "addsteps", 3
 ARMS = {"1/|tau| (seq-mean)": "seq-mean", "1/k (const)": "const"}
+PLAN_RUNS = ((10, 12),)  # the claims plan's fresh run (benchmarks/claims_plan.csv)
 
 
 def premise(max_new_tokens: int, n: int = 256) -> dict:
@@ -99,6 +101,8 @@ def report() -> None:
     for r in rows:
         by[r["config"]][r["seed"]][r["metric"]] = float(r["value"])
         meta[r["config"]] = r
+    parts = split_runs(by, PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     lines = ["| normaliser | response length, first 10% of training | last 10% | train reward, last 10% | "
              "held-out acc start | end | groups with a reward signal | seeds |", "|---|---|---|---|---|---|---|---|"]
     for label in ARMS:
@@ -129,6 +133,12 @@ def report() -> None:
                          "reward signal, so both normalisers applied (almost) no gradient and the arms stayed "
                          "together." + (" The premise also fails here: failures are shorter than successes."
                                         if p["start_len_failure"] < p["start_len_success"] else ""))
+    cols = [("response length, first 10%", "len_first", 1, 1), ("last 10%", "len_last", 1, 1),
+            ("train reward, last 10% (%)", "reward_last_window", 100, 1),
+            ("held-out acc end (%)", "eval_acc_end", 100, 1)]
+    # "|" escaped as in the table above: a bare one would split a markdown cell
+    fresh = [(r, {c.replace("|", "\\|"): d for c, d in p.items()}) for r, p in parts[1:]]
+    lines += fresh_run_tables(fresh, cols, [a.replace("|", "\\|") for a in ARMS])
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(by)

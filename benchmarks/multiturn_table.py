@@ -57,7 +57,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, mean_std, read_rows  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, fresh_run_tables, mean_std, read_rows,  # noqa: E402
+                                 split_runs)
 
 CSV, NAME = "multiturn.csv", "multiturn"
 TURNS = 8000  # sampled-turn budget of the stepwise arms (about 16 rollout batches; the default 90 sample ~45,000)
@@ -65,6 +66,8 @@ STEPWISE = ("flat", "hgpo", "hgpo-turn", "logo")
 SELECT_COEFS = (0.001, 0.003, 0.01, 0.03)  # ECHO's candidate weights
 SELECT_LRS = (1e-4, 2e-4, 4e-4, 8e-4)  # multi-turn GRPO's candidate learning rates: the same number of runs
 SPLIT = "--env-split prompt"
+PLAN_RUNS = ((10, 19), (20, 22))  # the claims plan's fresh runs of the advantage error (benchmarks/claims_plan.csv)
+FINAL_RUNS = ((20, 23),)  # its fresh run of "final", whose first run is seeds 10-12 (--parts final --seeds 10 11 12)
 
 
 def picks() -> dict:
@@ -160,6 +163,10 @@ def report() -> None:
         meta[(r["script"], r["config"])] = r
     if not by:
         raise SystemExit(f"no rows in benchmarks/results/{CSV}; run without --report-only first")
+    final = {k: v for k, v in by.items() if k[1].startswith("final | ")}
+    parts = split_runs({k: v for k, v in by.items() if k not in final}, PLAN_RUNS)
+    final_parts = split_runs(final, FINAL_RUNS)
+    by = {**parts[0][1], **final_parts[0][1]}  # the first run; each fresh run of the claims plan gets its own table
 
     def col(key, metric, scale=100.0, digits=1):
         runs = by.get(key, {})
@@ -213,6 +220,13 @@ def report() -> None:
               f"policy. Stepwise arms stop at {TURNS:,} sampled turns. Hardware: {row['hardware']} (shared, one "
               f"thread); {row['versions']}; commits {', '.join(sorted({r['commit'] for r in meta.values()}))}. Rows: `benchmarks/results/{CSV}`; command: "
               "`python benchmarks/multiturn_table.py`."]
+    labels[mse] = "`algos/hgpo.py` advantage error, initial policy"
+    name = lambda part: {labels.get(k, f"`{k[0]}` {k[1]}"): d for k, d in part.items()}  # noqa: E731
+    cols = [("MSE trajectory-level", "mse_trajectory", 1, 4), ("flat", "mse_flat", 1, 4), ("HGPO", "mse_hgpo", 1, 4),
+            ("turn-keyed levels", "mse_hgpo_turn", 1, 4), ("LoGo", "mse_logo", 1, 4)]
+    lines += fresh_run_tables([(r, name(p)) for r, p in parts[1:]], cols)
+    cols = [("held-out success end", "eval_acc_end", 100, 1), ("env-token CE end", "eval_env_ce_end", 1, 2)]
+    lines += fresh_run_tables([(r, name(p)) for r, p in final_parts[1:]], cols)
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

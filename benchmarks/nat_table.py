@@ -34,10 +34,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, fresh_run_tables, mean_std, read_rows,  # noqa: E402
+                                 split_runs)
 
 CSV, NAME = "nat.csv", "nat"
 ARMS = {"full": ("full", 1.0), "urs 50%": ("urs", 0.5), "rpc 50%": ("rpc", 0.5)}
+PLAN_RUNS = ((10, 19), (20, 22), (100, 241), (300, 481))  # the claims plan's fresh runs (benchmarks/claims_plan.csv)
 STEPS = 20
 FLAGS = dict(steps=STEPS, eval_every=STEPS, eval_examples=300, pass_k=0, eval_hard=False, micro_batch_size=32,
              threads=1)
@@ -69,6 +71,11 @@ def report() -> None:
         meta[r["config"]] = r
     if not by:
         raise SystemExit(f"no rows in benchmarks/results/{CSV}; run without --report-only first")
+    for runs in by.values():
+        for r in runs.values():
+            r["fwd_bwd_s_per_step"] = r["forward_s_per_step"] + r["backward_s_per_step"]
+    parts = split_runs(by, PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     lines = ["| arm | kept tokens % | held-out acc start | end | best | fwd+bwd s / step (x full) | "
              "backward s / step (x full) | positions / step (x full) | peak positions / step (x full) | seeds |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -82,8 +89,6 @@ def report() -> None:
         def ratio(key):
             return [runs[s][key] / full[s][key] for s in runs if s in full and key in runs[s] and key in full[s]]
 
-        for r in list(runs.values()) + list(full.values()):
-            r["fwd_bwd_s_per_step"] = r["forward_s_per_step"] + r["backward_s_per_step"]
         lines.append(f"| {label} | {fmt(get('kept_frac'))} | {fmt(get('eval_acc_start'))} | {fmt(get('eval_acc_end'))} | "
                      f"{fmt(get('eval_acc_best'))} | {fmt(get('fwd_bwd_s_per_step'), 1, 2)} "
                      f"({fmt(ratio('fwd_bwd_s_per_step'), 1, 2)}) | {fmt(get('backward_s_per_step'), 1, 2)} "
@@ -99,6 +104,10 @@ def report() -> None:
               f"those of the widest micro-batch (on CPU peak memory is not measured; peak activation memory scales "
               f"with this count). Hardware: {row['hardware']} (shared); {row['versions']}; "
               f"commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; command: `python benchmarks/nat_table.py`."]
+    cols = [("held-out acc end", "eval_acc_end", 100, 1), ("fwd+bwd s / step", "fwd_bwd_s_per_step", 1, 2),
+            ("positions / step", "positions_per_step", 1, 0),
+            ("peak positions / step", "peak_positions_per_step", 1, 0)]
+    lines += fresh_run_tables(parts[1:], cols, ARMS)
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -26,11 +26,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, fresh_run_tables, mean_std, read_rows,  # noqa: E402
+                                 split_runs)
 
 CSV = "opd_bridge.csv"
 NAME = "opd_bridge"
 SEEDS = (0, 1, 2)
+PLAN_RUNS = ((10, 19),)  # the claims plan's fresh run (benchmarks/claims_plan.csv)
 GRPO_STEPS, PROMPTS, GROUP = 40, 16, 8  # labelled budget: 640 prompts
 WARMUP, OPD_STEPS = 15, 45  # bridge: unlabelled prompts only
 EVAL = 300
@@ -74,11 +76,16 @@ def fmt(vals, scale=100.0, digits=1):
 
 def report() -> None:
     rows = read_rows(CSV)
-    by = defaultdict(lambda: defaultdict(list))
-    meta = None
+    seeds, meta = defaultdict(dict), None  # config -> seed -> metrics
     for r in rows:
-        by[r["config"]][r["metric"]].append(float(r["value"]))
+        seeds[r["config"]].setdefault(r["seed"], {})[r["metric"]] = float(r["value"])
         meta = r
+    parts = split_runs(seeds, PLAN_RUNS)
+    by = defaultdict(lambda: defaultdict(list))  # the first run; each fresh run of the claims plan gets its own table
+    for config, runs in parts[0][1].items():
+        for m in runs.values():
+            for k, v in m.items():
+                by[config][k].append(v)
     lines = ["| configuration | labelled prompts | teacher held-out acc | student held-out acc start | end | "
              "harder (3-digit) end | seeds |", "|---|---|---|---|---|---|---|"]
     names = {"grpo-student": "(a) GRPO on the student", "grpo-teacher+bridge": "(b) GRPO on the teacher, then bridge",
@@ -105,6 +112,10 @@ def report() -> None:
                   f"Stage 3 (student GRPO after the bridge) was not run. Mean ± std over seeds; hardware: "
                   f"{meta['hardware']}; {meta['versions']}; commit {meta['commit']}. Rows: `benchmarks/results/{CSV}`; "
                   f"command: `python benchmarks/opd_bridge.py`."]
+        cols = [("teacher held-out acc", "teacher_acc", 100, 1), ("student held-out acc end", "eval_acc_end", 100, 1),
+                ("harder (3-digit) end", "eval_acc_hard_end", 100, 1)]
+        fresh = [(r, {names[c]: d for c, d in p.items()}) for r, p in parts[1:]]  # rows named as in the table above
+        lines += fresh_run_tables(fresh, cols, [names[c] for c in CONFIGS])
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -56,10 +56,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, by_config_seed, fresh_run_tables, mean_std,  # noqa: E402
+                                 split_runs)
 
 CSV, NAME = "opd_recovery.csv", "opd_recovery"
 SEEDS = (0, 1, 2)
+PLAN_RUNS = ((20, 29),)  # the claims plan's fresh run (benchmarks/claims_plan.csv)
 STEPS = 30
 KL_TARGET = 1.0
 OUT = "runs/bench_opd_recovery"
@@ -127,6 +129,8 @@ def short_to_long_tests(by) -> str:
 
 def report() -> None:
     by, meta = by_config_seed(CSV)
+    parts = split_runs(by, PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     if not by:
         print(f"no rows in benchmarks/results/{CSV}")
         return
@@ -161,6 +165,11 @@ def report() -> None:
               f"(shared); "
               f"{row['versions']}; commit {row['commit']}. Rows: `benchmarks/results/{CSV}`; command: "
               f"`python benchmarks/opd_recovery_table.py`."]
+    cols = [("held-out acc end", "eval_acc_end", 100, 1), ("reverse KL last 3", "kl_reverse_last3", 1, 2),
+            ("tokens to KL < 1", "tokens_to_kl1", 1, 0),
+            ("teacher-confirmed loops", "confirmed_repeat_frac_mean", 100, 1),
+            ("3-gram repeats", "repeat_frac_mean", 100, 1)]
+    lines += fresh_run_tables(parts[1:], cols, ARMS)
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -37,10 +37,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, by_config_seed, fresh_run_tables, mean_std,  # noqa: E402
+                                 split_runs)
 
 CSV, NAME = "otr.csv", "otr"
 SEEDS = (0, 1, 2)
+PLAN_RUNS = ((20, 25),)  # the claims plan's fresh run (benchmarks/claims_plan.csv)
 ARMS = {f"{name} | add d{d}": (objective, d) for d in (2, 1) for name, objective in (("OTR", "otr"), ("SFT", "sft"))}
 FLAGS = dict(steps=300, eval_every=100, pass_k=0, threads=1)
 
@@ -64,6 +66,8 @@ def run(seeds, arms) -> None:
 
 def report() -> None:
     by, meta = by_config_seed(CSV)
+    parts = split_runs(by, PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     fmt = lambda vals, scale=100.0, digits=1: mean_std(vals, scale, digits, bare_single=False)  # noqa: E731
     lines = ["| arm | trained on | held-out acc start | end | best | one digit more: start | end | candidate hit "
              "rate (last step) | target tokens | wall s | seeds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -87,6 +91,10 @@ def report() -> None:
                   "in 10), so the in-distribution figure of the d1 rows is coarse. Hardware: "
                   f"{row['hardware']} (shared); {row['versions']}; commit {row['commit']}. Rows: "
                   f"`benchmarks/results/{CSV}`; command: `python benchmarks/otr_table.py`."]
+    cols = [("held-out acc end", "eval_acc_end", 100, 1), ("one digit more: end", "eval_acc_hard_end", 100, 1)]
+    # a row per arm, named as in the table above (a config's " | " would split a markdown cell)
+    name = lambda c: f"{c.split(' | ')[0]} on {ARMS[c][1]}-digit `add`"  # noqa: E731
+    lines += fresh_run_tables([(r, {name(c): d for c, d in p.items()}) for r, p in parts[1:]], cols, map(name, ARMS))
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

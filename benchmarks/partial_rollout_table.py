@@ -33,10 +33,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, by_config_seed, fresh_run_tables, mean_std,  # noqa: E402
+                                 split_runs)
 
 CSV, NAME, SCRIPT = "partial_rollout.csv", "partial_rollout", "algos/partial_rollout.py"
 SEEDS = (0, 1, 2)
+PLAN_RUNS = ((100, 113),)  # the claims plan's fresh run of the real loop (benchmarks/claims_plan.csv)
 SIGMAS = (0.0, 0.25, 0.5, 1.0, 1.5)
 POLICIES = ("sync", "april", "copris", "async")
 SIM = dict(steps=50, groups=32, group_size=8, slots=256, over=2.0)
@@ -91,6 +93,8 @@ def cell(by, config, metric, scale=1.0, digits=2):
 
 def report() -> None:
     by, meta = collect()
+    parts = split_runs(by, PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     lines = []
     for preset in ("gpu", "cpu"):
         lines += [f"Simulator, {preset} preset: rollout tokens/s and training-step speed against synchronous "
@@ -144,6 +148,10 @@ def report() -> None:
                   f"one thread. Tokens/s is wall-clock on a shared machine: compare within this table. Hardware: "
                   f"{row['hardware']}; commit {row['commit']}. Command: "
                   "`python benchmarks/partial_rollout_table.py --train`."]
+        cols = [("acc end", "eval_acc_end", 100, 1), ("tokens/s", "tokens_per_s", 1, 0),
+                ("idle slots", "idle_slot_frac", 1, 2), ("wall s", "wall_s", 1, 0)]
+        fresh = [(r, {c.removeprefix("real | "): d for c, d in p.items()}) for r, p in parts[1:]]  # named as above
+        lines += fresh_run_tables(fresh, cols, TRAIN)
     sim = lambda s, p, m: cell(by, sim_config("gpu", "lognormal", s, p), m)  # noqa: E731
     real_cell = lambda label, m, scale=1.0, d=0: cell(by, f"real | {label}", m, scale, d)  # noqa: E731
     if real and sim_config("gpu", "lognormal", 1.0, "sync") in by:

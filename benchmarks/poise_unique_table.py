@@ -33,10 +33,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, by_config_seed, fresh_run_tables, mean_std,  # noqa: E402
+                                 split_runs)
 
 CSV, NAME = "poise_unique.csv", "poise_unique"
 SEEDS = (0, 1, 2)
+PLAN_RUNS = ((10, 19), (20, 25))  # the claims plan's fresh runs (benchmarks/claims_plan.csv)
 POISE_STEPS, UNIQUE_STEPS = 40, 40
 COMMON = dict(eval_examples=300, pass_k=0, eval_hard=False, threads=1)
 POISE_ARMS = {"GRPO, G=8 x 32 prompts": ("grpo", dict(group_size=8, prompts_per_step=32)),
@@ -104,6 +106,8 @@ def compare(by, a: str, b: str, key: str, scale: float = 100.0, digits: int = 1)
 def report() -> None:
     lines = []
     by, meta = collect("poise")
+    parts = split_runs(by, PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     if by:
         lines += ["| arm | rollouts per batch | held-out acc start | end | generated tokens | gain per 1M tokens "
                   "(points) | probe R^2 | wall s | seeds |", "|---|---|---|---|---|---|---|---|---|"]
@@ -126,8 +130,13 @@ def report() -> None:
                   f"the claims table gives the verdicts): at equal tokens, POISE 2 x 128 minus GRPO: "
                   f"{compare(by, 'POISE, 2 x 128 prompts', 'GRPO, G=8 x 32 prompts', 'eval_acc_end')}; at a quarter "
                   f"of the tokens, POISE 2 x 32 minus GRPO: "
-                  f"{compare(by, 'POISE, 2 x 32 prompts', 'GRPO, G=8 x 32 prompts', 'eval_acc_end')}.", ""]
+                  f"{compare(by, 'POISE, 2 x 32 prompts', 'GRPO, G=8 x 32 prompts', 'eval_acc_end')}."]
+        cols = [("held-out acc end", "eval_acc_end", 100, 1), ("generated tokens", "gen_tokens", 1, 0),
+                ("gain per 1M tokens (points)", "acc_gain_per_mtok", 100, 1)]
+        lines += fresh_run_tables(parts[1:], cols, POISE_ARMS) + [""]
     by, meta = collect("unique")
+    parts = split_runs(by, PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     if by:
         lines += ["| arm | greedy acc start | end | pass@1 (sampled) | pass@16 | AUC@16 | distinct correct strategies "
                   "| wall s | seeds |", "|---|---|---|---|---|---|---|---|---|"]
@@ -154,6 +163,10 @@ def report() -> None:
                   f"{compare(by, *UNIQUE_ARMS_CMP, 'eval_distinct_strategies_end', 1, 2)}. "
                   f"Here plain GRPO does not collapse onto one strategy within 40 batches (its distinct strategies rise "
                   f"from the start), so there is little for the reweighting to correct."]
+        cols = [("greedy acc end", "eval_acc_end", 100, 1), ("pass@1 (sampled)", "eval_pass@1_sampled_end", 100, 1),
+                ("pass@16", "eval_pass@16_curve_end", 100, 1), ("AUC@16", "eval_auc@16_end", 100, 1),
+                ("distinct correct strategies", "eval_distinct_strategies_end", 1, 2)]
+        lines += fresh_run_tables(parts[1:], cols, UNIQUE_ARMS)
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines).rstrip() + "\n")
     print("\n".join(lines))
 

@@ -22,8 +22,8 @@ benchmarks/report.py's rule): success after round 2 (x100) ReGuide > base and Re
 FT and for FS, each 0>1 with an effect of 23% of the larger figure (the paper's smallest gain, x1.3); the test-time
 arms are described. Re-planned after that run, which serves as the pilot: the arms of a seed share their
 demonstrations, starts, noise and pushes, so each directional row is a paired t test on the per-seed differences, at
-the seeds 80% power needs on the pilot's differences (3), on fresh seeds: `--seeds 20 21 22`. The table pools every
-seed in the CSV; the claims rows read the fresh run alone.
+the seeds 80% power needs on the pilot's differences (3), on fresh seeds: `--seeds 20 21 22`. The tables hold the
+pilot's seeds; the fresh run gets a table of its own, and the claims rows read it alone.
 
 Writes benchmarks/results/reguide.csv, reguide.md and reguide.png.
 """
@@ -38,10 +38,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, by_config_seed, fresh_run_tables, mean_std,  # noqa: E402
+                                 split_runs)
 
 CSV, NAME, SCRIPT = "reguide.csv", "reguide", "worldmodels/reguide.py"
 SEEDS = (0, 1, 2)
+PLAN_RUNS = ((20, 22),)  # the claims plan's fresh run (benchmarks/claims_plan.csv)
 CONFIGS = {"ReGuide-FT": dict(absorb="ft"), "ReGuide-FS": dict(absorb="fs")}
 ROUNDS = 2
 ROWS = [("base policy", "success_base"), ("base policy + guidance (test time only)", "success_guided"),
@@ -88,6 +90,8 @@ def paired(a: list[float], b: list[float]) -> str:
 
 def report() -> None:
     by, meta = by_config_seed(CSV)
+    parts = split_runs(by, PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     labels = [c for c in CONFIGS if c in by]
     get = lambda c, k: [r[k] for r in by[c].values() if k in r]  # noqa: E731
     fmt = lambda vals, scale=100.0, digits=1: mean_std(vals, scale, digits, bare_single=False)  # noqa: E731
@@ -122,6 +126,10 @@ def report() -> None:
                   f"Hardware: {row['hardware']} (shared); {row['versions']}; commit {row['commit']}. Rows: "
                   f"`benchmarks/results/{CSV}`; command: `python benchmarks/reguide_table.py`.",
                   "", "![success per absorption round](results/reguide.png)"]
+    cols = [("base policy", "success_base", 100, 1), (f"ReGuide, round {ROUNDS}", f"success_reguide_r{ROUNDS}", 100, 1),
+            (f"matched unguided data, round {ROUNDS}", f"success_control_r{ROUNDS}", 100, 1),
+            ("base policy + guidance", "success_guided", 100, 1)]
+    lines += fresh_run_tables(parts[1:], cols, CONFIGS)
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(by, labels)

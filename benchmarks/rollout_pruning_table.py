@@ -45,10 +45,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, by_config_seed, fresh_run_tables, mean_std,  # noqa: E402
+                                 split_runs)
 
 CSV, NAME = "rollout_pruning.csv", "rollout_pruning"
 SEEDS = (0, 1, 2)
+PLAN_RUNS = ((20, 25), (100, 122))  # the claims plan's fresh runs (benchmarks/claims_plan.csv)
 STEPS, EVAL_EVERY = 100, 25
 COMMON = dict(steps=STEPS, eval_every=EVAL_EVERY, eval_examples=500, pass_k=0, eval_hard=False, threads=1)
 FLAGS = f"--steps {STEPS} --eval-every {EVAL_EVERY} --eval-examples 500 --pass-k 0 --no-eval-hard --threads 1"
@@ -77,6 +79,8 @@ def run(seeds, arms) -> None:
 
 def report() -> None:
     by, meta = by_config_seed(CSV)
+    parts = split_runs(by, PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     if not by:
         print(f"no rows in benchmarks/results/{CSV}")
         return
@@ -104,6 +108,9 @@ def report() -> None:
               f"mean within-group std of the 0/1 rewards. Head AUC: how well the head ranks the survivors of a batch it "
               f"has not yet trained on (0.5 = chance). Hardware: {row['hardware']} (shared); {row['versions']}; commit "
               f"{row['commit']}. Rows: `benchmarks/results/{CSV}`; command: `python benchmarks/rollout_pruning_table.py`."]
+    cols = [("held-out acc end", "eval_acc_end", 100, 1), ("generated tokens", "gen_tokens", 1, 0),
+            ("groups with a non-zero advantage", "nonzero_adv_group_frac", 100, 1), ("wall s", "wall_s", 1, 0)]
+    lines += fresh_run_tables(parts[1:], cols, ARMS)
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

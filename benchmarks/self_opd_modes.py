@@ -21,9 +21,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, fresh_run_tables, mean_std, read_rows,  # noqa: E402
+                                 split_runs)
 
 CSV = "self_opd.csv"
+PLAN_RUNS = ((10, 19),)  # the claims plan's fresh run (benchmarks/claims_plan.csv)
 # (config name, --mode, overrides): the four modes at the script's defaults, then TRACE and GRPO at the GRPO
 # settings of algos/grpo.py (lr 1e-4, 8 samples per prompt), since the defaults are chosen for distillation.
 CONFIGS = [("opsd", "opsd", {}), ("pw-opsd", "pw-opsd", {}), ("trace", "trace", {}), ("grpo", "grpo", {}),
@@ -57,11 +59,16 @@ def fmt(vals, scale=1.0, nd=1):
 
 
 def report() -> None:
-    by = defaultdict(lambda: defaultdict(list))
-    meta = None
+    seeds, meta = defaultdict(dict), None  # config -> seed -> metrics
     for r in read_rows(CSV):
-        by[r["config"]][r["metric"]].append(float(r["value"]))
+        seeds[r["config"]].setdefault(r["seed"], {})[r["metric"]] = float(r["value"])
         meta = r
+    parts = split_runs(seeds, PLAN_RUNS)
+    by = defaultdict(lambda: defaultdict(list))  # the first run; each fresh run of the claims plan gets its own table
+    for config, runs in parts[0][1].items():
+        for m in runs.values():
+            for k, v in m.items():
+                by[config][k].append(v)
     lines = ["| mode | held-out acc end (%) | gain (points) | 3-digit OOD acc end (%) | OOD change (points) | "
              "entropy first -> last | length first -> last | seeds |",
              "|---|---|---|---|---|---|---|---|"]
@@ -92,6 +99,11 @@ def report() -> None:
                       "shrink, and 3-digit accuracy is near zero for every mode: the entropy column is the only one of "
                       "the three leakage symptoms named by TRACE's paper (entropy rise, shorter reasoning, OOD loss) "
                       "that this task can show."]
+        cols = [("held-out acc end (%)", "eval_acc_end", 100, 1),
+                ("3-digit OOD acc end (%)", "eval_acc_hard_end", 100, 1),
+                ("entropy last", "entropy_last", 1, 3)]
+        fresh = [(r, {LABELS[c]: d for c, d in p.items()}) for r, p in parts[1:]]  # rows named as in the table above
+        lines += fresh_run_tables(fresh, cols, [LABELS[c[0]] for c in CONFIGS])
     (RESULTS / "self_opd.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -56,10 +56,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, by_config_seed, mean_std  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, by_config_seed, fresh_run_tables, mean_std,  # noqa: E402
+                                 split_runs)
 
 CSV, NAME = "step_correction.csv", "step_correction"
 SEEDS = (0, 1, 2)
+# the claims plan's later fresh runs (benchmarks/claims_plan.csv), whose rows went under the main bench
+PLAN_RUNS = ((20, 22), (100, 109))
 STEPS, EVAL_EVERY, PROMPTS, G = 40, 10, 32, 8
 COMMON = dict(model="tiny-sums", task="sums", digits=1, max_new_tokens=48, steps=STEPS, eval_every=EVAL_EVERY,
               eval_examples=300, pass_k=0, eval_hard=False, threads=1, prompts_per_step=PROMPTS, group_size=G)
@@ -101,6 +104,8 @@ def run(seeds, arms, bench: str = NAME) -> None:
 
 def report() -> None:
     by, meta = by_config_seed(CSV, NAME)
+    parts = split_runs(by, PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     if not by:
         print(f"no rows in benchmarks/results/{CSV}")
         return
@@ -138,6 +143,9 @@ def report() -> None:
             if runs:
                 lines.append(f"| {label} | {mean_std(get('eval_acc_end'), 100)} | "
                              f"{mean_std(get('tokens_per_success'), 1, 1)} | {', '.join(sorted(runs, key=int))} |")
+    cols = [("held-out acc end", "eval_acc_end", 100, 1), ("tokens per success", "tokens_per_success", 1, 1),
+            ("salvage rate", "salvage_rate", 100, 1)]
+    lines += fresh_run_tables(parts[1:], cols, ARMS)
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

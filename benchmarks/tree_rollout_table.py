@@ -40,9 +40,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows, mean_std  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, fresh_run_tables, mean_std, read_rows,  # noqa: E402
+                                 split_runs)
 
 CSV, NAME = "tree_rollout.csv", "tree_rollout"
+PLAN_RUNS = ((10, 19), (20, 22))  # the claims plan's fresh runs (benchmarks/claims_plan.csv)
 PROMPTS, STEPS, EVAL_EVERY, EVAL_N, TARGET = 8, 25, 5, 200, 0.05
 ARMS = {  # arm -> (the script in algos/, its flags)
     "grpo": ("tree_rollout_grpo", dict(rounds=0, chains=16)), "tree": ("tree_rollout_grpo", {}),
@@ -97,6 +99,8 @@ def report() -> None:
         meta[r["config"]] = r
     if not by:
         raise SystemExit(f"no rows in benchmarks/results/{CSV}; run without --report-only first")
+    parts = split_runs(by, PLAN_RUNS)
+    by = parts[0][1]  # the first run; each fresh run of the claims plan gets a table of its own
     base = by.get("grpo", {})
     lines = [f"| arm | held-out acc start | end | best | steps to +{100 * TARGET:.0f} (reached) | sampled tokens to "
              f"+{100 * TARGET:.0f} (x grpo) | sampled tokens / step | token-savings | mixed-reward groups | distinct "
@@ -129,6 +133,10 @@ def report() -> None:
               f"(what 16 independent completions of the same lengths would sample); sampled tokens include LATR's "
               f"pruned windows. Hardware: {row['hardware']} (shared); {row['versions']}; commit {row['commit']}. "
               f"Rows: `benchmarks/results/{CSV}`; command: `python benchmarks/tree_rollout_table.py`."]
+    cols = [("held-out acc end", "eval_acc_end", 100, 1), ("steps to target", "steps_to_target", 1, 1),
+            ("sampled tokens to target (k)", "tokens_to_target", 1e-3, 0),
+            ("distinct answers / group", "distinct_answers", 1, 2)]
+    lines += fresh_run_tables(parts[1:], cols, ARMS)
     lines += ["", claims_text()]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -140,7 +148,8 @@ def claims_text() -> str:
     from benchmarks.report import describe_comparison, figure, fmt
 
     def side(arm, metric, scale, digits):
-        m = figure(f"{CSV}#algos/{ARMS[arm][0]}.py#{arm}#{metric}#{scale}")
+        # the first run's seeds, the main table's (the fresh runs start at PLAN_RUNS[0][0])
+        m = figure(f"{CSV}#algos/{ARMS[arm][0]}.py#{arm}#{metric}#{scale}#seeds=0-{PLAN_RUNS[0][0] - 1}")
         return m, fmt(*m, digits)
 
     out = []
@@ -156,7 +165,8 @@ def claims_text() -> str:
         except ValueError:  # an arm not run yet
             continue
         out.append(f"{claim}: {a} {ta} vs {b} {tb}, difference {describe_comparison(spec, [ma, mb], digits)}")
-    return ("Paper claims here, each comparison on this table's seeds alone (the claims table gives the verdicts): "
+    return ("Paper claims here, each comparison on the first table's seeds alone (the claims table gives the "
+            "verdicts): "
             + "; ".join(out) + ".")
 
 

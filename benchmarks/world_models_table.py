@@ -27,10 +27,11 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np
 
-from benchmarks._results import RESULTS, append_rows, read_rows
+from benchmarks._results import RESULTS, append_rows, fresh_run_tables, read_rows, split_runs
 
 CSV, MD, PNG = "world_models.csv", RESULTS / "world_models.md", RESULTS / "world_models.png"
 HORIZONS = (1, 8, 16, 32)
+PLAN_RUNS = ((10, 16),)  # the claims plan's fresh run (benchmarks/claims_plan.csv)
 
 
 # the default's seven eps-greedy policies, then six that differ in kind (worldmodels/policy_eval.py, parse_policy):
@@ -135,11 +136,12 @@ def fmt(vals: list[float], digits: int = 4) -> str:
 
 
 def report() -> None:
-    data, meta, used = collect_rows()
+    # the first run; each fresh run of the claims plan gets a table of its own (fresh_lines)
+    data, meta, used = collect_rows(lambda r: not any(lo <= int(r["seed"]) <= hi for lo, hi in PLAN_RUNS))
     if not data:
         raise SystemExit(f"no rows in {RESULTS / CSV}: run the benchmark first")
     order = [n for n in MODELS if n in data]
-    lines = error_lines(data, order) + policy_eval_lines(data) + provenance_lines(meta, used)
+    lines = error_lines(data, order) + policy_eval_lines(data) + fresh_lines() + provenance_lines(meta, used)
     MD.write_text("\n".join(lines) + "\n")
     plot_errors(data, order)
     print(f"wrote {MD.relative_to(ROOT)} and {PNG.relative_to(ROOT)}")
@@ -220,6 +222,16 @@ def policy_eval_lines(data: dict) -> list[str]:
             lines.append(f"| {label} | " + " | ".join(fmt(d.get(k, []), 3) for k in (key, f"{key}_eps", f"{key}_kinds"))
                          + " |")
     return lines
+
+
+def fresh_lines() -> list[str]:
+    """A table per fresh run of the claims plan: the figures its rows compare, a row per script."""
+    by = defaultdict(lambda: defaultdict(dict))  # script -> seed -> metric -> value (a later row wins)
+    for r in read_rows(CSV):
+        by[r["script"]][r["seed"]][r["metric"]] = float(r["value"])
+    cols = [(f"agent err h={h}", f"agent_err_h{h}", 1, 2) for h in HORIZONS[1:]] + [
+        ("Pearson r, imagined vs real success", "pearson", 1, 3), ("with termination", "pearson_term", 1, 3)]
+    return fresh_run_tables(split_runs(by, PLAN_RUNS)[1:], cols, MODELS + PE_NAMES)
 
 
 def provenance_lines(meta: dict, used: list[dict]) -> list[str]:
