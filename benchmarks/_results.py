@@ -128,9 +128,17 @@ def split_runs(by: dict, runs) -> list[tuple[tuple[int, int] | None, dict]]:
     return [(None, first)] + [(r, d) for r, d in fresh if d]
 
 
-def fresh_run_tables(parts, cols, arms=None) -> list[str]:
+def fresh_run_tables(parts, cols, arms=None, population_std: bool = False) -> list[str]:
     """A markdown table per fresh run (the parts after the first from `split_runs`): a row per arm (in the order of
-    `arms`, else as stored) with each column `(header, metric, scale, digits)` as mean ± std over its seeds."""
+    `arms`, else as stored) with each column `(header, metric, scale, digits)` as mean ± std over its seeds (the
+    sample std, or the population std where the script's own tables use it)."""
+    def cell(vals, scale, digits):
+        if not population_std or len(vals) < 2:
+            return mean_std(vals, scale, digits)
+        m = sum(vals) / len(vals)
+        sd = (sum((v - m) ** 2 for v in vals) / len(vals)) ** 0.5
+        return f"{m * scale:.{digits}f} ± {sd * scale:.{digits}f}"
+
     lines = []
     for (lo, hi), by in parts:
         lines += ["", f"Seeds {lo}-{hi}, a fresh run of the claims plan (benchmarks/claims_plan.csv) on the arms it "
@@ -138,6 +146,6 @@ def fresh_run_tables(parts, cols, arms=None) -> list[str]:
                   "|---|" + "---|" * (len(cols) + 1)]
         for label in [a for a in (arms or by) if a in by]:
             runs = list(by[label].values())
-            cells = [mean_std([r[m] for r in runs if m in r], scale, digits) for _, m, scale, digits in cols]
+            cells = [cell([r[m] for r in runs if m in r], scale, digits) for _, m, scale, digits in cols]
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {seed_ranges(by[label])} |")
     return lines

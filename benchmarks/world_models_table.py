@@ -231,7 +231,8 @@ def fresh_lines() -> list[str]:
         by[r["script"]][r["seed"]][r["metric"]] = float(r["value"])
     cols = [(f"agent err h={h}", f"agent_err_h{h}", 1, 2) for h in HORIZONS[1:]] + [
         ("Pearson r, imagined vs real success", "pearson", 1, 3), ("with termination", "pearson_term", 1, 3)]
-    return fresh_run_tables(split_runs(by, PLAN_RUNS)[1:], cols, MODELS + PE_NAMES)
+    # the population std, as this file's other tables (and the claims table for world_models.csv) use
+    return fresh_run_tables(split_runs(by, PLAN_RUNS)[1:], cols, MODELS + PE_NAMES, population_std=True)
 
 
 def provenance_lines(meta: dict, used: list[dict]) -> list[str]:

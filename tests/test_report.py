@@ -542,3 +542,5 @@ def test_split_runs_keeps_each_run_in_a_table_of_its_own():
     assert "| b | 20.0 | 10 |" in lines and "| a | 20.0 ± 14.1 | 10-11 |" in lines
     assert lines.index("| b | 20.0 | 10 |") < lines.index("| a | 20.0 ± 14.1 | 10-11 |")  # in the order of arms
     assert sum(line.startswith("Seeds ") for line in lines) == 2 and "| a | 90.0 | 100 |" in lines
+    # the population std (n) for the files whose tables use it: 0.1 and 0.3 are 0.1 from their mean
+    assert "| a | 20.0 ± 10.0 | 10-11 |" in fresh_run_tables(parts[1:2], [("acc", "acc", 100, 1)], population_std=True)
