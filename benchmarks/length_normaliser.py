@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -117,7 +118,7 @@ def report() -> None:
     if "premise" in by and meta:
         p = next(iter(by["premise"].values()))
         any_row = meta[next(k for k in meta if k != "premise")] if len(meta) > 1 else meta["premise"]
-        cmd = any_row["command"]
+        cmd = re.sub(r"--seed \d+", "--seed SEED", any_row["command"])  # one row's seed would read as the only one
         lines += ["", f"Starting policy (`{MODEL}` on `{TASK}`, {DIGITS}-digit operands, temperature 1, 256 training prompts): success rate "
                   f"{100 * p['start_success_rate']:.1f}%, mean length of successes {p['start_len_success']:.1f} "
                   f"tokens vs failures {p['start_len_failure']:.1f}, truncated {100 * p['start_truncated']:.1f}%. "
