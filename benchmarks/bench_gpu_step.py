@@ -306,9 +306,10 @@ def write_markdown() -> None:
         ours = sides.get("ours", {})
         if "rollout_fp32_dynamic_tokens_per_s" in ours:
             base = ours["rollout_fp32_dynamic_tokens_per_s"]
-            lines.append(f"| {shape} | {tokens} | rollout paths, tok/s | | | previous {base:.0f}; default "
+            # one cell per header column: the tok/s under "rollout tok/s", the gap under the ratio column
+            lines.append(f"| {shape} | {tokens} | rollout paths | | | | | previous {base:.0f}; default "
                          f"{ours['rollout_tokens_per_s']:.0f} ({ours['rollout_tokens_per_s'] / base:.1f}x previous) "
-                         f"| | | | | sampler-trainer gap {ours['logprob_mismatch']:.1e} | | |")
+                         f"| | | sampler-trainer gap {ours['logprob_mismatch']:.1e} | |")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "gpu_step.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {RESULTS / 'gpu_step.md'}")

@@ -406,3 +406,29 @@ def test_the_path_rule_can_fail(tmp_path):
     assert dangling_paths(tmp_path, ["algos/a.py", "README.md"]) == [
         "algos/a.py:1: algos/b.py", "algos/a.py:1: tests/test_", "algos/a.py:2: benchmarks/x.md",
         "README.md:1: algos/c.py", "README.md:1: link algos/c.py"]
+
+
+def table_width_errors(text: str) -> list[str]:
+    """Rows of a markdown table whose cell count differs from its header's (code spans and escaped pipes aside)."""
+    errors, width = [], None
+    for k, line in enumerate(text.split("\n"), 1):
+        if not line.startswith("|"):
+            width = None
+            continue
+        n = len(re.findall(r"(?<!\\)\|", re.sub(r"`[^`]*`", "", line)))
+        if width is None:
+            width = n
+        elif n != width:
+            errors.append(f"line {k}: {n - 1} cells, the header {width - 1}")
+    return errors
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "benchmarks" / "results").glob("*.md")) +
+                         [ROOT / "README.md", ROOT / "benchmarks" / "README.md"], ids=lambda p: p.name)
+def test_markdown_tables_keep_their_width(path):
+    assert not table_width_errors(path.read_text())
+
+
+def test_the_table_width_rule_can_fail():
+    assert table_width_errors("| a | b |\n|---|---|\n| 1 | 2 | 3 |\n\n| c |\n|---|\n| `x | y` |") == [
+        "line 3: 3 cells, the header 2"]
