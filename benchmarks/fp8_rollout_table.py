@@ -53,7 +53,7 @@ TRAIN = dict(model="tiny-sums", task="sums", digits=1, max_new_tokens=48, steps=
 PROMPTS, SAMPLES = 32, 4
 POSITIONS = ("0-7", "8-15", "16-31", "32+")  # algos/fp8_rollout.py's BUCKETS, as mismatch_metrics names them
 POS_ROWS = ("bf16", "W8A8", "W8A8 + KV")
-PLAN_RUNS = ((10, 19), (20, 29), (100, 241))  # the claims plan's fresh training runs (benchmarks/claims_plan.csv)
+PLAN_RUNS = ((10, 19), (20, 29), (100, 241), (300, 322))  # the claims plan's fresh training runs
 
 
 def pair_order(r_a, r_b, G: int) -> tuple[int, int]:

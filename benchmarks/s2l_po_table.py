@@ -56,7 +56,7 @@ from benchmarks._results import (RESULTS, append_rows, by_config_seed, fresh_run
 
 CSV, NAME = "s2l_po.csv", "s2l_po"
 SEEDS = (0, 1, 2)
-PLAN_RUNS = ((20, 29), (100, 108))  # the claims plan's fresh runs (benchmarks/claims_plan.csv)
+PLAN_RUNS = ((20, 29), (100, 108), (300, 309))  # the claims plan's fresh runs (benchmarks/claims_plan.csv)
 STEPS, EVAL_EVERY, BUDGET = 40, 2, 3e10
 COMMON = dict(steps=STEPS, eval_every=EVAL_EVERY, eval_examples=300, pass_k=0, eval_hard=False, threads=1)
 FLAGS = f"--steps {STEPS} --eval-every {EVAL_EVERY} --eval-examples 300 --pass-k 0 --no-eval-hard --threads 1"
