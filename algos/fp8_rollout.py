@@ -77,6 +77,7 @@ token is 1.3e-3 on sums2 (10-token responses) and 4.6e-3 on sums6 (41 tokens; 6 
 1e-5; within sums6 it is not monotone in the position (highest at positions 16-31; benchmarks/results/fp8_rollout.md).
 Over 142 seeds per arm (100-241), token-TIS ends 20 batches at 51.1 ± 4.4% against fp32 rollouts' 51.6 ± 4.4%,
 -0.5 [-1.6, +0.5] points: close, but not shown within the claims plan's 1.3 (benchmarks/README.md, the claims table).
+Against FP8 with no correction (23 paired seeds, 300-322) token-TIS gains +0.7 [-1.0, +2.5] points: no credit to TIS.
 """
 from __future__ import annotations
 
