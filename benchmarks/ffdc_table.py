@@ -21,7 +21,10 @@ Plan, fixed before the runs (3 seeds per configuration; benchmarks/report.py's v
 multiply-accumulates gated (frame verifier) < 2-step chunks; success gated > 2-step chunks for each learned verifier.
 Paired re-plan (benchmarks/claims_plan.csv; the fresh run of seeds 10-17 is its pilot): success gated > 2-step chunks
 at rate 0.1 (both execution rules on the same world model, policy and episodes of a seed) is a paired t test on the
-per-seed differences of `--only ffdc --seeds 20 21 22 23 24 25 26 27 28`.
+per-seed differences of `--only ffdc --seeds 20 21 22 23 24 25 26 27 28`. Paired re-plan of Mixture-of-Horizon
+Training (the fresh run of seeds 10-19 is its pilot): frame off at the eighth step, mixture < single steps (both
+configurations of a seed train on the same expert trajectories and meet the same test maps), a paired t test on the
+per-seed differences of `--seeds $(seq 300 345)`.
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ MODES = ("short", "long", "gated", "gated-fixed", "gated-rollout", "short-of-lon
 LABEL = {"short": "2-step chunks", "long": "8-step chunks", "gated": "gated, frame verifier",
          "gated-fixed": "gated, fixed threshold", "gated-rollout": "gated, rollout verifier",
          "short-of-long": "2 of 8 predicted steps"}
-PLAN_RUNS = ((10, 19), (20, 28))  # the claims plan's fresh runs (benchmarks/claims_plan.csv)
+PLAN_RUNS = ((10, 19), (20, 28), (300, 345))  # the claims plan's fresh runs (benchmarks/claims_plan.csv)
 WORK = ("short", "short-of-long", "long", "gated", "gated-rollout")  # the modes of the counted-work table
 
 
