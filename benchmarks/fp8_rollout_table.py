@@ -221,7 +221,7 @@ def report() -> None:
             lines += ["", f"Seeds {lo}-{hi}, a fresh run of the claims plan (benchmarks/claims_plan.csv) with the arms "
                       "it compares:", ""] + train_table(run)
     if by and tby:
-        lines += ["", verdicts(by, runs[0][1])]
+        lines += ["", comparisons(by, runs[0][1])]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -240,36 +240,42 @@ def train_table(tby) -> list[str]:
     return lines
 
 
-def verdicts(by, tby) -> str:
-    """The directions seen here, worded from the figures (mean over seeds; '>' only beyond the larger std)."""
-    def m(cfg, metric, b=by):
-        v = vals(b, cfg, metric)
-        return (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0) if v else (float("nan"), 0.0)
+def comparisons(by, tby) -> str:
+    """The comparisons the claims table judges, each described alone: the difference of seed means, its Welch 95%
+    interval and where it lies (benchmarks/report.py's `describe_comparison`; the claims table gives the verdicts)."""
+    from benchmarks.report import describe_comparison, t_interval
 
-    def order(a, b):  # 'above' / 'below' / 'level with' beyond the noise
-        return "above" if a[0] - b[0] > max(a[1], b[1]) else "below" if b[0] - a[0] > max(a[1], b[1]) else "level with"
+    def m(cfg, metric, b=by, scale=1.0):
+        v = [scale * x for x in vals(b, cfg, metric)]
+        return (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else float("nan"), len(v)) if v else \
+            (float("nan"), float("nan"), 0)
+
+    def diff(a, b, digits=2):
+        return describe_comparison("0~1", [a, b], digits)
 
     lo, hi = f"sums{OPERANDS[0]}", f"sums{OPERANDS[-1]}"
-    kl = {r: m(f"{r} | {hi}", "exact") for r in ROWS}
-    grow = order(m(f"W8A8 + KV | {hi}", "exact"), m(f"W8A8 + KV | {lo}", "exact"))
-    grow_pos = order(m(f"W8A8 + KV | {hi}", f"kl_pos{POSITIONS[-1]}"), m(f"W8A8 + KV | {hi}", f"kl_pos{POSITIONS[0]}"))
+    kl = {r: m(f"{r} | {hi}", "exact", scale=1e4) for r in ROWS}
     exps = [e for e in (exponent(by, "W8A8", sd) for sd in by.get(f"W8A8 | {lo}", {})) if e is not None]
-    acc = {a: m(a, "eval_acc_end", tby) for a in ARMS}
-    e = (statistics.mean(exps), statistics.stdev(exps)) if len(exps) > 1 else (float("nan"), 0.0)
-    sqrt_t = "steeper than" if e[0] - 0.5 > e[1] else "shallower than" if 0.5 - e[0] > e[1] else "consistent with"
-    floor = order(kl["bf16"], kl["unified"]) == "above"
-    return (f"Claims in direction: the mixed mismatch per token at {hi} is {order(kl['W8A8 + KV'], kl['W8A8'])} W8A8 "
-            f"alone, which is {order(kl['W8A8'], kl['bf16'])} bf16, which is {order(kl['bf16'], kl['unified'])} "
-            f"unified FP8" + (" (unified sits at the rounding floor, below bf16, not between mixed and bf16)" if floor
-                              else "") +
-            f"; the W8A8 + KV mismatch per token at {hi} is {grow} that at {lo} (Jet-RL: it grows with length), and "
-            f"within {hi} at positions {POSITIONS[-1]} it is {grow_pos} that at positions {POSITIONS[0]}; the "
-            f"sequence log-ratio spread of W8A8 grows with exponent {mean_std(exps, 1, 2)} in the length, {sqrt_t} "
-            f"the sqrt(T) of independent per-token errors. Reward "
-            f"curves: after {TRAIN['steps']} batches token-TIS ends {order(acc['FP8, token-TIS'], acc['fp32 rollouts'])} "
-            f"fp32 rollouts, no correction {order(acc['FP8, no correction'], acc['fp32 rollouts'])} them, unified "
-            f"{order(acc['unified FP8'], acc['fp32 rollouts'])} them: no collapse at this scale and length, and too "
-            f"short a run to separate the arms.")
+    exp_text = mean_std(exps, 1, 2)
+    if len(exps) > 1:
+        se = statistics.stdev(exps) / math.sqrt(len(exps))
+        e_lo, e_hi = t_interval(statistics.mean(exps) - 0.5, se, len(exps) - 1)
+        exp_text += (f" (minus 0.5, the exponent of independent per-token errors: {statistics.mean(exps) - 0.5:+.2f} "
+                     f"[{e_lo:+.2f}, {e_hi:+.2f}])")
+    acc = {a: m(a, "eval_acc_end", tby, 100.0) for a in ARMS}
+    mixed = lambda sums, metric="exact": m(f"W8A8 + KV | {sums}", metric, scale=1e4)  # noqa: E731
+    return (f"The comparisons the claims table judges, each described alone (difference of seed means, Welch's 95% "
+            f"interval and where it lies; the verdicts, with their plans, fresh seeds and multiplicity step, are the "
+            f"claims table's). Exact KL per token at {hi}, in 1e-4: W8A8 + KV minus W8A8 "
+            f"{diff(kl['W8A8 + KV'], kl['W8A8'])}; W8A8 minus bf16 {diff(kl['W8A8'], kl['bf16'])}; bf16 minus unified "
+            f"FP8 {diff(kl['bf16'], kl['unified'])}. W8A8 + KV at {hi} minus at {lo} "
+            f"{diff(mixed(hi), mixed(lo))}; "
+            f"within {hi}, positions {POSITIONS[-1]} minus positions {POSITIONS[0]} "
+            f"{diff(mixed(hi, f'kl_pos{POSITIONS[-1]}'), mixed(hi, f'kl_pos{POSITIONS[0]}'))}. "
+            f"The sequence log-ratio spread of W8A8 grows with the length with exponent {exp_text}. Held-out accuracy (%) after {TRAIN['steps']} batches, each arm minus fp32 rollouts: "
+            f"token-TIS {diff(acc['FP8, token-TIS'], acc['fp32 rollouts'], 1)}; no correction "
+            f"{diff(acc['FP8, no correction'], acc['fp32 rollouts'], 1)}; unified "
+            f"{diff(acc['unified FP8'], acc['fp32 rollouts'], 1)}.")
 
 
 def append_rows_once(row: str, seed: str, value: float) -> None:

@@ -679,8 +679,8 @@ def claims_table() -> str:
     departs = sum(bool(jd.flags) for jd in jds)
     lines += ["", f"{len(rows)} claims: {judged} judged ({c['yes']} yes, {c['no']} no, {c['inconclusive']} "
               f"inconclusive, {c['underpowered']} underpowered) and {c['descriptive']} descriptive rows outside the "
-              f"count. {len(planned)} rows have a fresh run planned ({sum(bool(p['redecide']) for p in planned)} of "
-              f"them can be decided by that run only); {departs} "
+              f"count. {len(planned)} {'row has' if len(planned) == 1 else 'rows have'} a fresh run planned "
+              f"({sum(bool(p['redecide']) for p in planned)} of them can be decided by that run only); {departs} "
               f"{'row departs from its plan' if departs == 1 else 'rows depart from their plans'}. Rows: "
               "`benchmarks/results/claims.csv` (its `figures` column names the results rows each figure is computed "
               "from, `compare`, `kind` and `margin` give the rule its inputs); plans: "
