@@ -164,73 +164,120 @@ def footer(meta_rows):
             f"reference policies on locally generated data, not D4RL; mean ± std over seeds.*\n")
 
 
+def plan_run_lines(table, meta, bench: str, cols: list[tuple[str, str, str]]) -> list[str]:
+    """The claims plan's fresh run under `bench` (run with --plan) as a table of its own: its seeds neither pool with
+    the first run's nor stand in for them. `cols`: (header, metric, number format)."""
+    runs = {c: m for (b, _, c), m in table.items() if b == bench}
+    if not runs:
+        return []
+    commits = ", ".join(sorted({r["commit"] for k, r in meta.items() if k[0] == bench}))
+    lines = ["", f"The claims plan's fresh run (bench `{bench}`, `--plan` seeds, benchmarks/claims_plan.csv; commit "
+             f"{commits}):", "",
+             "| configuration | " + " | ".join(h for h, _, _ in cols) + " | seeds |", "|---" * (len(cols) + 2) + "|"]
+    for c, m in sorted(runs.items()):
+        lines.append(f"| {c} | " + " | ".join(ms(m[k], f) if m.get(k) else "-" for _, k, f in cols)
+                     + f" | {len(m['score_last'])} |")
+    return lines
+
+
+def corl_md(table, meta) -> str | None:
+    """The CORL-style table of TD3+BC and IQL (and the datasets), with its fresh run."""
+    corl = {k: v for k, v in table.items() if k[0] == "corl"}
+    if not corl:
+        return None
+    lines = ["Offline RL baselines. Pendulum: 2,000 gradient steps, 2 x 128 networks, 20k transitions; "
+             "halfcheetah: 10,000 steps, 2 x 256 networks, 50k (medium) or 115k (medium-replay) transitions. "
+             "Score = this project's normalised "
+             "score (0 = uniform random actions, 100 = its own expert); D4RL score = the same return on "
+             "D4RL's halfcheetah scale (random -280, expert 12,135), *indicative only*: our expert is a "
+             "linear CEM policy far below D4RL's, and the data are not D4RL's.", "",
+             "| dataset | script | steps | behaviour score | score last | score best | return last | "
+             "D4RL score (indicative) | seeds |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (_, s, c), m in sorted(corl.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+        d4rl = ms(m["return_d4rl_last"]) if m.get("return_d4rl_last") else "n/a (no D4RL pendulum)"
+        lines.append(f"| {c} | {s} | {corl_steps(c)} | {ms(m['behaviour_score'])} | {ms(m['score_last'])} | "
+                     f"{ms(m['score_best'])} | {ms(m['return_last'], '{:.0f}')} | {d4rl} | "
+                     f"{len(m['score_last'])} |")
+    data = {k: v for k, v in table.items() if k[0] == "dataset"}
+    if data:
+        lines += ["", "The datasets (`algos/_offline_data.py`, generator seed 0):", "",
+                  "| dataset | transitions | episodes | behaviour return | behaviour score | D4RL score "
+                  "(indicative) | reference returns: random / expert |", "|---|---|---|---|---|---|---|"]
+        for (_, _, c), m in sorted(data.items()):
+            d4rl = ms(m["behaviour_d4rl_score"]) if m.get("behaviour_d4rl_score") else "n/a"
+            lines.append(f"| {c} | {ms(m['n_transitions'], '{:.0f}')} | {ms(m['n_episodes'], '{:.0f}')} | "
+                         f"{ms(m['behaviour_return_mean'], '{:.0f}')} | {ms(m['behaviour_score'])} | {d4rl} | "
+                         f"{ms(m['ref_random_return'], '{:.0f}')} / {ms(m['ref_expert_return'], '{:.0f}')} |")
+    lines += plan_run_lines(table, meta, "corl_plan",
+                            [("behaviour score", "behaviour_score", "{:.1f}"),
+                             ("score last", "score_last", "{:.1f}"),
+                             ("score best", "score_best", "{:.1f}")])
+    return "\n".join(lines) + "\n" + footer({k: meta[k] for k in corl})
+
+
+def ravl_md(table, meta) -> str | None:
+    """RAVL's edge-of-reach table, with its fresh run."""
+    rv = {k: v for k, v in table.items() if k[0] == "ravl"}
+    if not rv:
+        return None
+    lines = [f"Edge-of-reach on pendulum-expert: k = 5 model rollouts, real-data ratio 0.05, {RAVL_STEPS} steps, TD3-style agent. "
+             "Q - MC = critic value minus the Monte-Carlo return of the same policy in the true dynamics, "
+             "on edge-of-reach states (last states of rollouts) and on dataset states.", "",
+             "| model | pessimism | critics | penalty | score last | score best | Q - MC edge (last) | "
+             "Q - MC data (last) | seeds |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    order = {"none": 0, "penalty": 1, "ravl": 2}
+    for (_, s, c), m in sorted(rv.items(), key=lambda kv: (kv[0][2].split("/")[0] != "true",
+                                                            order[kv[0][2].split("/")[1]])):
+        model, pess = c.split("/")
+        lines.append(f"| {model} | {pess} | {ms(m['n_critics'], '{:.0f}')} | {ms(m['penalty_mean_last'], '{:.3f}')} | "
+                     f"{ms(m['score_last'])} | {ms(m['score_best'])} | {ms(m['q_edge_minus_mc_last'])} | "
+                     f"{ms(m['q_data_minus_mc_last'])} | {len(m['score_last'])} |")
+    lines += plan_run_lines(table, meta, "ravl_plan",
+                            [("score last", "score_last", "{:.1f}"),
+                             ("score best", "score_best", "{:.1f}"),
+                             ("Q - MC edge (last)", "q_edge_minus_mc_last", "{:.1f}")])
+    return "\n".join(lines) + "\n" + footer({k: meta[k] for k in rv})
+
+
+def driftql_md(table, meta) -> str | None:
+    """DriftQL's table of the two regularisers, with its fresh run."""
+    dq = {k: v for k, v in table.items() if k[0] == "driftql"}
+    if not dq:
+        return None
+    lines = [f"DriftQL on toy-multimodal ({DRIFT_STEPS} steps). Goals: fraction of 100 evaluation episodes "
+             "ending at the left / right goal. Start-state actions: fraction of 512 sampled actions within "
+             "0.3 of the left / right data mode (the rest are between modes or elsewhere).", "",
+             "| regulariser | rho | score last | score best | goal left | goal right | "
+             "actions at left mode | actions at right mode | seeds |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (_, s, c), m in sorted(dq.items(), key=lambda kv: kv[0][2]):
+        reg, rho = c.split("/")
+        lines.append(f"| {reg} | {rho[3:]} | {ms(m['score_last'])} | {ms(m['score_best'])} | "
+                     f"{ms(m['goal_left'], '{:.2f}')} | {ms(m['goal_right'], '{:.2f}')} | "
+                     f"{ms(m['left'], '{:.2f}')} | {ms(m['right'], '{:.2f}')} | {len(m['score_last'])} |")
+    drops = []
+    for reg in ("drift", "mse"):
+        a, b = table.get(("driftql", "driftql", f"{reg}/rho0.0")), table.get(("driftql", "driftql", f"{reg}/rho0.5"))
+        if a and b:
+            drops.append(f"{reg}: {np.mean(a['score_last']) - np.mean(b['score_last']):.1f}")
+    if drops:
+        lines += ["", "Score drop from rho 0 to rho 0.5 (score last, mean): " + "; ".join(drops) + "."]
+    lines += plan_run_lines(table, meta, "driftql_plan",
+                            [("score last", "score_last", "{:.1f}"),
+                             ("actions at left mode", "left", "{:.2f}"),
+                             ("actions at right mode", "right", "{:.2f}")])
+    return "\n".join(lines) + "\n" + footer({k: meta[k] for k in dq})
+
+
 def report():
     table, meta = latest(read_rows(CSV))
     out = {}
-    corl = {k: v for k, v in table.items() if k[0] == "corl"}
-    if corl:
-        lines = ["Offline RL baselines. Pendulum: 2,000 gradient steps, 2 x 128 networks, 20k transitions; "
-                 "halfcheetah: 10,000 steps, 2 x 256 networks, 50k (medium) or 115k (medium-replay) transitions. "
-                 "Score = this project's normalised "
-                 "score (0 = uniform random actions, 100 = its own expert); D4RL score = the same return on "
-                 "D4RL's halfcheetah scale (random -280, expert 12,135), *indicative only*: our expert is a "
-                 "linear CEM policy far below D4RL's, and the data are not D4RL's.", "",
-                 "| dataset | script | steps | behaviour score | score last | score best | return last | "
-                 "D4RL score (indicative) | seeds |",
-                 "|---|---|---|---|---|---|---|---|---|"]
-        for (_, s, c), m in sorted(corl.items(), key=lambda kv: (kv[0][2], kv[0][1])):
-            d4rl = ms(m["return_d4rl_last"]) if m.get("return_d4rl_last") else "n/a (no D4RL pendulum)"
-            lines.append(f"| {c} | {s} | {corl_steps(c)} | {ms(m['behaviour_score'])} | {ms(m['score_last'])} | "
-                         f"{ms(m['score_best'])} | {ms(m['return_last'], '{:.0f}')} | {d4rl} | "
-                         f"{len(m['score_last'])} |")
-        data = {k: v for k, v in table.items() if k[0] == "dataset"}
-        if data:
-            lines += ["", "The datasets (`algos/_offline_data.py`, generator seed 0):", "",
-                      "| dataset | transitions | episodes | behaviour return | behaviour score | D4RL score "
-                      "(indicative) | reference returns: random / expert |", "|---|---|---|---|---|---|---|"]
-            for (_, _, c), m in sorted(data.items()):
-                d4rl = ms(m["behaviour_d4rl_score"]) if m.get("behaviour_d4rl_score") else "n/a"
-                lines.append(f"| {c} | {ms(m['n_transitions'], '{:.0f}')} | {ms(m['n_episodes'], '{:.0f}')} | "
-                             f"{ms(m['behaviour_return_mean'], '{:.0f}')} | {ms(m['behaviour_score'])} | {d4rl} | "
-                             f"{ms(m['ref_random_return'], '{:.0f}')} / {ms(m['ref_expert_return'], '{:.0f}')} |")
-        out["offline_rl"] = "\n".join(lines) + "\n" + footer({k: meta[k] for k in corl})
-    rv = {k: v for k, v in table.items() if k[0] == "ravl"}
-    if rv:
-        lines = [f"Edge-of-reach on pendulum-expert: k = 5 model rollouts, real-data ratio 0.05, {RAVL_STEPS} steps, TD3-style agent. "
-                 "Q - MC = critic value minus the Monte-Carlo return of the same policy in the true dynamics, "
-                 "on edge-of-reach states (last states of rollouts) and on dataset states.", "",
-                 "| model | pessimism | critics | penalty | score last | score best | Q - MC edge (last) | "
-                 "Q - MC data (last) | seeds |",
-                 "|---|---|---|---|---|---|---|---|---|"]
-        order = {"none": 0, "penalty": 1, "ravl": 2}
-        for (_, s, c), m in sorted(rv.items(), key=lambda kv: (kv[0][2].split("/")[0] != "true",
-                                                                order[kv[0][2].split("/")[1]])):
-            model, pess = c.split("/")
-            lines.append(f"| {model} | {pess} | {ms(m['n_critics'], '{:.0f}')} | {ms(m['penalty_mean_last'], '{:.3f}')} | "
-                         f"{ms(m['score_last'])} | {ms(m['score_best'])} | {ms(m['q_edge_minus_mc_last'])} | "
-                         f"{ms(m['q_data_minus_mc_last'])} | {len(m['score_last'])} |")
-        out["offline_ravl"] = "\n".join(lines) + "\n" + footer({k: meta[k] for k in rv})
-    dq = {k: v for k, v in table.items() if k[0] == "driftql"}
-    if dq:
-        lines = [f"DriftQL on toy-multimodal ({DRIFT_STEPS} steps). Goals: fraction of 100 evaluation episodes "
-                 "ending at the left / right goal. Start-state actions: fraction of 512 sampled actions within "
-                 "0.3 of the left / right data mode (the rest are between modes or elsewhere).", "",
-                 "| regulariser | rho | score last | score best | goal left | goal right | "
-                 "actions at left mode | actions at right mode | seeds |",
-                 "|---|---|---|---|---|---|---|---|---|"]
-        for (_, s, c), m in sorted(dq.items(), key=lambda kv: kv[0][2]):
-            reg, rho = c.split("/")
-            lines.append(f"| {reg} | {rho[3:]} | {ms(m['score_last'])} | {ms(m['score_best'])} | "
-                         f"{ms(m['goal_left'], '{:.2f}')} | {ms(m['goal_right'], '{:.2f}')} | "
-                         f"{ms(m['left'], '{:.2f}')} | {ms(m['right'], '{:.2f}')} | {len(m['score_last'])} |")
-        drops = []
-        for reg in ("drift", "mse"):
-            a, b = table.get(("driftql", "driftql", f"{reg}/rho0.0")), table.get(("driftql", "driftql", f"{reg}/rho0.5"))
-            if a and b:
-                drops.append(f"{reg}: {np.mean(a['score_last']) - np.mean(b['score_last']):.1f}")
-        if drops:
-            lines += ["", "Score drop from rho 0 to rho 0.5 (score last, mean): " + "; ".join(drops) + "."]
-        out["offline_driftql"] = "\n".join(lines) + "\n" + footer({k: meta[k] for k in dq})
+    for name, make in (("offline_rl", corl_md), ("offline_ravl", ravl_md), ("offline_driftql", driftql_md)):
+        text = make(table, meta)
+        if text is not None:
+            out[name] = text
     for name, text in out.items():
         (RESULTS / f"{name}.md").write_text(text)
         print(f"wrote benchmarks/results/{name}.md")
