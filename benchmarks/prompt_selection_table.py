@@ -23,6 +23,11 @@ the target is GRPO's final accuracy, the mean of its last SMOOTH evaluations; an
 rollouts at its first evaluation where the mean of its last SMOOTH evaluations reaches the target (a run that
 never gets there counts its whole budget: a lower bound, flagged in the `reached` column); speed-up = GRPO's cost
 / the arm's (and DAPO-style's / the arm's), per seed.
+Rollouts-to-target is quantised to the evaluation interval and censors runs that never reach the target, so from
+seeds 30 on each run also records the area under its accuracy curve against cumulative rollouts, divided by the
+budget (`acc_auc`: the mean held-out accuracy over the budget; an arm that learns sooner has the larger area). Seeds
+30-35 of GRPO, DAPO-style, Pilot-Commit and GRESO (`--arms`) are the pilot of the claims plan's paired comparisons
+in it, which run on fresh seeds.
 Paired re-plan (benchmarks/claims_plan.csv; seeds 0-2 are its pilot): the control row (GRESO against its refill
 rule alone, rollouts per informative group; both from the same policy on the same prompt stream of a seed) is a
 paired t test on the per-seed differences of `--seeds 20 21 22`.
@@ -44,12 +49,13 @@ from benchmarks._results import (RESULTS, append_rows, fresh_run_tables, mean_st
                                  split_runs)
 
 CSV, NAME, SCRIPT = "prompt_selection.csv", "prompt_selection", "algos/grpo_prompt_selection.py"
-PLAN_RUNS = ((20, 22),)  # the claims plan's fresh run (benchmarks/claims_plan.csv)
+PLAN_RUNS = ((20, 22), (30, 35))  # the claims plan's runs: fresh seeds (benchmarks/claims_plan.csv)
 # label -> (selector, steps between evaluations, other flags): an evaluation about every 1,024 generated sequences
 ARMS = {"GRPO (uniform)": ("uniform", 4, {}), "DAPO-style dynamic sampling": ("dynamic", 2, {}),
         "Pilot-Commit": ("pilot-commit", 4, {}), "GRESO": ("greso", 2, {}), "VADE": ("vade", 4, {}),
         "GRESO's refill rule, no filter": ("greso", 2, {"greso_base": 1.0, "greso_floor": 1.0})}
 REFILL = "GRESO's refill rule, no filter"
+ARMS_ALWAYS = ("GRPO (uniform)", "DAPO-style dynamic sampling")  # the target and the speed-ups are theirs
 BUDGET, SMOOTH = 40 * 32 * 8, 3
 FLAGS = dict(steps=200, rollout_budget=BUDGET, pool_size=256, eval_examples=500, pass_k=0, eval_hard=False,
              threads=1)
@@ -80,25 +86,42 @@ def cost_to(points: list, target: float) -> tuple[float, bool]:
     return float(points[-1][0]), False
 
 
-def run(seeds) -> None:
+def area_under(points: list, budget: int = BUDGET) -> float:
+    """The mean held-out accuracy over the rollout budget: the area under the accuracy curve against cumulative
+    rollouts from 0 to `budget` (linear between evaluations, flat after the last), divided by `budget`. An arm that
+    learns sooner has the larger area; unlike rollouts-to-target it needs no target, censors no run and is not
+    quantised to the evaluation interval."""
+    area, (r0, a0) = 0.0, points[0]
+    for r1, a1 in points[1:]:
+        if r1 > budget:  # cut the segment at the budget
+            a1, r1 = a0 + (a1 - a0) * (budget - r0) / (r1 - r0), budget
+        area += (r1 - r0) * (a0 + a1) / 2
+        r0, a0 = r1, a1
+        if r0 >= budget:
+            break
+    return (area + max(budget - r0, 0) * a0) / budget
+
+
+def run(seeds, arms=tuple(ARMS)) -> None:
     from algos import grpo_prompt_selection as ps
 
     for seed in seeds:
         out, curves, summaries = Path(f"runs/bench_prompt_selection/s{seed}"), {}, {}
-        for label, (sel, every, extra) in ARMS.items():
+        for label, (sel, every, extra) in ((label, ARMS[label]) for label in arms):
             name = sel + ("_refill_only" if extra else "")
             summaries[label] = ps.main(ps.Args(selector=sel, seed=seed, out_dir=str(out), exp_name=name,
                                                eval_every=every, **FLAGS, **extra))
             curves[label] = curve(out / name)
         target = smoothed(curves["GRPO (uniform)"])[-1][1]  # GRPO's final: the mean of its last SMOOTH evaluations
         costs = {label: cost_to(c, target) for label, c in curves.items()}
-        for label, (sel, every, extra) in ARMS.items():
+        for label, (sel, every, extra) in ((label, ARMS[label]) for label in arms):
             (r, reached), s = costs[label], summaries[label]
             more = "".join(f" --{k.replace('_', '-')} {v:g}" for k, v in extra.items())
             cmd = (f"python {SCRIPT} --selector {sel}{more} --pool-size 256 --steps 200 --rollout-budget {BUDGET} "
                    f"--eval-every {every} --eval-examples 500 --pass-k 0 --no-eval-hard --threads 1 --seed {seed}")
             append_rows(CSV, NAME, SCRIPT, label, seed,
-                        {**s, "target_acc": target, "rollouts_to_target": r, "reached_target": float(reached),
+                        {**s, "acc_auc": area_under(curves[label]), "target_acc": target, "rollouts_to_target": r,
+                         "reached_target": float(reached),
                          "speedup_vs_grpo": costs["GRPO (uniform)"][0] / r,
                          "speedup_vs_dynamic": costs["DAPO-style dynamic sampling"][0] / r}, cmd)
 
@@ -168,11 +191,22 @@ def report() -> None:
                   f"{compare(pct(cost('VADE', zero)), pct(cost('GRPO (uniform)', zero)), '0<1', 1)}. "
                   f"Every arm's held-out accuracy plateaus near 45-48% within the first ~2,000 sequences here and "
                   f"then moves by several points between evaluations, so rollouts-to-target mostly measure that noise."]
-    cols = [("held-out acc end", "eval_acc_end", 100, 1), ("rollouts to GRPO's final acc", "rollouts_to_target", 1, 0),
+    cols = [("held-out acc end", "eval_acc_end", 100, 1), ("mean acc over the budget", "acc_auc", 100, 1),
+            ("rollouts to GRPO's final acc", "rollouts_to_target", 1, 0),
             ("speed-up vs GRPO", "speedup_vs_grpo", 1, 2),
             ("zero-variance groups trained (%)", "zero_var_group_frac", 100, 1),
             ("rollouts per informative group", "rollouts_per_informative_group", 1, 2)]
-    lines += fresh_run_tables(parts[1:], cols, ARMS)
+    for (lo, hi), part in parts[1:]:  # a column only where the run recorded it (the area from seeds 30 on)
+        has = lambda metric: any(metric in r for d in part.values() for r in d.values())  # noqa: E731
+        lines += fresh_run_tables([((lo, hi), part)], [c for c in cols if has(c[1])], ARMS)
+        auc = lambda label: [100 * r["acc_auc"] for r in part.get(label, {}).values() if "acc_auc" in r]  # noqa: E731
+        if auc("GRPO (uniform)") and auc("Pilot-Commit") and auc("GRESO"):
+            dapo = auc("DAPO-style dynamic sampling")
+            lines += ["", f"Seeds {lo}-{hi}, mean held-out accuracy over the budget (the area under the accuracy "
+                      "curve against cumulative rollouts, divided by the budget), each comparison alone: Pilot-Commit "
+                      f"minus GRPO {compare(auc('Pilot-Commit'), auc('GRPO (uniform)'), '0>1', 1)}; minus DAPO-style "
+                      f"{compare(auc('Pilot-Commit'), dapo, '0>1', 1)}; GRESO minus DAPO-style "
+                      f"{compare(auc('GRESO'), dapo, '0>1', 1)}."]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -181,7 +215,10 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--report-only", action="store_true", help="only rebuild the table from the CSV")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), metavar="ARM",
+                    help=f"arms to run (default: all; GRPO and DAPO-style always run, the targets and speed-ups "
+                         f"need them): {', '.join(ARMS)}")
     a = ap.parse_args()
     if not a.report_only:
-        run(a.seeds)
+        run(a.seeds, [label for label in ARMS if label in {*a.arms, *ARMS_ALWAYS}])
     report()

@@ -544,3 +544,16 @@ def test_split_runs_keeps_each_run_in_a_table_of_its_own():
     assert sum(line.startswith("Seeds ") for line in lines) == 2 and "| a | 90.0 | 100 |" in lines
     # the population std (n) for the files whose tables use it: 0.1 and 0.3 are 0.1 from their mean
     assert "| a | 20.0 ± 10.0 | 10-11 |" in fresh_run_tables(parts[1:2], [("acc", "acc", 100, 1)], population_std=True)
+
+
+def test_area_under_the_accuracy_curve_rewards_learning_sooner():
+    """prompt_selection's `acc_auc`: the mean accuracy over the rollout budget, linear between evaluations, cut at
+    the budget and flat after the last evaluation; of two arms that end level, the one that got there sooner wins."""
+    from benchmarks.prompt_selection_table import area_under
+
+    assert area_under([(0, 0.0), (5120, 1.0), (10240, 1.0)], 10240) == pytest.approx(0.75)
+    assert area_under([(0, 0.0), (20480, 1.0)], 10240) == pytest.approx(0.25)  # the segment is cut at the budget
+    assert area_under([(0, 0.2), (4000, 0.4)], 10240) == pytest.approx((4000 * 0.3 + 6240 * 0.4) / 10240)
+    late = area_under([(0, 0.2), (2048, 0.2), (4096, 0.2), (6144, 0.5), (10240, 0.5)], 10240)
+    early = area_under([(0, 0.2), (2048, 0.5), (4096, 0.5), (6144, 0.5), (10240, 0.5)], 10240)
+    assert early > late
