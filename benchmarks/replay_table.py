@@ -4,10 +4,14 @@ reach GRPO's peak.
     python benchmarks/replay_table.py                  # GRPO + RLEP (3 seeds), the replay grid (GRID_SEEDS)
     python benchmarks/replay_table.py --report-only    # rebuilds the tables from the CSV
     python benchmarks/replay_table.py --plan --seeds 10 11 12 13 14 15 16 17 18 19   # the claims plan's fresh run
+    python benchmarks/replay_table.py --rlep-plan --seeds 30 31 32 33 34 35   # GRPO and RLEP only (bench rlep_plan)
 
 --plan: the fresh seeds that benchmarks/claims_plan.csv asks for (GRPO and reuse 2, age 1 only, rows under the bench
 `replay_plan`, reported in a table of their own), so that they neither pool with the first runs' seeds nor stand in
-for them.
+for them. --rlep-plan: the same for GRPO and RLEP (bench `rlep_plan`); every GRPO and RLEP run also records the area
+under its accuracy curve against updates, divided by the updates (`acc_auc`, the mean held-out accuracy over the
+run), which needs no target and censors no run, where updates to GRPO's peak are quantised to the evaluation
+interval. Seeds 30-35 are the pilot of the claims plan's RLEP row, whose run is on fresh seeds.
 
 The claims: the replay-buffer study (Arnal et al., "Efficient RL Training for LLMs with Experience Replay",
 arXiv:2604.08706): a well-designed buffer cuts inference compute without degrading final accuracy, and keeps the
@@ -71,14 +75,26 @@ def updates_to(points: list, target: float) -> tuple[float, bool]:
     return float(points[-1][0]), False
 
 
+def mean_acc_over_updates(points: list, steps: int = STEPS) -> float:
+    """The area under the accuracy curve against updates, 0 to `steps` (linear between evaluations, flat after the
+    last), divided by `steps`: the mean held-out accuracy over the run. A run that learns sooner has the larger area;
+    unlike updates-to-a-peak it needs no target, censors no run and is not quantised to the evaluation interval."""
+    area = 0.0
+    for (u0, _, a0), (u1, _, a1) in zip(points, points[1:]):
+        area += (u1 - u0) * (a0 + a1) / 2
+    return (area + max(steps - points[-1][0], 0) * points[-1][2]) / steps
+
+
 PLAN, PLAN_ARMS = "replay_plan", ("reuse 2, age 1",)  # --plan: its bench and the replay arms it runs
+RLEP_PLAN = "rlep_plan"  # --rlep-plan: the bench of the claims plan's fresh run of GRPO and RLEP
 
 
-def run(seeds, grid_seeds, plan: bool = False) -> None:
-    """GRPO, then RLEP from its successes, then the grid (at grid_seeds); with `plan`, GRPO and PLAN_ARMS only."""
+def run(seeds, grid_seeds, plan: bool = False, rlep_plan: bool = False) -> None:
+    """GRPO, then the grid (at grid_seeds), then RLEP from GRPO's successes; with `plan`, GRPO and PLAN_ARMS only;
+    with `rlep_plan`, GRPO and RLEP only."""
     from algos import grpo_replay as rp
 
-    bench, grid = (PLAN, {k: GRID[k] for k in PLAN_ARMS}) if plan else (NAME, GRID)
+    bench, grid = (PLAN, {k: GRID[k] for k in PLAN_ARMS}) if plan else (RLEP_PLAN, {}) if rlep_plan else (NAME, GRID)
     for seed in seeds:
         out = Path(f"runs/bench_{bench}/s{seed}")
         out.mkdir(parents=True, exist_ok=True)
@@ -88,9 +104,10 @@ def run(seeds, grid_seeds, plan: bool = False) -> None:
         grpo_curve = curve(out / "grpo")
         peak = g["eval_acc_best"]
         g_up, _ = updates_to(grpo_curve, peak)
-        append_rows(CSV, bench, SCRIPT, "GRPO", seed, {**g, "updates_to_grpo_peak": g_up, "reached_grpo_peak": 1.0},
+        append_rows(CSV, bench, SCRIPT, "GRPO", seed, {**g, "updates_to_grpo_peak": g_up, "reached_grpo_peak": 1.0,
+                                                       "acc_auc": mean_acc_over_updates(grpo_curve)},
                     f"python {SCRIPT} --reuse 1 --max-age 0 --experience-out EXP.json {COMMON} --seed {seed}")
-        for label, (reuse, age) in grid.items() if plan or seed in grid_seeds else []:
+        for label, (reuse, age) in grid.items() if plan or rlep_plan or seed in grid_seeds else []:
             s = rp.main(rp.Args(reuse=reuse, max_age=age, seed=seed, out_dir=str(out), exp_name=f"r{reuse}a{age}",
                                 **FLAGS))
             grpo_same = acc_at_tokens(grpo_curve, s["gen_tokens"])
@@ -102,9 +119,11 @@ def run(seeds, grid_seeds, plan: bool = False) -> None:
             continue
         r = rp.main(rp.Args(reuse=1, max_age=0, experience_in=str(exp), seed=seed, out_dir=str(out), exp_name="rlep",
                             **FLAGS))
-        up, reached = updates_to(curve(out / "rlep"), peak)
-        append_rows(CSV, NAME, SCRIPT, "RLEP", seed, {**r, "updates_to_grpo_peak": up, "reached_grpo_peak": float(reached),
-                                                      "grpo_peak": peak},
+        rlep_curve = curve(out / "rlep")
+        up, reached = updates_to(rlep_curve, peak)
+        append_rows(CSV, bench, SCRIPT, "RLEP", seed,
+                    {**r, "updates_to_grpo_peak": up, "reached_grpo_peak": float(reached), "grpo_peak": peak,
+                     "acc_auc": mean_acc_over_updates(rlep_curve)},
                     f"python {SCRIPT} --reuse 1 --max-age 0 --experience-in EXP.json {COMMON} --seed {seed}")
 
 
@@ -119,11 +138,36 @@ def compare(a: list, b: list, spec: str, digits: int) -> str:
     return describe_comparison(spec, [stat(a), stat(b)], digits)
 
 
+def rlep_lines(rlep: dict) -> list[str]:
+    """The claims plan's fresh run of GRPO and RLEP (`--rlep-plan`) in a table of its own, with its comparison."""
+    if not rlep:
+        return []
+    lines = ["", "The claims plan's fresh run of GRPO and RLEP (`--rlep-plan`: its own seeds; RLEP replays the same "
+             "seed's GRPO successes):", "", "| run | held-out acc end | mean acc over the updates | updates to GRPO's "
+             "peak | reached | seeds |", "|---|---|---|---|---|---|"]
+    for label in ("GRPO", "RLEP"):
+        runs = list(rlep.get(label, {}).values())
+        get = lambda k: [r[k] for r in runs if k in r]  # noqa: E731
+        if runs:
+            lines.append(f"| {label} | {mean_std(get('eval_acc_end'), 100)} | {mean_std(get('acc_auc'), 100)} | "
+                         f"{mean_std(get('updates_to_grpo_peak'), 1, 1)} | "
+                         f"{int(sum(get('reached_grpo_peak')))}/{len(runs)} | "
+                         f"{seed_ranges(rlep[label])} ({len(runs)}) |")
+    if rlep.get("RLEP") and rlep.get("GRPO"):
+        auc = lambda label: [100 * r["acc_auc"] for r in rlep[label].values()]  # noqa: E731
+        lines += ["", "Mean held-out accuracy over the updates (the area under the accuracy curve against updates, "
+                  "divided by the updates), RLEP minus GRPO, on this run alone (the claims table gives the verdict): "
+                  f"{compare(auc('RLEP'), auc('GRPO'), '0>1', 1)}."]
+    return lines
+
+
 def report() -> None:
-    by, meta, fresh = defaultdict(dict), {}, defaultdict(dict)  # config -> seed -> metrics (a later row wins)
+    by, meta = defaultdict(dict), {}  # config -> seed -> metrics (a later row wins)
+    fresh, rlep = defaultdict(dict), defaultdict(dict)  # the claims plan's fresh runs, each in a table of its own
     for r in read_rows(CSV):
-        (fresh if r["bench"] == PLAN else by)[r["config"]].setdefault(r["seed"], {})[r["metric"]] = float(r["value"])
-        if r["bench"] != PLAN:  # the first runs' provenance (the fresh run's rows carry their own)
+        part = {PLAN: fresh, RLEP_PLAN: rlep}.get(r["bench"], by)
+        part[r["config"]].setdefault(r["seed"], {})[r["metric"]] = float(r["value"])
+        if part is by:  # the first runs' provenance (the fresh runs' rows carry their own)
             meta[r["config"]] = r
     lines = ["| run | held-out acc end | best | generated tokens | tokens vs GRPO | GRPO's acc at equal tokens | "
              "entropy first -> last | replayed rows | seeds |", "|---|---|---|---|---|---|---|---|---|"]
@@ -182,6 +226,7 @@ def report() -> None:
                 lines.append(f"| {label} | {mean_std(get('eval_acc_end'), 100)} | "
                              f"{mean_std(get('grpo_acc_at_equal_tokens'), 100) if label != 'GRPO' else '-'} | "
                              f"{mean_std(get('entropy_last'), 1, 3)} | {seed_ranges(fresh[label])} ({len(runs)}) |")
+    lines += rlep_lines(rlep)
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -193,7 +238,11 @@ if __name__ == "__main__":
     ap.add_argument("--grid-seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--plan", action="store_true",
                     help="the claims plan's fresh run: GRPO and reuse 2, age 1 at --seeds, under the bench replay_plan")
+    ap.add_argument("--rlep-plan", action="store_true",
+                    help="the claims plan's fresh run of RLEP: GRPO and RLEP at --seeds, under the bench rlep_plan")
     a = ap.parse_args()
+    if a.plan and a.rlep_plan:
+        ap.error("--plan and --rlep-plan are two runs: pass one")
     if not a.report_only:
-        run(a.seeds, a.grid_seeds, a.plan)
+        run(a.seeds, a.grid_seeds, a.plan, a.rlep_plan)
     report()

@@ -557,3 +557,15 @@ def test_area_under_the_accuracy_curve_rewards_learning_sooner():
     late = area_under([(0, 0.2), (2048, 0.2), (4096, 0.2), (6144, 0.5), (10240, 0.5)], 10240)
     early = area_under([(0, 0.2), (2048, 0.5), (4096, 0.5), (6144, 0.5), (10240, 0.5)], 10240)
     assert early > late
+
+
+def test_mean_accuracy_over_the_updates_rewards_learning_sooner():
+    """replay's `acc_auc`: the area under the accuracy curve against updates (linear between evaluations, flat after
+    the last), divided by the updates; of two runs that end level, the one that got there sooner wins."""
+    from benchmarks.replay_table import mean_acc_over_updates
+
+    assert mean_acc_over_updates([(0, 0, 0.0), (20, 0, 1.0), (40, 0, 1.0)], 40) == pytest.approx(0.75)
+    assert mean_acc_over_updates([(0, 0, 0.2), (20, 0, 0.4)], 40) == pytest.approx((20 * 0.3 + 20 * 0.4) / 40)
+    late = mean_acc_over_updates([(0, 0, 0.2), (8, 0, 0.2), (16, 0, 0.5), (40, 0, 0.5)], 40)
+    early = mean_acc_over_updates([(0, 0, 0.2), (8, 0, 0.5), (16, 0, 0.5), (40, 0, 0.5)], 40)
+    assert early > late
