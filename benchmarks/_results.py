@@ -128,10 +128,11 @@ def split_runs(by: dict, runs) -> list[tuple[tuple[int, int] | None, dict]]:
     return [(None, first)] + [(r, d) for r, d in fresh if d]
 
 
-def fresh_run_tables(parts, cols, arms=None, population_std: bool = False) -> list[str]:
+def fresh_run_tables(parts, cols, arms=None, population_std: bool = False, titles: dict | None = None) -> list[str]:
     """A markdown table per fresh run (the parts after the first from `split_runs`): a row per arm (in the order of
     `arms`, else as stored) with each column `(header, metric, scale, digits)` as mean ± std over its seeds (the
-    sample std, or the population std where the script's own tables use it)."""
+    sample std, or the population std where the script's own tables use it). `titles` may name what a run was, by
+    its (lo, hi), where it was not a fresh run of the plan (a pilot)."""
     def cell(vals, scale, digits):
         if not population_std or len(vals) < 2:
             return mean_std(vals, scale, digits)
@@ -141,8 +142,9 @@ def fresh_run_tables(parts, cols, arms=None, population_std: bool = False) -> li
 
     lines = []
     for (lo, hi), by in parts:
-        lines += ["", f"Seeds {lo}-{hi}, a fresh run of the claims plan (benchmarks/claims_plan.csv) on the arms it "
-                  "compares:", "", "| arm | " + " | ".join(c[0] for c in cols) + " | seeds |",
+        what = (titles or {}).get((lo, hi), "a fresh run of the claims plan (benchmarks/claims_plan.csv) on the arms "
+                                             "it compares")
+        lines += ["", f"Seeds {lo}-{hi}, {what}:", "", "| arm | " + " | ".join(c[0] for c in cols) + " | seeds |",
                   "|---|" + "---|" * (len(cols) + 1)]
         for label in [a for a in (arms or by) if a in by]:
             runs = list(by[label].values())

@@ -49,7 +49,8 @@ from benchmarks._results import (RESULTS, append_rows, fresh_run_tables, mean_st
                                  split_runs)
 
 CSV, NAME, SCRIPT = "prompt_selection.csv", "prompt_selection", "algos/grpo_prompt_selection.py"
-PLAN_RUNS = ((20, 22), (30, 35))  # the claims plan's runs: fresh seeds (benchmarks/claims_plan.csv)
+PLAN_RUNS = ((20, 22), (30, 35), (40, 49))  # the claims plan's runs: fresh seeds (benchmarks/claims_plan.csv)
+PILOTS = {(30, 35): "the pilot of the claims plan's comparisons of the mean accuracy over the budget"}
 # label -> (selector, steps between evaluations, other flags): an evaluation about every 1,024 generated sequences
 ARMS = {"GRPO (uniform)": ("uniform", 4, {}), "DAPO-style dynamic sampling": ("dynamic", 2, {}),
         "Pilot-Commit": ("pilot-commit", 4, {}), "GRESO": ("greso", 2, {}), "VADE": ("vade", 4, {}),
@@ -198,7 +199,7 @@ def report() -> None:
             ("rollouts per informative group", "rollouts_per_informative_group", 1, 2)]
     for (lo, hi), part in parts[1:]:  # a column only where the run recorded it (the area from seeds 30 on)
         has = lambda metric: any(metric in r for d in part.values() for r in d.values())  # noqa: E731
-        lines += fresh_run_tables([((lo, hi), part)], [c for c in cols if has(c[1])], ARMS)
+        lines += fresh_run_tables([((lo, hi), part)], [c for c in cols if has(c[1])], ARMS, titles=PILOTS)
         auc = lambda label: [100 * r["acc_auc"] for r in part.get(label, {}).values() if "acc_auc" in r]  # noqa: E731
         if auc("GRPO (uniform)") and auc("Pilot-Commit") and auc("GRESO"):
             dapo = auc("DAPO-style dynamic sampling")

@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, read_rows, mean_std, seed_ranges  # noqa: E402
+from benchmarks._results import RESULTS, append_rows, mean_std, read_rows, seed_ranges, split_runs  # noqa: E402
 
 CSV, NAME, SCRIPT = "replay.csv", "replay", "algos/grpo_replay.py"
 STEPS, EVAL_EVERY = 40, 4
@@ -86,7 +86,9 @@ def mean_acc_over_updates(points: list, steps: int = STEPS) -> float:
 
 
 PLAN, PLAN_ARMS = "replay_plan", ("reuse 2, age 1",)  # --plan: its bench and the replay arms it runs
+PLAN_RUNS = ((10, 19), (100, 209))  # the fresh runs under --plan (benchmarks/claims_plan.csv)
 RLEP_PLAN = "rlep_plan"  # --rlep-plan: the bench of the claims plan's fresh run of GRPO and RLEP
+RLEP_RUNS = {(30, 35): "the pilot of the claims plan's RLEP row", (40, 49): "the claims plan's fresh run"}
 
 
 def run(seeds, grid_seeds, plan: bool = False, rlep_plan: bool = False) -> None:
@@ -138,13 +140,21 @@ def compare(a: list, b: list, spec: str, digits: int) -> str:
     return describe_comparison(spec, [stat(a), stat(b)], digits)
 
 
-def rlep_lines(rlep: dict) -> list[str]:
-    """The claims plan's fresh run of GRPO and RLEP (`--rlep-plan`) in a table of its own, with its comparison."""
-    if not rlep:
-        return []
-    lines = ["", "The claims plan's fresh run of GRPO and RLEP (`--rlep-plan`: its own seeds; RLEP replays the same "
-             "seed's GRPO successes):", "", "| run | held-out acc end | mean acc over the updates | updates to GRPO's "
-             "peak | reached | seeds |", "|---|---|---|---|---|---|"]
+def rlep_lines(rlep_runs: dict) -> list[str]:
+    """The runs of GRPO and RLEP under `--rlep-plan` (the claims plan's pilot, then its fresh run), each in a table
+    of its own, with its comparison."""
+    lines = []
+    for (lo, hi), what in RLEP_RUNS.items():
+        rlep = {c: sub for c, d in rlep_runs.items() if (sub := {s: m for s, m in d.items() if lo <= int(s) <= hi})}
+        if rlep:
+            lines += rlep_run_lines(rlep, what)
+    return lines
+
+
+def rlep_run_lines(rlep: dict, what: str) -> list[str]:
+    lines = ["", f"GRPO and RLEP (`--rlep-plan`), {what} (RLEP replays the same seed's GRPO successes):", "",
+             "| run | held-out acc end | mean acc over the updates | updates to GRPO's peak | reached | seeds |",
+             "|---|---|---|---|---|---|"]
     for label in ("GRPO", "RLEP"):
         runs = list(rlep.get(label, {}).values())
         get = lambda k: [r[k] for r in runs if k in r]  # noqa: E731
@@ -216,16 +226,16 @@ def report() -> None:
                   f"update: {compare(get(r2, 'entropy_last'), get('GRPO', 'entropy_last'), '0~1', 3)}; updates to "
                   f"GRPO's peak, RLEP minus GRPO: "
                   f"{compare(get('RLEP', peak_key), get('GRPO', peak_key), '0<1', 1)}."]
-    if fresh:
-        lines += ["", "The claims plan's fresh run (`--plan`: its own seeds, GRPO and reuse 2, age 1 only):", "",
+    for (lo, hi), run in split_runs(fresh, PLAN_RUNS)[1:]:  # each fresh run in a table of its own
+        lines += ["", f"The claims plan's fresh run of seeds {lo}-{hi} (`--plan`: GRPO and reuse 2, age 1 only):", "",
                   "| run | held-out acc end | GRPO's acc at equal tokens | entropy last | seeds |", "|---|---|---|---|---|"]
         for label in ("GRPO", *PLAN_ARMS):
-            runs = list(fresh.get(label, {}).values())
+            runs = list(run.get(label, {}).values())
             get = lambda k: [r[k] for r in runs if k in r]  # noqa: E731
             if runs:
                 lines.append(f"| {label} | {mean_std(get('eval_acc_end'), 100)} | "
                              f"{mean_std(get('grpo_acc_at_equal_tokens'), 100) if label != 'GRPO' else '-'} | "
-                             f"{mean_std(get('entropy_last'), 1, 3)} | {seed_ranges(fresh[label])} ({len(runs)}) |")
+                             f"{mean_std(get('entropy_last'), 1, 3)} | {seed_ranges(run[label])} ({len(runs)}) |")
     lines += rlep_lines(rlep)
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -94,8 +94,10 @@ def test_plan_seeds_follow_their_power_estimate(key):
         assert p["status"] == "planned" and seeds == (affordable, affordable)
     elif p["status"] == "measured" and "fresh run" in p["note"]:  # a planned run done: its seeds, as planned
         assert seeds == (affordable, affordable)
-    elif p["status"] == "planned":
-        assert min(measured) < affordable and seeds == (affordable, affordable)
+    elif p["status"] == "planned":  # a fresh run of what 80% power needs; the pilot is enough only where it may
+        # also be the test, which it may not where it chose the metric
+        assert min(measured) < affordable or "the pilot chose this metric" in p["note"]
+        assert seeds == (affordable, affordable)
     elif needed is not None and needed <= min(measured):
         assert seeds == measured
     else:  # unaffordable, or seeds added after a verdict: the plan keeps the seeds fixed before the runs
