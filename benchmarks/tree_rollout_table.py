@@ -22,6 +22,11 @@ PROMPTS prompts x 16 leaves per step for STEPS steps (fewer than the default's 5
 1e-4, held-out greedy accuracy on EVAL_N prompts every EVAL_EVERY steps. Target: the start accuracy + TARGET
 points; steps and sampled tokens to reach it are read from the eval curve (a run that never reaches it is
 counted at STEPS + EVAL_EVERY, a lower bound, and the table says how many runs reached it).
+Steps and tokens to a target are quantised to the evaluation interval and censor the runs that never get there, so
+from seeds 30 on each run also records the area under its accuracy curve, divided by the budget: against steps
+(`acc_auc_steps`, the mean held-out accuracy over the run) and against sampled tokens up to TOKEN_BUDGET, which every
+arm reaches (`acc_auc_tokens`). Seeds 30-35 of grpo, tree and latr are the pilot of the claims plan's paired tests of
+them (latr > grpo over the steps, tree > grpo over the tokens), which run on fresh seeds.
 Paired re-plan (benchmarks/claims_plan.csv; seeds 0-2 are its pilot): LATR's diversity row (distinct answers per
 group, latr > grpo; both samplers from the same policy on the same prompts of a seed) is a paired t test on the
 per-seed differences of `--arms grpo latr --seeds 20 21 22`.
@@ -44,8 +49,10 @@ from benchmarks._results import (RESULTS, append_rows, fresh_run_tables, mean_st
                                  split_runs)
 
 CSV, NAME = "tree_rollout.csv", "tree_rollout"
-PLAN_RUNS = ((10, 19), (20, 22))  # the claims plan's fresh runs (benchmarks/claims_plan.csv)
+PLAN_RUNS = ((10, 19), (20, 22), (30, 35), (40, 49))  # the claims plan's runs on seeds of their own
+PILOTS = {(30, 35): "the pilot of the claims plan's comparisons of the mean accuracy over the steps and the tokens"}
 PROMPTS, STEPS, EVAL_EVERY, EVAL_N, TARGET = 8, 25, 5, 200, 0.05
+TOKEN_BUDGET = 60_000  # sampled tokens every arm reaches within STEPS (the trees sample ~2,500 a step, GRPO ~4,200)
 ARMS = {  # arm -> (the script in algos/, its flags)
     "grpo": ("tree_rollout_grpo", dict(rounds=0, chains=16)), "tree": ("tree_rollout_grpo", {}),
     "latr": ("tree_rollout_latr", dict(branch_token="force", lookahead=4)),
@@ -56,15 +63,35 @@ FLAGS = dict(prompts_per_step=PROMPTS, steps=STEPS, eval_every=EVAL_EVERY, eval_
              eval_hard=False, threads=1)
 
 
+def mean_acc_over(points: list[tuple[float, float]], budget: float) -> float:
+    """The area under an accuracy curve [(x, accuracy)] from x = 0 to `budget` (linear between evaluations, cut at
+    the budget, flat after the last evaluation), divided by `budget`: the mean held-out accuracy over the budget,
+    larger for a run that learns sooner. Unlike steps or tokens to a target it needs no target, censors no run and
+    is not quantised to the evaluation interval."""
+    area, (x0, a0) = 0.0, points[0]
+    for x1, a1 in points[1:]:
+        if x1 > budget:
+            a1, x1 = a0 + (a1 - a0) * (budget - x0) / (x1 - x0), budget
+        area += (x1 - x0) * (a0 + a1) / 2
+        x0, a0 = x1, a1
+        if x0 >= budget:
+            break
+    return (area + max(budget - x0, 0) * a0) / budget
+
+
 def curve_figures(run_dir: Path, start: float) -> dict:
-    """Steps and sampled tokens until held-out accuracy first reaches start + TARGET; per-step medians of times."""
+    """Steps and sampled tokens until held-out accuracy first reaches start + TARGET, the mean accuracy over the
+    steps and over the first TOKEN_BUDGET sampled tokens (areas under the curve); per-step medians of times."""
     rows = [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
-    tokens, out = 0.0, {"reached": 0.0}
+    tokens, out, by_step, by_tokens = 0.0, {"reached": 0.0}, [], []
     for r in rows:
         tokens += r.get("rollout/sampled_tokens", 0)
-        if r["step"] > 0 and r.get("eval/acc", -1) >= start + TARGET - 1e-9:
+        if "eval/acc" in r:
+            by_step.append((r["step"], r["eval/acc"]))
+            by_tokens.append((tokens, r["eval/acc"]))
+        if r["step"] > 0 and r.get("eval/acc", -1) >= start + TARGET - 1e-9 and not out["reached"]:
             out.update(reached=1.0, steps_to_target=float(r["step"]), tokens_to_target=tokens)
-            break
+    out.update(acc_auc_steps=mean_acc_over(by_step, STEPS), acc_auc_tokens=mean_acc_over(by_tokens, TOKEN_BUDGET))
     if not out["reached"]:  # censored: a lower bound
         per_step = tokens / max(1, sum("rollout/sampled_tokens" in r for r in rows))
         out.update(steps_to_target=float(STEPS + EVAL_EVERY), tokens_to_target=tokens + EVAL_EVERY * per_step)
@@ -135,11 +162,30 @@ def report() -> None:
               f"Rows: `benchmarks/results/{CSV}`; command: `python benchmarks/tree_rollout_table.py`."]
     cols = [("held-out acc end", "eval_acc_end", 100, 1), ("steps to target", "steps_to_target", 1, 1),
             ("sampled tokens to target (k)", "tokens_to_target", 1e-3, 0),
-            ("distinct answers / group", "distinct_answers", 1, 2)]
-    lines += fresh_run_tables(parts[1:], cols, ARMS)
+            ("distinct answers / group", "distinct_answers", 1, 2),
+            ("mean acc over the steps", "acc_auc_steps", 100, 1),
+            (f"mean acc over {TOKEN_BUDGET // 1000}k sampled tokens", "acc_auc_tokens", 100, 1)]
+    for (lo, hi), part in parts[1:]:  # a column only where the run recorded it (the areas from seeds 30 on)
+        has = lambda metric: any(metric in r for d in part.values() for r in d.values())  # noqa: E731
+        lines += fresh_run_tables([((lo, hi), part)], [c for c in cols if has(c[1])], ARMS, titles=PILOTS)
+        if has("acc_auc_steps"):
+            auc = lambda arm, m: [100 * r[m] for r in part.get(arm, {}).values()]  # noqa: E731
+            lines += ["", f"Seeds {lo}-{hi}, each comparison alone (the claims table gives the verdicts): mean "
+                      "held-out accuracy over the steps, latr minus grpo "
+                      f"{compare(auc('latr', 'acc_auc_steps'), auc('grpo', 'acc_auc_steps'))}; over the first "
+                      f"{TOKEN_BUDGET:,} sampled tokens, tree minus grpo "
+                      f"{compare(auc('tree', 'acc_auc_tokens'), auc('grpo', 'acc_auc_tokens'))}."]
     lines += ["", claims_text()]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def compare(a: list, b: list) -> str:
+    """a minus b over per-seed values: the difference, its Welch 95% interval and where it lies (one decimal)."""
+    from benchmarks.report import describe_comparison
+
+    stat = lambda v: (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v))  # noqa: E731
+    return describe_comparison("0>1", [stat(a), stat(b)], 1) if a and b else "-"
 
 
 def claims_text() -> str:

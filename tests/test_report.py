@@ -571,3 +571,13 @@ def test_mean_accuracy_over_the_updates_rewards_learning_sooner():
     late = mean_acc_over_updates([(0, 0, 0.2), (8, 0, 0.2), (16, 0, 0.5), (40, 0, 0.5)], 40)
     early = mean_acc_over_updates([(0, 0, 0.2), (8, 0, 0.5), (16, 0, 0.5), (40, 0, 0.5)], 40)
     assert early > late
+
+
+def test_tree_rollout_mean_accuracy_over_a_budget():
+    """tree_rollout's `acc_auc_steps` and `acc_auc_tokens`: the area under the accuracy curve to a budget, cut there,
+    flat after the last evaluation, divided by the budget."""
+    from benchmarks.tree_rollout_table import mean_acc_over
+
+    assert mean_acc_over([(0, 0.0), (10, 1.0), (20, 1.0)], 20) == pytest.approx(0.75)
+    assert mean_acc_over([(0, 0.2), (5, 0.4)], 10) == pytest.approx(0.35)
+    assert mean_acc_over([(0, 0.0), (100, 1.0)], 50) == pytest.approx(0.25)
