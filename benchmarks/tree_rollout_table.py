@@ -49,7 +49,7 @@ from benchmarks._results import (RESULTS, append_rows, fresh_run_tables, mean_st
                                  split_runs)
 
 CSV, NAME = "tree_rollout.csv", "tree_rollout"
-PLAN_RUNS = ((10, 19), (20, 22), (30, 35), (40, 49))  # the claims plan's runs on seeds of their own
+PLAN_RUNS = ((10, 19), (20, 22), (30, 35), (40, 60))  # the claims plan's runs on seeds of their own
 PILOTS = {(30, 35): "the pilot of the claims plan's comparisons of the mean accuracy over the steps and the tokens"}
 PROMPTS, STEPS, EVAL_EVERY, EVAL_N, TARGET = 8, 25, 5, 200, 0.05
 TOKEN_BUDGET = 60_000  # sampled tokens every arm reaches within STEPS (the trees sample ~2,500 a step, GRPO ~4,200)
