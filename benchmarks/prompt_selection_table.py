@@ -45,8 +45,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import (RESULTS, append_rows, fresh_run_tables, mean_std, read_rows,  # noqa: E402
-                                 split_runs)
+from benchmarks._results import (RESULTS, append_rows, fresh_run_tables, mean_over_budget, mean_std,  # noqa: E402
+                                 read_rows, split_runs)
 
 CSV, NAME, SCRIPT = "prompt_selection.csv", "prompt_selection", "algos/grpo_prompt_selection.py"
 PLAN_RUNS = ((20, 22), (30, 35), (40, 49))  # the claims plan's runs: fresh seeds (benchmarks/claims_plan.csv)
@@ -87,22 +87,6 @@ def cost_to(points: list, target: float) -> tuple[float, bool]:
     return float(points[-1][0]), False
 
 
-def area_under(points: list, budget: int = BUDGET) -> float:
-    """The mean held-out accuracy over the rollout budget: the area under the accuracy curve against cumulative
-    rollouts from 0 to `budget` (linear between evaluations, flat after the last), divided by `budget`. An arm that
-    learns sooner has the larger area; unlike rollouts-to-target it needs no target, censors no run and is not
-    quantised to the evaluation interval."""
-    area, (r0, a0) = 0.0, points[0]
-    for r1, a1 in points[1:]:
-        if r1 > budget:  # cut the segment at the budget
-            a1, r1 = a0 + (a1 - a0) * (budget - r0) / (r1 - r0), budget
-        area += (r1 - r0) * (a0 + a1) / 2
-        r0, a0 = r1, a1
-        if r0 >= budget:
-            break
-    return (area + max(budget - r0, 0) * a0) / budget
-
-
 def run(seeds, arms=tuple(ARMS)) -> None:
     from algos import grpo_prompt_selection as ps
 
@@ -121,8 +105,8 @@ def run(seeds, arms=tuple(ARMS)) -> None:
             cmd = (f"python {SCRIPT} --selector {sel}{more} --pool-size 256 --steps 200 --rollout-budget {BUDGET} "
                    f"--eval-every {every} --eval-examples 500 --pass-k 0 --no-eval-hard --threads 1 --seed {seed}")
             append_rows(CSV, NAME, SCRIPT, label, seed,
-                        {**s, "acc_auc": area_under(curves[label]), "target_acc": target, "rollouts_to_target": r,
-                         "reached_target": float(reached),
+                        {**s, "acc_auc": mean_over_budget(curves[label], BUDGET), "target_acc": target,
+                         "rollouts_to_target": r, "reached_target": float(reached),
                          "speedup_vs_grpo": costs["GRPO (uniform)"][0] / r,
                          "speedup_vs_dynamic": costs["DAPO-style dynamic sampling"][0] / r}, cmd)
 

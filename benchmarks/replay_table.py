@@ -43,7 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import RESULTS, append_rows, mean_std, read_rows, seed_ranges, split_runs  # noqa: E402
+from benchmarks._results import (RESULTS, append_rows, mean_over_budget, mean_std, read_rows,  # noqa: E402
+                                 seed_ranges, split_runs)
 
 CSV, NAME, SCRIPT = "replay.csv", "replay", "algos/grpo_replay.py"
 STEPS, EVAL_EVERY = 40, 4
@@ -75,16 +76,6 @@ def updates_to(points: list, target: float) -> tuple[float, bool]:
     return float(points[-1][0]), False
 
 
-def mean_acc_over_updates(points: list, steps: int = STEPS) -> float:
-    """The area under the accuracy curve against updates, 0 to `steps` (linear between evaluations, flat after the
-    last), divided by `steps`: the mean held-out accuracy over the run. A run that learns sooner has the larger area;
-    unlike updates-to-a-peak it needs no target, censors no run and is not quantised to the evaluation interval."""
-    area = 0.0
-    for (u0, _, a0), (u1, _, a1) in zip(points, points[1:]):
-        area += (u1 - u0) * (a0 + a1) / 2
-    return (area + max(steps - points[-1][0], 0) * points[-1][2]) / steps
-
-
 PLAN, PLAN_ARMS = "replay_plan", ("reuse 2, age 1",)  # --plan: its bench and the replay arms it runs
 PLAN_RUNS = ((10, 19), (100, 209))  # the fresh runs under --plan (benchmarks/claims_plan.csv)
 RLEP_PLAN = "rlep_plan"  # --rlep-plan: the bench of the claims plan's fresh run of GRPO and RLEP
@@ -106,8 +97,9 @@ def run(seeds, grid_seeds, plan: bool = False, rlep_plan: bool = False) -> None:
         grpo_curve = curve(out / "grpo")
         peak = g["eval_acc_best"]
         g_up, _ = updates_to(grpo_curve, peak)
+        by_update = [(u, acc) for u, _, acc in grpo_curve]
         append_rows(CSV, bench, SCRIPT, "GRPO", seed, {**g, "updates_to_grpo_peak": g_up, "reached_grpo_peak": 1.0,
-                                                       "acc_auc": mean_acc_over_updates(grpo_curve)},
+                                                       "acc_auc": mean_over_budget(by_update, STEPS)},
                     f"python {SCRIPT} --reuse 1 --max-age 0 --experience-out EXP.json {COMMON} --seed {seed}")
         for label, (reuse, age) in grid.items() if plan or rlep_plan or seed in grid_seeds else []:
             s = rp.main(rp.Args(reuse=reuse, max_age=age, seed=seed, out_dir=str(out), exp_name=f"r{reuse}a{age}",
@@ -125,7 +117,7 @@ def run(seeds, grid_seeds, plan: bool = False, rlep_plan: bool = False) -> None:
         up, reached = updates_to(rlep_curve, peak)
         append_rows(CSV, bench, SCRIPT, "RLEP", seed,
                     {**r, "updates_to_grpo_peak": up, "reached_grpo_peak": float(reached), "grpo_peak": peak,
-                     "acc_auc": mean_acc_over_updates(rlep_curve)},
+                     "acc_auc": mean_over_budget([(u, acc) for u, _, acc in rlep_curve], STEPS)},
                     f"python {SCRIPT} --reuse 1 --max-age 0 --experience-in EXP.json {COMMON} --seed {seed}")
 
 

@@ -45,8 +45,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import (RESULTS, append_rows, fresh_run_tables, mean_std, read_rows,  # noqa: E402
-                                 split_runs)
+from benchmarks._results import (RESULTS, append_rows, fresh_run_tables, mean_over_budget, mean_std,  # noqa: E402
+                                 read_rows, split_runs)
 
 CSV, NAME = "tree_rollout.csv", "tree_rollout"
 PLAN_RUNS = ((10, 19), (20, 22), (30, 35), (40, 60))  # the claims plan's runs on seeds of their own
@@ -63,22 +63,6 @@ FLAGS = dict(prompts_per_step=PROMPTS, steps=STEPS, eval_every=EVAL_EVERY, eval_
              eval_hard=False, threads=1)
 
 
-def mean_acc_over(points: list[tuple[float, float]], budget: float) -> float:
-    """The area under an accuracy curve [(x, accuracy)] from x = 0 to `budget` (linear between evaluations, cut at
-    the budget, flat after the last evaluation), divided by `budget`: the mean held-out accuracy over the budget,
-    larger for a run that learns sooner. Unlike steps or tokens to a target it needs no target, censors no run and
-    is not quantised to the evaluation interval."""
-    area, (x0, a0) = 0.0, points[0]
-    for x1, a1 in points[1:]:
-        if x1 > budget:
-            a1, x1 = a0 + (a1 - a0) * (budget - x0) / (x1 - x0), budget
-        area += (x1 - x0) * (a0 + a1) / 2
-        x0, a0 = x1, a1
-        if x0 >= budget:
-            break
-    return (area + max(budget - x0, 0) * a0) / budget
-
-
 def curve_figures(run_dir: Path, start: float) -> dict:
     """Steps and sampled tokens until held-out accuracy first reaches start + TARGET, the mean accuracy over the
     steps and over the first TOKEN_BUDGET sampled tokens (areas under the curve); per-step medians of times."""
@@ -91,7 +75,8 @@ def curve_figures(run_dir: Path, start: float) -> dict:
             by_tokens.append((tokens, r["eval/acc"]))
         if r["step"] > 0 and r.get("eval/acc", -1) >= start + TARGET - 1e-9 and not out["reached"]:
             out.update(reached=1.0, steps_to_target=float(r["step"]), tokens_to_target=tokens)
-    out.update(acc_auc_steps=mean_acc_over(by_step, STEPS), acc_auc_tokens=mean_acc_over(by_tokens, TOKEN_BUDGET))
+    out.update(acc_auc_steps=mean_over_budget(by_step, STEPS),
+               acc_auc_tokens=mean_over_budget(by_tokens, TOKEN_BUDGET))
     if not out["reached"]:  # censored: a lower bound
         per_step = tokens / max(1, sum("rollout/sampled_tokens" in r for r in rows))
         out.update(steps_to_target=float(STEPS + EVAL_EVERY), tokens_to_target=tokens + EVAL_EVERY * per_step)

@@ -548,36 +548,16 @@ def test_split_runs_keeps_each_run_in_a_table_of_its_own():
     assert "| a | 20.0 ± 10.0 | 10-11 |" in fresh_run_tables(parts[1:2], [("acc", "acc", 100, 1)], population_std=True)
 
 
-def test_area_under_the_accuracy_curve_rewards_learning_sooner():
-    """prompt_selection's `acc_auc`: the mean accuracy over the rollout budget, linear between evaluations, cut at
-    the budget and flat after the last evaluation; of two arms that end level, the one that got there sooner wins."""
-    from benchmarks.prompt_selection_table import area_under
 
-    assert area_under([(0, 0.0), (5120, 1.0), (10240, 1.0)], 10240) == pytest.approx(0.75)
-    assert area_under([(0, 0.0), (20480, 1.0)], 10240) == pytest.approx(0.25)  # the segment is cut at the budget
-    assert area_under([(0, 0.2), (4000, 0.4)], 10240) == pytest.approx((4000 * 0.3 + 6240 * 0.4) / 10240)
-    late = area_under([(0, 0.2), (2048, 0.2), (4096, 0.2), (6144, 0.5), (10240, 0.5)], 10240)
-    early = area_under([(0, 0.2), (2048, 0.5), (4096, 0.5), (6144, 0.5), (10240, 0.5)], 10240)
+def test_mean_accuracy_over_a_budget_rewards_learning_sooner():
+    """`acc_auc` of prompt_selection, replay and tree_rollout (benchmarks/_results.mean_over_budget): the area under
+    the accuracy curve to a budget, linear between evaluations, cut at the budget and flat after the last evaluation,
+    divided by the budget; of two runs that end level, the one that got there sooner has the larger area."""
+    from benchmarks._results import mean_over_budget
+
+    assert mean_over_budget([(0, 0.0), (5120, 1.0), (10240, 1.0)], 10240) == pytest.approx(0.75)
+    assert mean_over_budget([(0, 0.0), (20480, 1.0)], 10240) == pytest.approx(0.25)  # the segment is cut at the budget
+    assert mean_over_budget([(0, 0.2), (4000, 0.4)], 10240) == pytest.approx((4000 * 0.3 + 6240 * 0.4) / 10240)
+    late = mean_over_budget([(0, 0.2), (8, 0.2), (16, 0.5), (40, 0.5)], 40)
+    early = mean_over_budget([(0, 0.2), (8, 0.5), (16, 0.5), (40, 0.5)], 40)
     assert early > late
-
-
-def test_mean_accuracy_over_the_updates_rewards_learning_sooner():
-    """replay's `acc_auc`: the area under the accuracy curve against updates (linear between evaluations, flat after
-    the last), divided by the updates; of two runs that end level, the one that got there sooner wins."""
-    from benchmarks.replay_table import mean_acc_over_updates
-
-    assert mean_acc_over_updates([(0, 0, 0.0), (20, 0, 1.0), (40, 0, 1.0)], 40) == pytest.approx(0.75)
-    assert mean_acc_over_updates([(0, 0, 0.2), (20, 0, 0.4)], 40) == pytest.approx((20 * 0.3 + 20 * 0.4) / 40)
-    late = mean_acc_over_updates([(0, 0, 0.2), (8, 0, 0.2), (16, 0, 0.5), (40, 0, 0.5)], 40)
-    early = mean_acc_over_updates([(0, 0, 0.2), (8, 0, 0.5), (16, 0, 0.5), (40, 0, 0.5)], 40)
-    assert early > late
-
-
-def test_tree_rollout_mean_accuracy_over_a_budget():
-    """tree_rollout's `acc_auc_steps` and `acc_auc_tokens`: the area under the accuracy curve to a budget, cut there,
-    flat after the last evaluation, divided by the budget."""
-    from benchmarks.tree_rollout_table import mean_acc_over
-
-    assert mean_acc_over([(0, 0.0), (10, 1.0), (20, 1.0)], 20) == pytest.approx(0.75)
-    assert mean_acc_over([(0, 0.2), (5, 0.4)], 10) == pytest.approx(0.35)
-    assert mean_acc_over([(0, 0.0), (100, 1.0)], 50) == pytest.approx(0.25)
