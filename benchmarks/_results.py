@@ -116,6 +116,18 @@ def seed_ranges(seeds) -> str:
     return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in out)
 
 
+def metric_lists(by: dict) -> dict:
+    """config -> seed -> metrics (a part of `split_runs`) as config -> metric -> [its value at each seed]."""
+    from collections import defaultdict
+
+    out = defaultdict(lambda: defaultdict(list))
+    for config, runs in by.items():
+        for metrics in runs.values():
+            for k, v in metrics.items():
+                out[config][k].append(v)
+    return out
+
+
 def split_runs(by: dict, runs) -> list[tuple[tuple[int, int] | None, dict]]:
     """`by` (config -> seed -> metrics) split by run, so that no table pools seeds of different runs: first the seeds
     outside every (lo, hi) of `runs` (the script's first run), then each range that has rows (a fresh run of the
@@ -147,8 +159,9 @@ def mean_over_budget(points: list[tuple[float, float]], budget: float) -> float:
 def fresh_run_tables(parts, cols, arms=None, population_std: bool = False, titles: dict | None = None) -> list[str]:
     """A markdown table per fresh run (the parts after the first from `split_runs`): a row per arm (in the order of
     `arms`, else as stored) with each column `(header, metric, scale, digits)` as mean ± std over its seeds (the
-    sample std, or the population std where the script's own tables use it). `titles` may name what a run was, by
-    its (lo, hi), where it was not a fresh run of the plan (a pilot)."""
+    sample std, or the population std where the script's own tables use it); a column no arm of a run recorded is
+    left out of that run's table. `titles` may name what a run was, by its (lo, hi), where it was not a fresh run of
+    the plan (a pilot)."""
     def cell(vals, scale, digits):
         if not population_std or len(vals) < 2:
             return mean_std(vals, scale, digits)
@@ -156,14 +169,15 @@ def fresh_run_tables(parts, cols, arms=None, population_std: bool = False, title
         sd = (sum((v - m) ** 2 for v in vals) / len(vals)) ** 0.5
         return f"{m * scale:.{digits}f} ± {sd * scale:.{digits}f}"
 
-    lines = []
+    lines, arms = [], None if arms is None else list(arms)  # an iterator would serve the first run only
     for (lo, hi), by in parts:
         what = (titles or {}).get((lo, hi), "a fresh run of the claims plan (benchmarks/claims_plan.csv) on the arms "
                                              "it compares")
-        lines += ["", f"Seeds {lo}-{hi}, {what}:", "", "| arm | " + " | ".join(c[0] for c in cols) + " | seeds |",
-                  "|---|" + "---|" * (len(cols) + 1)]
+        kept = [c for c in cols if any(c[1] in r for d in by.values() for r in d.values())]
+        lines += ["", f"Seeds {lo}-{hi}, {what}:", "", "| arm | " + " | ".join(c[0] for c in kept) + " | seeds |",
+                  "|---|" + "---|" * (len(kept) + 1)]
         for label in [a for a in (arms or by) if a in by]:
             runs = list(by[label].values())
-            cells = [cell([r[m] for r in runs if m in r], scale, digits) for _, m, scale, digits in cols]
+            cells = [cell([r[m] for r in runs if m in r], scale, digits) for _, m, scale, digits in kept]
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {seed_ranges(by[label])} |")
     return lines

@@ -20,14 +20,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import (RESULTS, append_rows, fresh_run_tables, mean_std, read_rows,  # noqa: E402
-                                 split_runs)
+from benchmarks._results import (RESULTS, append_rows, by_config_seed, fresh_run_tables, mean_std,  # noqa: E402
+                                 metric_lists, split_runs)
 
 CSV = "opd_bridge.csv"
 NAME = "opd_bridge"
@@ -75,17 +74,10 @@ def fmt(vals, scale=100.0, digits=1):
 
 
 def report() -> None:
-    rows = read_rows(CSV)
-    seeds, meta = defaultdict(dict), None  # config -> seed -> metrics
-    for r in rows:
-        seeds[r["config"]].setdefault(r["seed"], {})[r["metric"]] = float(r["value"])
-        meta = r
+    seeds, last = by_config_seed(CSV)  # config -> seed -> metrics, and each config's latest row
+    meta = max(last.values(), key=lambda r: r["timestamp"]) if last else None
     parts = split_runs(seeds, PLAN_RUNS)
-    by = defaultdict(lambda: defaultdict(list))  # the first run; each fresh run of the claims plan gets its own table
-    for config, runs in parts[0][1].items():
-        for m in runs.values():
-            for k, v in m.items():
-                by[config][k].append(v)
+    by = metric_lists(parts[0][1])  # the first run; each fresh run of the claims plan gets its own table
     lines = ["| configuration | labelled prompts | teacher held-out acc | student held-out acc start | end | "
              "harder (3-digit) end | seeds |", "|---|---|---|---|---|---|---|"]
     names = {"grpo-student": "(a) GRPO on the student", "grpo-teacher+bridge": "(b) GRPO on the teacher, then bridge",

@@ -181,9 +181,8 @@ def report() -> None:
             ("speed-up vs GRPO", "speedup_vs_grpo", 1, 2),
             ("zero-variance groups trained (%)", "zero_var_group_frac", 100, 1),
             ("rollouts per informative group", "rollouts_per_informative_group", 1, 2)]
-    for (lo, hi), part in parts[1:]:  # a column only where the run recorded it (the area from seeds 30 on)
-        has = lambda metric: any(metric in r for d in part.values() for r in d.values())  # noqa: E731
-        lines += fresh_run_tables([((lo, hi), part)], [c for c in cols if has(c[1])], ARMS, titles=PILOTS)
+    for (lo, hi), part in parts[1:]:  # each run's table, then its comparison of the areas (from seeds 30 on)
+        lines += fresh_run_tables([((lo, hi), part)], cols, ARMS, titles=PILOTS)
         auc = lambda label: [100 * r["acc_auc"] for r in part.get(label, {}).values() if "acc_auc" in r]  # noqa: E731
         if auc("GRPO (uniform)") and auc("Pilot-Commit") and auc("GRESO"):
             dapo = auc("DAPO-style dynamic sampling")

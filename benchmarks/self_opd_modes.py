@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._results import (RESULTS, append_rows, fresh_run_tables, mean_std, read_rows,  # noqa: E402
-                                 split_runs)
+from benchmarks._results import (RESULTS, append_rows, by_config_seed, fresh_run_tables, mean_std,  # noqa: E402
+                                 metric_lists, read_rows, split_runs)
 
 CSV = "self_opd.csv"
 PLAN_RUNS = ((10, 19),)  # the claims plan's fresh run (benchmarks/claims_plan.csv)
@@ -59,16 +58,10 @@ def fmt(vals, scale=1.0, nd=1):
 
 
 def report() -> None:
-    seeds, meta = defaultdict(dict), None  # config -> seed -> metrics
-    for r in read_rows(CSV):
-        seeds[r["config"]].setdefault(r["seed"], {})[r["metric"]] = float(r["value"])
-        meta = r
+    seeds, last = by_config_seed(CSV)  # config -> seed -> metrics, and each config's latest row
+    meta = max(last.values(), key=lambda r: r["timestamp"]) if last else None
     parts = split_runs(seeds, PLAN_RUNS)
-    by = defaultdict(lambda: defaultdict(list))  # the first run; each fresh run of the claims plan gets its own table
-    for config, runs in parts[0][1].items():
-        for m in runs.values():
-            for k, v in m.items():
-                by[config][k].append(v)
+    by = metric_lists(parts[0][1])  # the first run; each fresh run of the claims plan gets its own table
     lines = ["| mode | held-out acc end (%) | gain (points) | 3-digit OOD acc end (%) | OOD change (points) | "
              "entropy first -> last | length first -> last | seeds |",
              "|---|---|---|---|---|---|---|---|"]

@@ -150,10 +150,9 @@ def report() -> None:
             ("distinct answers / group", "distinct_answers", 1, 2),
             ("mean acc over the steps", "acc_auc_steps", 100, 1),
             (f"mean acc over {TOKEN_BUDGET // 1000}k sampled tokens", "acc_auc_tokens", 100, 1)]
-    for (lo, hi), part in parts[1:]:  # a column only where the run recorded it (the areas from seeds 30 on)
-        has = lambda metric: any(metric in r for d in part.values() for r in d.values())  # noqa: E731
-        lines += fresh_run_tables([((lo, hi), part)], [c for c in cols if has(c[1])], ARMS, titles=PILOTS)
-        if has("acc_auc_steps"):
+    for (lo, hi), part in parts[1:]:  # each run's table, then its comparison of the areas (from seeds 30 on)
+        lines += fresh_run_tables([((lo, hi), part)], cols, ARMS, titles=PILOTS)
+        if any("acc_auc_steps" in r for d in part.values() for r in d.values()):
             auc = lambda arm, m: [100 * r[m] for r in part.get(arm, {}).values()]  # noqa: E731
             lines += ["", f"Seeds {lo}-{hi}, each comparison alone (the claims table gives the verdicts): mean "
                       "held-out accuracy over the steps, latr minus grpo "

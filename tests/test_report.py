@@ -544,9 +544,22 @@ def test_split_runs_keeps_each_run_in_a_table_of_its_own():
     assert "| b | 20.0 | 10 |" in lines and "| a | 20.0 ± 14.1 | 10-11 |" in lines
     assert lines.index("| b | 20.0 | 10 |") < lines.index("| a | 20.0 ± 14.1 | 10-11 |")  # in the order of arms
     assert sum(line.startswith("Seeds ") for line in lines) == 2 and "| a | 90.0 | 100 |" in lines
+    # a column that no arm of a run recorded is left out of that run's table; arms given as an iterator serve every run
+    two = fresh_run_tables(parts[1:], [("acc", "acc", 100, 1), ("new", "new", 1, 1)], arms=iter(("b", "a")))
+    assert "| arm | acc | seeds |" in two and "| a | 90.0 | 100 |" in two
+    with_new = fresh_run_tables([((0, 1), {"a": {"0": {"acc": 0.5, "new": 2.0}}})], [("acc", "acc", 100, 1),
+                                                                                    ("new", "new", 1, 1)])
+    assert "| arm | acc | new | seeds |" in with_new and "| a | 50.0 | 2.0 | 0 |" in with_new
     # the population std (n) for the files whose tables use it: 0.1 and 0.3 are 0.1 from their mean
     assert "| a | 20.0 ± 10.0 | 10-11 |" in fresh_run_tables(parts[1:2], [("acc", "acc", 100, 1)], population_std=True)
 
+
+
+def test_metric_lists_pivot_a_run_to_lists_per_metric():
+    from benchmarks._results import metric_lists
+
+    by = metric_lists({"a": {"0": {"acc": 0.5, "len": 3.0}, "1": {"acc": 0.7}}, "b": {"0": {"acc": 0.4}}})
+    assert by["a"]["acc"] == [0.5, 0.7] and by["a"]["len"] == [3.0] and by["b"]["acc"] == [0.4]
 
 
 def test_mean_accuracy_over_a_budget_rewards_learning_sooner():
